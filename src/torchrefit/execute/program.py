@@ -1,0 +1,295 @@
+"""A rank's plan compiled against its local tensors, replayed on every refit.
+
+Compiling (once) turns every region into tensor views, cuts each peer's regions
+into messages (``messages.cut_messages``), lays staged messages out in two
+staging pools (even and odd rounds) and decides per message whether it can go
+zero-copy: a message of one contiguous region, on the wire device and in the
+wire dtype, is sent from (or received into) the tensor itself. The hot path
+(:meth:`Program.run`) only replays: pack, post, complete, unpack, local copies.
+
+Ordering, all through ``streams.SideStream``: local copies run on a side stream
+that first waits for the caller's stream and that the caller's stream waits for
+before ``run`` returns; packing and unpacking run on the caller's stream, which
+the NCCL process group orders its own stream against.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import LayoutError
+from ..layout._types import Box, dtype_from_name
+from ..plan.types import RankPlan, Transfer
+from ..transport.base import Transport
+from .messages import ALIGN, Message, cut_messages, rows_of
+from .streams import SideStream, host_wait_current
+
+__all__ = ["Program", "RunStats", "SMALL_COPY_BYTES"]
+
+#: local copies below this size go through one ``torch._foreach_copy_``
+SMALL_COPY_BYTES = 1 << 20
+
+
+@dataclass
+class _Round:
+    sends: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    recvs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    pack_dst: list[torch.Tensor] = field(default_factory=list)
+    pack_src: list[torch.Tensor] = field(default_factory=list)
+    unpack_dst: list[torch.Tensor] = field(default_factory=list)
+    unpack_src: list[torch.Tensor] = field(default_factory=list)
+    unpack_names: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RunStats:
+    rounds: int
+    messages_sent: int
+    messages_received: int
+    staging_bytes: int
+
+
+class Program:
+    """Compiled refit of one rank. Build on every rank; ``run`` is collective over the
+    peers in the plan (each round pairs with the same round on every peer)."""
+
+    def __init__(
+        self,
+        plan: RankPlan,
+        src_tensors: Mapping[str, torch.Tensor],
+        dst_tensors: Mapping[str, torch.Tensor],
+        transport: Transport | None,
+        message_limit: int,
+        *,
+        compare: bool = False,
+    ) -> None:
+        self.plan = plan
+        self.src_tensors = src_tensors
+        self.dst_tensors = dst_tensors
+        self.transport = transport
+        self.message_limit = message_limit
+        self.compare = compare  # verify mode: receive into staging and compare, never write
+        self.device = _device_of(plan, src_tensors, dst_tensors)
+        self.side = SideStream(self.device)
+        self._compile()
+
+    # ----------------------------------------------------------------- compiling
+    def _compile(self) -> None:
+        self._watch = self._watched()
+        self._bases: dict[tuple[str, str], torch.Tensor] = {}
+        self._compile_local()
+        self._compile_rounds()
+
+    def _watched(self) -> list[tuple[torch.Tensor, int]]:
+        used = {("src", c.src_key) for c in self.plan.local} | {("dst", c.dst_key) for c in self.plan.local}
+        used |= {("src", t.key) for t in self.plan.sends} | {("dst", t.key) for t in self.plan.recvs}
+        return [(self._tensor(side, key), self._tensor(side, key).data_ptr()) for side, key in sorted(used)]
+
+    def _tensor(self, side: str, key: str) -> torch.Tensor:
+        table = self.src_tensors if side == "src" else self.dst_tensors
+        try:
+            return table[key]
+        except KeyError:
+            raise LayoutError(f"local tensor {key!r} ({side}) is missing from the model") from None
+
+    def _view(self, side: str, key: str, box: Box) -> torch.Tensor:
+        base = self._bases.get((side, key))
+        if base is None:
+            base = self._bases[(side, key)] = self._tensor(side, key).detach()
+        return base[box.slices()] if box.ndim else base
+
+    def _compile_local(self) -> None:
+        self._big: list[tuple[torch.Tensor, torch.Tensor, str]] = []
+        self._small_dst: list[torch.Tensor] = []
+        self._small_src: list[torch.Tensor] = []
+        self._small_names: list[str] = []
+        for c in self.plan.local:
+            dst = self._view("dst", c.dst_key, c.dst_box)
+            src = self._view("src", c.src_key, c.src_box)
+            if dst.data_ptr() == src.data_ptr() and dst.stride() == src.stride() and dst.dtype == src.dtype:
+                continue  # the destination is the source itself: nothing to copy
+            if c.nbytes >= SMALL_COPY_BYTES:
+                self._big.append((dst, src, c.name))
+            else:
+                self._small_dst.append(dst)
+                self._small_src.append(src)
+                self._small_names.append(c.name)
+
+    def _compile_rounds(self) -> None:
+        limit = self.message_limit
+        sends = _by_peer(self.plan.sends)
+        recvs = _by_peer(self.plan.recvs)
+        send_msgs = {p: cut_messages(p, ts, limit) for p, ts in sends.items()}
+        recv_msgs = {p: cut_messages(p, ts, limit) for p, ts in recvs.items()}
+        n = max([len(m) for m in (*send_msgs.values(), *recv_msgs.values())], default=0)
+        if n and self.transport is None:
+            raise AssertionError("a plan with remote transfers needs a transport")
+        wire = self.transport.wire_device() if self.transport is not None else self.device
+        self._pinned = wire.type == "cpu" and self.device.type == "cuda"
+        layout = [self._stage_layout(m, send_msgs, recv_msgs, sends, recvs, wire) for m in range(n)]
+        sizes = [max((used for m, (_, used) in enumerate(layout) if m % 2 == p), default=0) for p in (0, 1)]
+        self._pools = [torch.empty(s, dtype=torch.uint8, device=wire, pin_memory=self._pinned and s > 0)
+                       for s in sizes]
+        self.staging_bytes = sum(sizes)
+        self._rounds = [self._build_round(m, plan_m) for m, (plan_m, _) in enumerate(layout)]
+        self.messages_sent = sum(len(m) for m in send_msgs.values())
+        self.messages_received = sum(len(m) for m in recv_msgs.values())
+
+    def _stage_layout(self, m, send_msgs, recv_msgs, sends, recvs, wire):
+        """For round m: each message with its transfers and its pool offset (None: zero-copy)."""
+        entries, used = [], 0
+        for kind, msgs, table in (("send", send_msgs, sends), ("recv", recv_msgs, recvs)):
+            for peer in sorted(msgs):
+                if m >= len(msgs[peer]):
+                    continue
+                msg = msgs[peer][m]
+                ts = table[peer]
+                if self._zero_copy(kind, msg, ts, wire):
+                    entries.append((kind, msg, ts, None))
+                else:
+                    used = -(-used // ALIGN) * ALIGN
+                    entries.append((kind, msg, ts, used))
+                    used += msg.nbytes
+        return entries, used
+
+    def _zero_copy(self, kind: str, msg: Message, ts: list[Transfer], wire: torch.device) -> bool:
+        if len(msg.chunks) != 1 or (kind == "recv" and self.compare):
+            return False
+        ch = msg.chunks[0]
+        t = ts[ch.index]
+        if t.wire_dtype != t.local_dtype:
+            return False
+        side = "src" if kind == "send" else "dst"
+        view = self._view(side, t.key, rows_of(t.local_box, ch.rows))
+        return view.device == wire and view.is_contiguous()
+
+    def _build_round(self, m: int, entries) -> _Round:
+        r = _Round()
+        pool = self._pools[m % 2]
+        for kind, msg, ts, offset in entries:
+            side = "src" if kind == "send" else "dst"
+            if offset is None:
+                ch = msg.chunks[0]
+                t = ts[ch.index]
+                view = self._view(side, t.key, rows_of(t.local_box, ch.rows))
+                wire = view.reshape(-1).view(torch.uint8)
+            else:
+                wire = pool[offset: offset + msg.nbytes]
+                for ch in msg.chunks:
+                    t = ts[ch.index]
+                    box = rows_of(t.local_box, ch.rows)
+                    typed = wire[ch.offset: ch.offset + ch.nbytes].view(dtype_from_name(t.wire_dtype))
+                    typed = typed.view(box.size)
+                    local = self._view(side, t.key, box)
+                    if kind == "send":
+                        r.pack_dst.append(typed)
+                        r.pack_src.append(local)
+                    else:
+                        r.unpack_dst.append(local)
+                        r.unpack_src.append(typed)
+                        r.unpack_names.append(f"{t.name}{rows_of(t.region, ch.rows)} from rank {t.peer}")
+            (r.sends if kind == "send" else r.recvs).append((msg.peer, wire))
+        return r
+
+    # -------------------------------------------------------------------- running
+    def _check_storage(self) -> None:
+        """Recompile where a tensor's storage moved (``param.data = ...``, an engine that
+        freed and re-allocated its weights); writing through old views would be silent."""
+        for t, ptr in self._watch:
+            if t.data_ptr() != ptr:
+                self._compile()
+                return
+
+    def run(self) -> RunStats:
+        """Replay the refit. Collective with the plan's peers."""
+        self._check_storage()
+        with torch.no_grad():
+            if not self._rounds:
+                self._local_copies()  # on the caller's stream: ordered both ways by construction
+            else:
+                with self.side.session():
+                    with self.side.placed():  # overlaps the rounds on the caller's stream
+                        self._local_copies()
+                    self._run_rounds(self._unpack)
+        return RunStats(len(self._rounds), self.messages_sent, self.messages_received,
+                        self.staging_bytes)
+
+    def mismatches(self) -> list[str]:
+        """Verify mode: exchange like ``run`` but compare instead of writing; the
+        regions (names and peers) whose destination differs from the source."""
+        self._check_storage()
+        bad: list[str] = []
+        with torch.no_grad():
+            for dst, src, name in self._big:
+                if not torch.equal(dst, src.to(dst.dtype)):
+                    bad.append(f"{name} (local copy)")
+            for dst, src, name in zip(self._small_dst, self._small_src, self._small_names):
+                if not torch.equal(dst, src.to(dst.dtype)):
+                    bad.append(f"{name} (local copy)")
+            self._run_rounds(lambda r: bad.extend(_compare(r)))
+        return bad
+
+    def _local_copies(self) -> None:
+        for dst, src, _ in self._big:
+            dst.copy_(src)
+        if self._small_dst:
+            torch._foreach_copy_(self._small_dst, self._small_src)
+
+    def _run_rounds(self, unpack) -> None:
+        rounds, transport = self._rounds, self.transport
+        if not rounds:
+            return
+        host = transport.host_staged and self.device.type == "cuda"
+        events: list[torch.cuda.Event | None] = [None, None]
+        handles: list[object] = [None] * len(rounds)
+        for m, r in enumerate(rounds):
+            if host and events[m % 2] is not None:
+                events[m % 2].synchronize()  # pinned pool free: unpack of round m-2 landed
+            if r.pack_dst:
+                torch._foreach_copy_(r.pack_dst, r.pack_src, non_blocking=True)
+            if host:
+                host_wait_current(self.device)
+            handles[m] = transport.start(r.sends, r.recvs)
+            if m:
+                events[(m - 1) % 2] = self._complete(rounds[m - 1], handles[m - 1], unpack, host)
+        self._complete(rounds[-1], handles[-1], unpack, host)
+
+    def _complete(self, r: _Round, handle, unpack, host: bool):
+        self.transport.finish(handle)
+        unpack(r)
+        if not host:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    @staticmethod
+    def _unpack(r: _Round) -> None:
+        if r.unpack_dst:
+            torch._foreach_copy_(r.unpack_dst, r.unpack_src, non_blocking=True)
+
+
+def _compare(r: _Round) -> list[str]:
+    return [name for dst, src, name in zip(r.unpack_dst, r.unpack_src, r.unpack_names)
+            if not torch.equal(dst, src.to(device=dst.device, dtype=dst.dtype))]
+
+
+def _by_peer(transfers) -> dict[int, list[Transfer]]:
+    out: dict[int, list[Transfer]] = defaultdict(list)
+    for t in transfers:
+        out[t.peer].append(t)
+    return dict(out)
+
+
+def _device_of(plan: RankPlan, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> torch.device:
+    devices = {t.device for t in (*src.values(), *dst.values())}
+    if len(devices) > 1:
+        raise LayoutError(
+            f"rank {plan.rank}: local tensors live on several devices {sorted(map(str, devices))}; "
+            "torchrefit expects one device per rank"
+        )
+    return devices.pop() if devices else torch.device("cpu")

@@ -1,0 +1,55 @@
+"""The result of describing a model on one rank, and how local tensors are enumerated."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ._types import ModelLayout
+
+__all__ = ["Described", "named_refit_tensors", "unwrap_chunks"]
+
+
+@dataclass(frozen=True)
+class Described:
+    """A rank's layout of one model and the local tensors its keys name."""
+
+    layout: ModelLayout
+    tensors: Mapping[str, torch.Tensor]
+
+
+def named_refit_tensors(module: nn.Module | Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters and persistent buffers, the tensors a refit moves.
+
+    Non-persistent buffers (rotary caches, token counters) are derived state and
+    stay where they are; persistent ones (a MoE router's ``expert_bias``) are
+    training state and travel with the weights.
+    """
+    if isinstance(module, Mapping):
+        yield from module.items()
+        return
+    yield from module.named_parameters()
+    for prefix, sub in module.named_modules():
+        skip = sub._non_persistent_buffers_set
+        for name, buf in sub._buffers.items():
+            if buf is not None and name not in skip:
+                yield (f"{prefix}.{name}" if prefix else name), buf
+
+
+def unwrap_chunks(model) -> list:
+    """Model chunks (virtual pipeline stages) with DDP/Float16 wrappers removed."""
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    out = []
+    for chunk in chunks:
+        while hasattr(chunk, "module") and isinstance(chunk.module, nn.Module):
+            chunk = chunk.module
+        out.append(chunk)
+    return out
+
+
+def chunk_key(index: int, count: int, name: str) -> str:
+    """Local key of a tensor: its qualified name, prefixed by the chunk where several."""
+    return name if count == 1 else f"{index}/{name}"

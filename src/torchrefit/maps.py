@@ -1,0 +1,88 @@
+"""Name maps: how destination global tensors are made of source global tensors.
+
+A name map answers, for one destination global tensor, which regions of which
+source global tensors fill it (:class:`Segment`, region to region in global
+coordinates). The default, :class:`Identity`, takes each destination tensor from
+the source tensor of the same name, or from the tensor that name aliases on the
+source (a tied ``output_layer.weight`` is served from the word embedding).
+:class:`Rename` is a flat table with ``{}`` layer templates, for engines whose
+names differ from the trainer's.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Container, Mapping
+from dataclasses import dataclass
+
+from .layout._types import Box
+
+__all__ = ["Segment", "NameMap", "Identity", "Rename"]
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Destination region ``dst_box`` comes from ``src_name`` at ``src_offset`` (same extents)."""
+
+    dst_box: Box
+    src_name: str
+    src_offset: tuple[int, ...]
+
+
+class NameMap:
+    """Base class. Subclasses implement :meth:`source_name` or :meth:`segments`."""
+
+    def source_name(self, dst_name: str) -> str | None:
+        return dst_name
+
+    def segments(
+        self,
+        dst_name: str,
+        dst_shape: tuple[int, ...],
+        src_names: Container[str],
+        src_aliases: Mapping[str, str],
+    ) -> list[Segment] | None:
+        """Segments covering the destination tensor, or None where nothing can feed it."""
+        name = self.source_name(dst_name)
+        if name is None:
+            return None
+        if name not in src_names:
+            name = src_aliases.get(name)
+            if name is None or name not in src_names:
+                return None
+        return [Segment(Box.whole(dst_shape), name, (0,) * len(dst_shape))]
+
+    def cache_key(self) -> object:
+        """What identifies this map's behaviour, for plan caches."""
+        return (type(self).__qualname__,)
+
+
+class Identity(NameMap):
+    """Each destination tensor comes whole from the source tensor of the same name."""
+
+
+class Rename(NameMap):
+    """A flat table ``{dst template: src template}``; ``{}`` stands for an index (a layer).
+
+    Names the table does not match keep their own name, so a table lists only the
+    names that differ.
+    """
+
+    def __init__(self, table: Mapping[str, str]) -> None:
+        self.table = dict(table)
+        self._rules = [(_template_regex(d), s) for d, s in self.table.items()]
+
+    def source_name(self, dst_name: str) -> str | None:
+        for regex, src in self._rules:
+            m = regex.fullmatch(dst_name)
+            if m is not None:
+                return src.format(*m.groups())
+        return dst_name
+
+    def cache_key(self) -> object:
+        return (type(self).__qualname__, tuple(sorted(self.table.items())))
+
+
+def _template_regex(template: str) -> re.Pattern[str]:
+    parts = template.split("{}")
+    return re.compile(r"(\d+)".join(re.escape(p) for p in parts))

@@ -1,0 +1,9 @@
+"""Planning: pure functions from gathered rosters to one rank's plan."""
+
+from .index import RoleIndex, TensorInfo
+from .planner import Planner, Region
+from .roster import Roster, decode_roster, encode_roster
+from .types import LocalCopy, RankPlan, Transfer
+
+__all__ = ["RoleIndex", "TensorInfo", "Planner", "Region", "Roster", "encode_roster",
+           "decode_roster", "LocalCopy", "RankPlan", "Transfer"]

@@ -1,0 +1,102 @@
+"""What every rank holds, indexed by global tensor: the planner's view of the world.
+
+Built on every rank from the gathered rosters. Ranks with byte-identical rosters
+(data-parallel replicas, identical engines) form one *class*, decoded once, so the
+cost grows with the number of distinct rosters, not with world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..errors import PlanError
+from ..layout._types import Box
+from .roster import decode_roster
+
+__all__ = ["TensorInfo", "RoleIndex"]
+
+
+@dataclass
+class TensorInfo:
+    """One global tensor as one role (src or dst) holds it across all ranks."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    is_buffer: bool
+    first_rank: int
+    boxes: dict[Box, list[int]] = field(default_factory=dict)  # box -> class ids, ascending
+    _disjoint: bool | None = None
+
+    @property
+    def disjoint(self) -> bool:
+        """Whether the distinct boxes held of this tensor never overlap (the usual case)."""
+        if self._disjoint is None:
+            bs = list(self.boxes)
+            self._disjoint = not any(
+                a.intersect(b) is not None for i, a in enumerate(bs) for b in bs[i + 1:]
+            )
+        return self._disjoint
+
+
+class RoleIndex:
+    """All ranks' holdings of one role, keyed by global tensor name."""
+
+    def __init__(self, role: str, rosters: Sequence[bytes | None]) -> None:
+        self.role = role
+        self.members: list[list[int]] = []  # class id -> ranks, ascending
+        self.tensors: dict[str, TensorInfo] = {}
+        self.aliases: dict[str, str] = {}
+        self._ranks_cache: dict[tuple[int, ...], tuple[int, ...]] = {}
+        self.rank_class: dict[int, int] = {}
+        by_bytes: dict[bytes, int] = {}
+        for rank, blob in enumerate(rosters):
+            if blob is None:
+                continue
+            cid = by_bytes.get(blob)
+            if cid is None:
+                cid = by_bytes[blob] = len(self.members)
+                self.members.append([])
+                self._add_class(cid, rank, blob)
+            self.members[cid].append(rank)
+            self.rank_class[rank] = cid
+        self.holders = sorted(self.rank_class)
+
+    def _add_class(self, cid: int, rank: int, blob: bytes) -> None:
+        roster = decode_roster(blob)
+        tensors = self.tensors
+        for name, shape, dtype, is_buffer, boxes in roster.entries:
+            info = tensors.get(name)
+            if info is None:
+                info = tensors[name] = TensorInfo(name, tuple(shape), dtype, is_buffer, rank)
+            elif info.shape != tuple(shape) or info.dtype != dtype:
+                raise PlanError(
+                    f"{name}: {self.role} ranks disagree about the model's structure: rank "
+                    f"{info.first_rank} has global shape {list(info.shape)} {info.dtype}, rank "
+                    f"{rank} has {list(shape)} {dtype}"
+                )
+            for off, size in boxes:
+                info.boxes.setdefault(Box(off, size), []).append(cid)
+        for alias, target in roster.aliases:
+            known = self.aliases.setdefault(alias, target)
+            if known != target:
+                raise PlanError(
+                    f"{alias}: {self.role} ranks disagree about what it aliases: "
+                    f"{known!r} and {target!r} (rank {rank})"
+                )
+
+    def ranks(self, class_ids: Sequence[int]) -> tuple[int, ...]:
+        """The ranks of some classes, ascending (cached: few distinct combinations recur)."""
+        key = tuple(class_ids)
+        got = self._ranks_cache.get(key)
+        if got is None:
+            if len(key) == 1:
+                got = tuple(self.members[key[0]])
+            else:
+                got = tuple(sorted(r for c in key for r in self.members[c]))
+            self._ranks_cache[key] = got
+        return got
+
+    def first_rank(self, class_ids: Sequence[int]) -> int:
+        return min(self.members[c][0] for c in class_ids)

@@ -1,0 +1,337 @@
+"""The planner: a pure function from gathered rosters to one rank's plan.
+
+Every rank builds the same :class:`Planner` from the same rosters, validates the
+whole refit (so that bad input raises the same :class:`PlanError` on every rank
+before any byte moves), then plans only its own transfers. Planning one rank
+costs time in proportion to the global tensors it holds and the distinct boxes
+held of them, not to world size times parameters.
+
+Choosing among source replicas: a destination rank that holds the region as a
+source copies it locally. The others, in ascending rank order, are dealt round
+robin over the holders, starting at a per-region offset (a CRC of the region),
+so bytes spread evenly over replicas and every rank derives the same choice.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import zlib
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import PlanError
+from ..layout._types import Box, ModelLayout, TensorLayout
+from ..maps import Identity, NameMap, Segment
+from .index import RoleIndex, TensorInfo
+from .types import LocalCopy, RankPlan, Transfer
+
+__all__ = ["Region", "Planner", "CastPolicy"]
+
+CastPolicy = bool | str  # True: any dtype change; "buffers": buffers only; False: none
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A destination region filled from one source box, and which source classes hold it."""
+
+    dst_box: Box
+    src_name: str
+    src_box: Box
+    holders: tuple[int, ...]  # source class ids
+    spread: int  # start of the round robin over holders
+
+
+class Planner:
+    """Planning over the gathered rosters of all ranks (see the module docstring)."""
+
+    def __init__(
+        self,
+        src: RoleIndex,
+        dst: RoleIndex,
+        name_map: NameMap | None = None,
+        *,
+        cast: CastPolicy = "buffers",
+        skip: Sequence[str] = (),
+    ) -> None:
+        if cast not in (True, False, "buffers"):
+            raise ValueError(f"cast must be True, False or 'buffers', not {cast!r}")
+        self.src = src
+        self.dst = dst
+        self.name_map = name_map or Identity()
+        self.cast = cast
+        self.skip = tuple(skip)
+        self._segments: dict[str, list[Segment] | None] = {}
+        self._regions: dict[tuple[str, Box], list[Region]] = {}
+        self._remote: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
+        self._consumers: dict[str, list[str]] | None = None
+
+    # ----------------------------------------------------------------- validation
+    def validate(self) -> None:
+        """Check the whole refit; raise one :class:`PlanError` listing what is wrong.
+
+        Deterministic: every rank checks the same rosters in the same order.
+        """
+        problems: list[str] = []
+        for name in sorted(self.dst.tensors):
+            info = self.dst.tensors[name]
+            segs = self.segments(name)
+            if segs is None:
+                if not self._skipped(name):
+                    problems.append(self._no_source(info))
+                continue
+            problem = self._check_segments(info, segs) or self._check_coverage(info)
+            if problem:
+                problems.append(problem)
+            if len(problems) > 20:
+                break
+        if problems:
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise PlanError("; ".join(problems[:3]) + more)
+
+    def _skipped(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) for p in self.skip)
+
+    def _no_source(self, info: TensorInfo) -> str:
+        ranks = _few(self.dst.ranks(sorted({c for cs in info.boxes.values() for c in cs})))
+        return (
+            f"{info.name}: destination tensor (dst ranks {ranks}) has no source tensor "
+            f"(no source rank holds {info.name!r} or an alias of it; pass skip=[...] to leave "
+            "it untouched)"
+        )
+
+    def _check_segments(self, info: TensorInfo, segs: list[Segment]) -> str | None:
+        for seg in segs:
+            sinfo = self.src.tensors[seg.src_name]
+            src_box = Box(seg.src_offset, seg.dst_box.size)
+            if seg.dst_box == Box.whole(info.shape) and sinfo.shape != info.shape:
+                return _shape_problem(info, sinfo)
+            if not seg.dst_box.within(info.shape) or not src_box.within(sinfo.shape):
+                return (
+                    f"{info.name}: the name map places {seg.dst_box} of it at {src_box} of "
+                    f"{seg.src_name} {list(sinfo.shape)}, outside one of the two tensors"
+                )
+            if sinfo.dtype != info.dtype and not self._may_cast(sinfo, info):
+                return (
+                    f"{info.name}: dtype mismatch with no cast: source {seg.src_name} is "
+                    f"{sinfo.dtype} (src rank {sinfo.first_rank}), destination is {info.dtype} "
+                    f"(dst rank {info.first_rank}); pass cast=True to convert"
+                )
+        return None
+
+    def _may_cast(self, sinfo: TensorInfo, dinfo: TensorInfo) -> bool:
+        return self.cast is True or (self.cast == "buffers" and dinfo.is_buffer)
+
+    def _check_coverage(self, info: TensorInfo) -> str | None:
+        for box, cids in info.boxes.items():
+            covered = sum(r.dst_box.numel for r in self.regions(info.name, box))
+            if covered != box.numel:
+                ranks = _few(self.dst.ranks(cids))
+                held = self._source_boxes(info.name)
+                return (
+                    f"{info.name}: destination region {box} (dst ranks {ranks}) is not covered "
+                    f"by the source: {box.numel - covered} of {box.numel} elements have no "
+                    f"source; source ranks hold {held}"
+                )
+        return None
+
+    def _source_boxes(self, dst_name: str) -> str:
+        parts = []
+        for seg in self.segments(dst_name) or ():
+            sinfo = self.src.tensors[seg.src_name]
+            boxes = sorted(sinfo.boxes, key=lambda b: b.offset)
+            parts.append(f"{seg.src_name} {[str(b) for b in boxes[:6]]}")
+        return "; ".join(parts)
+
+    # --------------------------------------------------------------- name mapping
+    def segments(self, dst_name: str) -> list[Segment] | None:
+        if dst_name not in self._segments:
+            info = self.dst.tensors[dst_name]
+            self._segments[dst_name] = self.name_map.segments(
+                dst_name, info.shape, self.src.tensors, self.src.aliases
+            )
+        return self._segments[dst_name]
+
+    def consumers(self, src_name: str) -> list[str]:
+        """Destination tensors that read from ``src_name`` (built once, for senders)."""
+        if self._consumers is None:
+            table: dict[str, list[str]] = {}
+            for name in sorted(self.dst.tensors):
+                for seg in self.segments(name) or ():
+                    users = table.setdefault(seg.src_name, [])
+                    if not users or users[-1] != name:
+                        users.append(name)
+            self._consumers = table
+        return self._consumers.get(src_name, [])
+
+    # -------------------------------------------------------------------- regions
+    def regions(self, dst_name: str, dst_box: Box) -> list[Region]:
+        """How ``dst_box`` of ``dst_name`` splits over source boxes, in offset order."""
+        key = (dst_name, dst_box)
+        got = self._regions.get(key)
+        if got is None:
+            got = []
+            for seg in self.segments(dst_name) or ():
+                part = dst_box.intersect(seg.dst_box)
+                if part is not None:
+                    got.extend(self._cover(dst_name, part, seg))
+            got.sort(key=lambda r: r.dst_box.offset)
+            self._regions[key] = got
+        return got
+
+    def _cover(self, dst_name: str, part: Box, seg: Segment) -> list[Region]:
+        src_part = part.moved(seg.dst_box.offset, seg.src_offset)
+        sinfo = self.src.tensors[seg.src_name]
+        hits = []
+        for box, cids in sinfo.boxes.items():
+            inter = box.intersect(src_part)
+            if inter is not None:
+                hits.append((inter, cids))
+        if not sinfo.disjoint and len(hits) > 1:
+            hits = _grid_cells(src_part, hits)
+        return [
+            Region(
+                inter.moved(seg.src_offset, seg.dst_box.offset), seg.src_name, inter, tuple(cids),
+                zlib.crc32(f"{dst_name}|{inter.offset}".encode()),
+            )
+            for inter, cids in hits
+        ]
+
+    # ------------------------------------------------------------- replica choice
+    def _remote_ranks(self, dst_cids: tuple[int, ...], holders: tuple[int, ...]) -> list[int]:
+        """Destination ranks holding a box, less those that hold the region as a source."""
+        key = (dst_cids, holders)
+        got = self._remote.get(key)
+        if got is None:
+            held = set(self.src.ranks(holders))
+            got = [r for r in self.dst.ranks(dst_cids) if r not in held]
+            self._remote[key] = got
+        return got
+
+    def source_of(self, region: Region, dst_cids: tuple[int, ...], rank: int) -> int:
+        holders = self.src.ranks(region.holders)
+        i = bisect_left(holders, rank)
+        if i < len(holders) and holders[i] == rank:
+            return rank
+        remote = self._remote_ranks(dst_cids, region.holders)
+        k = bisect_left(remote, rank)
+        return holders[(k + region.spread) % len(holders)]
+
+    def destinations_of(self, region: Region, dst_cids: tuple[int, ...], rank: int) -> list[int]:
+        holders = self.src.ranks(region.holders)
+        i = bisect_left(holders, rank)
+        if i == len(holders) or holders[i] != rank:
+            return []
+        remote = self._remote_ranks(dst_cids, region.holders)
+        n = len(holders)
+        return remote[(i - region.spread) % n:: n]
+
+    # ------------------------------------------------------------------ rank plan
+    def plan_rank(
+        self, rank: int, world: int, src: ModelLayout | None, dst: ModelLayout | None
+    ) -> RankPlan:
+        """This rank's local copies, sends and receives (call after :meth:`validate`)."""
+        src_by_name = {t.name: (k, t) for k, t in src} if src is not None else {}
+        local, recvs = self._receiving(rank, dst, src_by_name) if dst is not None else ([], [])
+        sends = self._sending(rank, src) if src is not None else []
+        order = lambda t: (t.peer, t.name, t.region.offset)  # noqa: E731
+        local.sort(key=lambda c: (c.name, c.region.offset))
+        return RankPlan(rank, world, tuple(local), tuple(sorted(sends, key=order)),
+                        tuple(sorted(recvs, key=order)))
+
+    def _receiving(self, rank, dst: ModelLayout, src_by_name) -> tuple[list, list]:
+        local: list[LocalCopy] = []
+        recvs: list[Transfer] = []
+        for key, t in dst:
+            if self.segments(t.name) is None:
+                continue  # skipped on purpose (validate() rejected the rest)
+            boxes = self.dst.tensors[t.name].boxes
+            for piece in t.pieces:
+                dst_cids = tuple(boxes[piece.box])
+                for region in self.regions(t.name, piece.box):
+                    local_box = region.dst_box.moved(piece.box.offset, piece.local_offset)
+                    src_dtype = self.src.tensors[region.src_name].dtype
+                    peer = self.source_of(region, dst_cids, rank)
+                    if peer == rank:
+                        skey, sbox = _local_source(src_by_name, region)
+                        local.append(LocalCopy(t.name, region.dst_box, skey, sbox, key, local_box,
+                                               src_dtype, t.dtype))
+                    else:
+                        recvs.append(Transfer(peer, t.name, region.dst_box, key, local_box,
+                                              src_dtype, t.dtype))
+        return local, recvs
+
+    def _sending(self, rank: int, src: ModelLayout) -> list[Transfer]:
+        sends: list[Transfer] = []
+        for key, t in src:
+            for name in self.consumers(t.name):
+                for dst_box, cids in self.dst.tensors[name].boxes.items():
+                    dst_cids = tuple(cids)
+                    for region in self.regions(name, dst_box):
+                        if region.src_name != t.name:
+                            continue
+                        peers = self.destinations_of(region, dst_cids, rank)
+                        if peers:
+                            sbox = _box_in(t, region.src_box)
+                            sends.extend(Transfer(p, name, region.dst_box, key, sbox, t.dtype, t.dtype)
+                                         for p in peers)
+        return sends
+
+
+def _local_source(src_by_name, region: Region) -> tuple[str, Box]:
+    key, t = src_by_name[region.src_name]
+    return key, _box_in(t, region.src_box)
+
+
+def _box_in(t: TensorLayout, global_box: Box) -> Box:
+    """Where a global box this rank holds sits in its local tensor."""
+    for p in t.pieces:
+        if p.box.contains(global_box):
+            return global_box.moved(p.box.offset, p.local_offset)
+    raise AssertionError(f"{t.name}: {global_box} is not inside one local piece")
+
+
+def _grid_cells(part: Box, hits: list[tuple[Box, list[int]]]) -> list[tuple[Box, list[int]]]:
+    """Split a region that overlapping source boxes cover into cells of one holder set."""
+    cuts = []
+    for d in range(part.ndim):
+        points = {part.offset[d], part.end[d]}
+        for box, _ in hits:
+            points.update((box.offset[d], box.end[d]))
+        cuts.append(sorted(points))
+    cells = [((), ())]
+    for d in range(part.ndim):
+        cells = [(o + (a,), s + (b - a,)) for o, s in cells for a, b in zip(cuts[d], cuts[d][1:])]
+    out = []
+    for off, size in cells:
+        cell = Box(off, size)
+        cids = sorted({c for box, cs in hits if box.contains(cell) for c in cs})
+        if cids:
+            out.append((cell, cids))
+    return out
+
+
+def _shape_problem(dinfo: TensorInfo, sinfo: TensorInfo) -> str:
+    msg = (
+        f"{dinfo.name}: global shapes differ: source {list(sinfo.shape)} (src rank "
+        f"{sinfo.first_rank}) vs destination {list(dinfo.shape)} (dst rank {dinfo.first_rank})"
+    )
+    if len(sinfo.shape) == len(dinfo.shape):
+        for d, (s, t) in enumerate(zip(sinfo.shape, dinfo.shape)):
+            if s == t:
+                continue
+            dsizes = sorted({b.size[d] for b in dinfo.boxes})
+            ssizes = sorted({b.size[d] for b in sinfo.boxes})
+            if len(dsizes) == 1 and dsizes[0] and t % dsizes[0] == 0 and s % dsizes[0]:
+                msg += (f"; dim {d}: {s} does not divide into the destination's "
+                        f"{t // dsizes[0]} shards of {dsizes[0]}")
+            elif len(ssizes) == 1 and ssizes[0] and s % ssizes[0] == 0 and t % ssizes[0]:
+                msg += (f"; dim {d}: {t} does not divide into the source's "
+                        f"{s // ssizes[0]} shards of {ssizes[0]}")
+            break
+    return msg
+
+
+def _few(ranks: Sequence[int], n: int = 8) -> str:
+    ranks = list(ranks)
+    return str(ranks) if len(ranks) <= n else f"{ranks[:n]}... ({len(ranks)} ranks)"

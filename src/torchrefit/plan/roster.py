@@ -1,0 +1,51 @@
+"""The compact metadata one rank contributes about one model: its roster.
+
+A roster lists, for each local tensor, the global name, global shape, dtype,
+whether it is a buffer, and the global boxes it holds; plus the model's aliases.
+Local keys and local offsets stay on the rank: peers never need them. Rosters
+of data-parallel replicas are byte-identical, which lets the index decode each
+distinct roster once.
+"""
+
+from __future__ import annotations
+
+import pickle
+import zlib
+from dataclasses import dataclass
+
+from ..layout._types import Box, ModelLayout
+
+__all__ = ["RosterEntry", "Roster", "encode_roster", "decode_roster"]
+
+# (name, global_shape, dtype, is_buffer, ((offset, size), ...))
+RosterEntry = tuple[str, tuple[int, ...], str, bool, tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]]
+
+
+@dataclass(frozen=True)
+class Roster:
+    entries: tuple[RosterEntry, ...]
+    aliases: tuple[tuple[str, str], ...]
+
+
+def roster_of(layout: ModelLayout) -> Roster:
+    entries = tuple(
+        (t.name, t.global_shape, t.dtype, t.is_buffer,
+         tuple((p.box.offset, p.box.size) for p in t.pieces))
+        for _, t in layout
+    )
+    return Roster(entries, tuple(layout.aliases))
+
+
+def encode_roster(layout: ModelLayout | Roster) -> bytes:
+    """Roster bytes: pickled plain tuples, deflated (names repeat per layer)."""
+    roster = layout if isinstance(layout, Roster) else roster_of(layout)
+    return zlib.compress(pickle.dumps((roster.entries, roster.aliases), protocol=5), 1)
+
+
+def decode_roster(blob: bytes) -> Roster:
+    entries, aliases = pickle.loads(zlib.decompress(blob))
+    return Roster(entries, aliases)
+
+
+def entry_boxes(entry: RosterEntry) -> list[Box]:
+    return [Box(o, s) for o, s in entry[4]]

@@ -1,0 +1,124 @@
+"""The plan of one rank: immutable, hashable, printable.
+
+Sender and receiver derive the same transfers, in the same order, from the same
+gathered rosters: a transfer is identified by the destination global tensor and
+the region of it (``name``, ``region``), which both sides compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..layout._types import Box, dtype_from_name
+
+__all__ = ["Transfer", "LocalCopy", "RankPlan", "itemsize"]
+
+_ITEMSIZE: dict[str, int] = {}
+
+
+def itemsize(dtype: str) -> int:
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        size = _ITEMSIZE[dtype] = dtype_from_name(dtype).itemsize
+    return size
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """One region sent to or received from ``peer``.
+
+    ``key`` and ``local_box`` locate the region in this rank's local tensor; the
+    bytes on the wire are in ``wire_dtype`` (the source's dtype), converted to
+    ``local_dtype`` on receipt where they differ.
+    """
+
+    peer: int
+    name: str
+    region: Box
+    key: str
+    local_box: Box
+    wire_dtype: str
+    local_dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.region.numel * itemsize(self.wire_dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalCopy:
+    """A region copied between two local tensors of this rank (no transport)."""
+
+    name: str
+    region: Box
+    src_key: str
+    src_box: Box
+    dst_key: str
+    dst_box: Box
+    src_dtype: str
+    dst_dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.region.numel * itemsize(self.dst_dtype)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Everything rank ``rank`` does in a refit: local copies, sends and receives.
+
+    ``sends`` and ``recvs`` are sorted by (peer, name, region offset), the order
+    both ends of every pair agree on.
+    """
+
+    rank: int
+    world: int
+    local: tuple[LocalCopy, ...]
+    sends: tuple[Transfer, ...]
+    recvs: tuple[Transfer, ...]
+    bytes_local: int = field(init=False)
+    bytes_sent: int = field(init=False)
+    bytes_received: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bytes_local", sum(c.nbytes for c in self.local))
+        object.__setattr__(self, "bytes_sent", sum(t.nbytes for t in self.sends))
+        object.__setattr__(self, "bytes_received", sum(t.nbytes for t in self.recvs))
+
+    @property
+    def send_peers(self) -> tuple[int, ...]:
+        return tuple(sorted({t.peer for t in self.sends}))
+
+    @property
+    def recv_peers(self) -> tuple[int, ...]:
+        return tuple(sorted({t.peer for t in self.recvs}))
+
+    def bytes_by_peer(self) -> dict[tuple[str, int], int]:
+        out: dict[tuple[str, int], int] = {}
+        for kind, ts in (("send", self.sends), ("recv", self.recvs)):
+            for t in ts:
+                out[(kind, t.peer)] = out.get((kind, t.peer), 0) + t.nbytes
+        return out
+
+    def summary(self) -> str:
+        lines = [
+            f"rank {self.rank} of {self.world}: "
+            f"local {len(self.local)} copies {_fmt(self.bytes_local)}, "
+            f"send {len(self.sends)} regions {_fmt(self.bytes_sent)} to {len(self.send_peers)} peers, "
+            f"receive {len(self.recvs)} regions {_fmt(self.bytes_received)} "
+            f"from {len(self.recv_peers)} peers"
+        ]
+        for (kind, peer), n in sorted(self.bytes_by_peer().items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            lines.append(f"  {kind} {'to  ' if kind == 'send' else 'from'} rank {peer}: {_fmt(n)}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _fmt(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"

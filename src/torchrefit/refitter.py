@@ -1,0 +1,345 @@
+"""``Refitter`` and ``swap_model_weights``: the public entry points.
+
+Construction is collective over ``group``: every rank describes what it holds,
+the rosters are gathered with one ``all_gather_object``, every rank validates the
+whole refit and plans its own part, and one more small gather makes sure all
+ranks agree before any byte moves (a rank that failed makes every rank raise).
+``refit()`` is collective too: the first call compiles the plan against the
+local tensors, later calls only replay it.
+"""
+
+from __future__ import annotations
+
+import traceback
+import weakref
+from dataclasses import dataclass
+from time import perf_counter
+
+import torch
+import torch.distributed as dist
+
+from .errors import LayoutError, PlanError, RefitError, TransportError, VerificationError
+from .execute.program import Program
+from .layout import Described, LayoutArg, describe
+from .maps import Identity, NameMap
+from .plan.index import RoleIndex
+from .plan.planner import CastPolicy, Planner
+from .plan.roster import encode_roster
+from .plan.types import RankPlan
+from .transport.base import Transport, get_transport
+
+__all__ = ["Refitter", "RefitReport", "swap_model_weights", "clear_caches", "DEFAULT_STAGING_BYTES"]
+
+#: staging memory a rank may use for packed messages (both pools, sends and receives)
+DEFAULT_STAGING_BYTES = 1 << 30
+_MIN_MESSAGE = 4096
+
+
+@dataclass(frozen=True)
+class RefitReport:
+    """What one ``refit()`` did on this rank.
+
+    ``seconds`` is host time inside ``refit()``; on GPUs the copies may still be in
+    flight when it returns, but the caller's stream is ordered after them.
+    """
+
+    version: int
+    seconds: float
+    bytes_local: int
+    bytes_sent: int
+    bytes_received: int
+    transport: str
+    rounds: int
+    messages_sent: int
+    messages_received: int
+    staging_bytes: int
+    compiled: bool  # this call compiled the plan (the first refit)
+
+    @property
+    def bytes_remote(self) -> int:
+        return self.bytes_sent + self.bytes_received
+
+
+@dataclass(frozen=True)
+class _RankInfo:
+    """What each rank contributes to the one metadata gather."""
+
+    error: str | None
+    src: bytes | None
+    dst: bytes | None
+    staging_bytes: int
+    device: str  # "cuda", "cpu", or "" where the rank holds no model
+    nccl: bool
+    gloo: bool
+
+
+class Refitter:
+    """Moves weights from ``src_model`` into ``dst_model`` on every ``refit()``.
+
+    Args:
+        src_model / dst_model: this rank's model (or list of virtual-pipeline
+            chunks), or None where the rank holds no such model.
+        transport: ``"auto"`` (NCCL where every model lives on CUDA, else Gloo),
+            a registered name (``"nccl"``, ``"gloo"``), or a :class:`Transport`.
+        group: the process group spanning every participating rank (default: world).
+        src_layout / dst_layout: None to detect, or a layout (see ``torchrefit.layout``).
+        name_map: how destination names map to source names (default: identity,
+            with tied-embedding aliases).
+        src_rank_offset / dst_rank_offset: the first group rank of each model's ranks,
+            as in Megatron's ``swap_model_weights``; checked, not needed for routing,
+            since every rank describes what it holds itself.
+        cast: ``"buffers"`` (default) converts persistent buffers whose dtype differs,
+            ``True`` converts any tensor, ``False`` none.
+        skip: glob patterns of destination tensors that may have no source.
+        staging_bytes: bound on this rank's staging memory for packed messages.
+    """
+
+    def __init__(
+        self,
+        src_model,
+        dst_model,
+        transport: str | Transport = "auto",
+        group: dist.ProcessGroup | None = None,
+        src_layout: LayoutArg = None,
+        dst_layout: LayoutArg = None,
+        name_map: NameMap | None = None,
+        src_rank_offset: int = 0,
+        dst_rank_offset: int = 0,
+        *,
+        cast: CastPolicy = "buffers",
+        skip: tuple[str, ...] | list[str] = (),
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+    ) -> None:
+        t0 = perf_counter()
+        if not dist.is_initialized():
+            raise RefitError("torch.distributed is not initialized; call init_process_group first")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+        self.version = 0
+        self._program: Program | None = None
+        self._verifier: Program | None = None
+        src, dst, error = self._describe(src_model, dst_model, src_layout, dst_layout)
+        self._src, self._dst = src, dst
+        infos = self._gather_infos(src, dst, error, staging_bytes)
+        _raise_layout_errors(infos)
+        _check_offsets(infos, src_rank_offset, dst_rank_offset)
+        self.transport_name = _choose_transport(transport, infos)
+        self.plan = self._plan(infos, name_map or Identity(), cast, skip)
+        max_peers = self._agree()
+        self._transport = self._make_transport(transport)
+        budget = min(i.staging_bytes for i in infos)
+        self.message_limit = max(_MIN_MESSAGE, budget // (2 * max(1, max_peers)))
+        self.plan_seconds = perf_counter() - t0
+
+    # ---------------------------------------------------------------- construction
+    def _describe(self, src_model, dst_model, src_layout, dst_layout):
+        try:
+            return describe(src_model, src_layout), describe(dst_model, dst_layout), None
+        except RefitError as e:
+            return None, None, f"{type(e).__name__}: {e}"
+        except Exception as e:  # any failure must reach every rank, not hang them
+            return None, None, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
+
+    def _gather_infos(self, src: Described | None, dst: Described | None, error: str | None,
+                      staging_bytes: int) -> list[_RankInfo]:
+        device = ""
+        tensors = [*(src.tensors.values() if src else ()), *(dst.tensors.values() if dst else ())]
+        if tensors:
+            device = "cuda" if all(t.is_cuda for t in tensors) else "cpu"
+        try:
+            enc_src = encode_roster(src.layout) if src is not None else None
+            enc_dst = encode_roster(dst.layout) if dst is not None else None
+        except Exception as e:
+            enc_src = enc_dst = None
+            error = error or f"{type(e).__name__}: {e}"
+        info = _RankInfo(error, enc_src, enc_dst, int(staging_bytes), device,
+                         dist.is_nccl_available() and torch.cuda.is_available(),
+                         dist.is_gloo_available())
+        infos: list[_RankInfo | None] = [None] * self.world
+        dist.all_gather_object(infos, info, group=self.group)
+        return infos  # type: ignore[return-value]
+
+    def _plan(self, infos, name_map: NameMap, cast, skip) -> RankPlan:
+        planner = Planner(
+            RoleIndex("source", [i.src for i in infos]),
+            RoleIndex("destination", [i.dst for i in infos]),
+            name_map, cast=cast, skip=tuple(skip),
+        )
+        planner.validate()  # the same rosters on every rank: the same error everywhere
+        self._planner = planner
+        self._plan_error: str | None = None
+        try:
+            return planner.plan_rank(
+                self.rank, self.world,
+                self._src.layout if self._src else None, self._dst.layout if self._dst else None,
+            )
+        except Exception as e:  # reported to every rank by _agree()
+            self._plan_error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
+            return RankPlan(self.rank, self.world, (), (), ())
+
+    def _agree(self) -> int:
+        """Second gather: every rank learns whether any rank failed to plan, and the
+        largest number of peers any rank talks to (which sizes messages)."""
+        peers = len(self.plan.send_peers) + len(self.plan.recv_peers)
+        out: list[tuple[str | None, int] | None] = [None] * self.world
+        dist.all_gather_object(out, (self._plan_error, peers), group=self.group)
+        for rank, (err, _) in enumerate(out):  # type: ignore[misc]
+            if err:
+                raise PlanError(f"planning failed on rank {rank}: {err}")
+        return max(p for _, p in out)  # type: ignore[misc]
+
+    def _make_transport(self, transport: str | Transport) -> Transport:
+        if isinstance(transport, Transport):
+            return transport
+        device = self._device()
+        return get_transport(self.transport_name)(self.group, device)
+
+    def _device(self) -> torch.device:
+        for d in (self._src, self._dst):
+            if d is not None:
+                for t in d.tensors.values():
+                    return t.device
+        if self.transport_name == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    # ----------------------------------------------------------------- refitting
+    def refit(self) -> RefitReport:
+        """Move the source's current weights into the destination. Collective over the group.
+
+        On GPUs the work is ordered after everything already queued on the caller's
+        current stream (the optimizer step) and before anything queued after it.
+        """
+        t0 = perf_counter()
+        compiled = self._program is None
+        if compiled:
+            self._program = self._compile(compare=False)
+        stats = self._program.run()
+        self.version += 1
+        return RefitReport(
+            self.version, perf_counter() - t0, self.plan.bytes_local, self.plan.bytes_sent,
+            self.plan.bytes_received, self.transport_name, stats.rounds, stats.messages_sent,
+            stats.messages_received, stats.staging_bytes, compiled,
+        )
+
+    def _compile(self, compare: bool) -> Program:
+        return Program(
+            self.plan,
+            self._src.tensors if self._src else {},
+            self._dst.tensors if self._dst else {},
+            self._transport, self.message_limit, compare=compare,
+        )
+
+    def verify(self) -> None:
+        """Check that every destination region equals its source. Collective.
+
+        Moves the same bytes as a refit into scratch buffers and compares; raises
+        :class:`VerificationError` on every rank, naming the first mismatches.
+        """
+        if self._verifier is None:
+            self._verifier = self._compile(compare=True)
+        bad = self._verifier.mismatches()
+        out: list[list[str] | None] = [None] * self.world
+        dist.all_gather_object(out, bad[:5], group=self.group)
+        found = [f"rank {r}: {m}" for r, ms in enumerate(out) for m in (ms or [])]
+        if found:
+            raise VerificationError("destination differs from source: " + "; ".join(found[:5]))
+
+    def close(self) -> None:
+        """Release compiled programs and staging memory (not collective)."""
+        self._program = None
+        self._verifier = None
+        if self._transport is not None:
+            self._transport.close()
+
+    def __repr__(self) -> str:
+        return (f"Refitter(rank {self.rank}/{self.world}, transport={self.transport_name}, "
+                f"version={self.version})\n{self.plan}")
+
+
+def _raise_layout_errors(infos: list[_RankInfo]) -> None:
+    bad = [(r, i.error) for r, i in enumerate(infos) if i.error]
+    if bad:
+        where = ", ".join(f"rank {r}: {e}" for r, e in bad[:3])
+        raise LayoutError(f"could not describe the models on {len(bad)} rank(s): {where}")
+
+
+def _check_offsets(infos: list[_RankInfo], src_offset: int, dst_offset: int) -> None:
+    for role, offset, attr in (("source", src_offset, "src"), ("destination", dst_offset, "dst")):
+        if not isinstance(offset, int) or offset < 0:
+            raise PlanError(f"{role} rank offset must be a non-negative int, not {offset!r}")
+        early = [r for r, i in enumerate(infos) if getattr(i, attr) is not None and r < offset]
+        if early:
+            raise PlanError(f"ranks {early[:8]} hold a {role} model below its rank offset {offset}")
+
+
+def _choose_transport(transport: str | Transport, infos: list[_RankInfo]) -> str:
+    if isinstance(transport, Transport):
+        return transport.name
+    devices = {i.device for i in infos if i.device}
+    if transport == "auto":
+        transport = "nccl" if devices == {"cuda"} and all(i.nccl for i in infos) else "gloo"
+    if transport == "nccl" and (devices - {"cuda"} or not all(i.nccl for i in infos)):
+        cpu = [r for r, i in enumerate(infos) if i.device == "cpu" or not i.nccl]
+        raise TransportError(f"transport 'nccl' needs CUDA tensors and NCCL on every rank; "
+                             f"ranks {cpu[:8]} have CPU tensors or no NCCL")
+    if transport == "gloo" and not all(i.gloo for i in infos):
+        raise TransportError("transport 'gloo' is not available on every rank")
+    return transport
+
+
+# ------------------------------------------------------------------------ drop-in
+_CACHE: dict[tuple, tuple[object, object, Refitter]] = {}
+
+
+def swap_model_weights(
+    src_model,
+    target_model,
+    refit_method: str | Transport = "nccl",
+    group: dist.ProcessGroup | None = None,
+    src_rank_offset: int = 0,
+    dst_rank_offset: int = 0,
+    **kwargs,
+) -> RefitReport:
+    """Drop-in for Megatron-core's ``swap_model_weights``: refit ``target_model`` from
+    ``src_model``, planning once and caching the plan per model pair.
+
+    The cache is keyed by the model objects (held weakly), the transport, the group
+    and the offsets. Every rank must hit or miss it together, so a rank that
+    replaces its model must do so on all ranks, or call :func:`clear_caches`
+    everywhere.
+    """
+    key = (id(src_model), id(target_model),
+           refit_method if isinstance(refit_method, str) else id(refit_method),
+           id(group), src_rank_offset, dst_rank_offset, tuple(sorted(kwargs.items(), key=str)))
+    hit = _CACHE.get(key)
+    if hit is not None and _alive(hit[0], src_model) and _alive(hit[1], target_model):
+        refitter = hit[2]
+    else:
+        refitter = Refitter(src_model, target_model, transport=refit_method, group=group,
+                            src_rank_offset=src_rank_offset, dst_rank_offset=dst_rank_offset, **kwargs)
+        _CACHE[key] = (_ref(src_model), _ref(target_model), refitter)
+    return refitter.refit()
+
+
+def _ref(obj):
+    if obj is None:
+        return None
+    try:
+        return weakref.ref(obj)
+    except TypeError:  # lists of chunks cannot be weakly referenced
+        return obj
+
+
+def _alive(ref, obj) -> bool:
+    if ref is None:
+        return obj is None
+    return (ref() if isinstance(ref, weakref.ref) else ref) is obj
+
+
+def clear_caches() -> None:
+    """Drop every cached plan and program of ``swap_model_weights`` (not collective)."""
+    for _, _, refitter in _CACHE.values():
+        refitter.close()
+    _CACHE.clear()

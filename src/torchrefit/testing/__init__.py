@@ -1,0 +1,11 @@
+"""Tools for testing refits: a multi-process world on CPU and Megatron-like toy models.
+
+Used by torchrefit's own tests, by ``torchrefit demo`` and by the benchmarks; users
+can use them to test their own refits the same way.
+"""
+
+from .toy import Coords, Mesh, ModelSpec, build_toy, expected_local, global_value
+from .world import WorldError, run_world
+
+__all__ = ["run_world", "WorldError", "Mesh", "Coords", "ModelSpec", "build_toy",
+           "expected_local", "global_value"]

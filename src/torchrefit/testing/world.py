@@ -1,0 +1,96 @@
+"""Run a function on N real processes joined by a gloo (or NCCL) process group.
+
+``run_world(fn, n, *args)`` spawns ``n`` processes, initializes
+``torch.distributed`` in each, calls ``fn(rank, world, *args)`` and returns the
+results by rank. A rank that raises or a world that does not finish within
+``timeout`` seconds raises :class:`WorldError` with every rank's traceback, and
+all processes are killed: a test can fail, but never hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_world", "WorldError"]
+
+
+class WorldError(RuntimeError):
+    """A rank of a spawned world failed or the world timed out."""
+
+
+def _child(fn, rank, world, init, backend, pg_timeout, args, out) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=pg_timeout))
+        result = fn(rank, world, *args)
+        out.put((rank, True, result))
+    except BaseException:
+        out.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_world(
+    fn: Callable[..., Any],
+    nprocs: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 300.0,
+    pg_timeout: float = 60.0,
+) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``nprocs`` processes; return results by rank.
+
+    ``fn`` and ``args`` must be picklable (``fn`` a module-level function).
+    ``pg_timeout`` bounds every collective, so a rank left waiting fails instead
+    of hanging.
+    """
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{os.path.join(tmp, 'store')}"
+        procs = [ctx.Process(target=_child, args=(fn, r, nprocs, init, backend, pg_timeout, args, out),
+                             daemon=True) for r in range(nprocs)]
+        for p in procs:
+            p.start()
+        results: dict[int, tuple[bool, Any]] = {}
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+        try:
+            while len(results) < nprocs:
+                left = (deadline - datetime.datetime.now()).total_seconds()
+                if left <= 0:
+                    break
+                try:
+                    rank, ok, value = out.get(timeout=min(left, 1.0))
+                    results[rank] = (ok, value)
+                except queue.Empty:
+                    if all(not p.is_alive() for p in procs) and out.empty():
+                        break
+        finally:
+            for p in procs:
+                p.join(timeout=5 if len(results) == nprocs else 0.1)
+                if p.is_alive():
+                    p.kill()
+    failed = {r: v for r, (ok, v) in results.items() if not ok}
+    missing = [r for r in range(nprocs) if r not in results]
+    if failed or missing:
+        parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items())]
+        if missing:
+            parts.append(f"ranks {missing} did not finish within {timeout:.0f} s")
+        raise WorldError("\n".join(parts))
+    return [results[r][1] for r in range(nprocs)]

@@ -1,0 +1,8 @@
+"""Transports: one module per backend behind :class:`Transport`, looked up by name."""
+
+from .base import Transport, get_transport, register_transport, transport_names
+from .gloo import GlooTransport
+from .nccl import NcclTransport
+
+__all__ = ["Transport", "get_transport", "register_transport", "transport_names",
+           "GlooTransport", "NcclTransport"]

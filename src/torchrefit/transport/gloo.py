@@ -1,0 +1,43 @@
+"""Gloo transport: CPU messages; GPU tensors are staged through pinned host memory."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..errors import TransportError
+from .base import Exchange, Transport, register_transport
+
+__all__ = ["GlooTransport"]
+
+
+@register_transport
+class GlooTransport(Transport):
+    name = "gloo"
+    host_staged = True  # gloo reads and writes message bytes from the host
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        super().__init__(group, device)
+        backend = str(dist.get_backend(group))
+        if "gloo" not in backend:
+            raise TransportError(
+                f"the gloo transport needs a process group with a gloo backend; the refit "
+                f"group's backend is {backend!r} (create it with backend='cpu:gloo,cuda:nccl' "
+                "or pass a gloo group)"
+            )
+
+    @classmethod
+    def available(cls) -> bool:
+        return dist.is_available() and dist.is_gloo_available()
+
+    def wire_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def start(self, sends: Exchange, recvs: Exchange) -> object:
+        works = [dist.isend(t, self.global_rank(p), group=self.group) for p, t in sends]
+        works += [dist.irecv(t, self.global_rank(p), group=self.group) for p, t in recvs]
+        return works
+
+    def finish(self, handle: object) -> None:
+        for w in handle:  # type: ignore[union-attr]
+            w.wait()

@@ -1,0 +1,48 @@
+"""NCCL transport: one ``batch_isend_irecv`` per round, on GPU message buffers.
+
+PyTorch's NCCL process group orders its internal stream after the caller's
+current stream when ops are posted, and ``Work.wait()`` makes the caller's
+stream wait for it, so no host synchronisation is needed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..errors import TransportError
+from .base import Exchange, Transport, register_transport
+
+__all__ = ["NcclTransport"]
+
+
+@register_transport
+class NcclTransport(Transport):
+    name = "nccl"
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        super().__init__(group, device)
+        if device.type != "cuda":
+            raise TransportError("the nccl transport needs CUDA tensors on every rank that holds a model")
+        backend = str(dist.get_backend(group))
+        if "nccl" not in backend:
+            raise TransportError(f"the nccl transport needs an NCCL process group, not {backend!r}")
+        # Batched P2P needs the group's communicator to exist on every rank before the
+        # first batch, which idle ranks never post: create it now, collectively.
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
+
+    @classmethod
+    def available(cls) -> bool:
+        return dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()
+
+    def wire_device(self) -> torch.device:
+        return self.device
+
+    def start(self, sends: Exchange, recvs: Exchange) -> object:
+        ops = [dist.P2POp(dist.isend, t, self.global_rank(p), self.group) for p, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, self.global_rank(p), self.group) for p, t in recvs]
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    def finish(self, handle: object) -> None:
+        for w in handle:  # type: ignore[union-attr]
+            w.wait()
