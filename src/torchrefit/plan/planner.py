@@ -128,10 +128,11 @@ class Planner:
             if covered != box.numel:
                 ranks = _few(self.dst.ranks(cids))
                 held = self._source_boxes(info.name)
+                what = (f"{box.numel - covered} of {box.numel} elements have no source"
+                        if covered < box.numel else "some elements are covered more than once")
                 return (
                     f"{info.name}: destination region {box} (dst ranks {ranks}) is not covered "
-                    f"by the source: {box.numel - covered} of {box.numel} elements have no "
-                    f"source; source ranks hold {held}"
+                    f"exactly once by the source: {what}; source ranks hold {held}"
                 )
         return None
 
@@ -322,10 +323,10 @@ def _shape_problem(dinfo: TensorInfo, sinfo: TensorInfo) -> str:
                 continue
             dsizes = sorted({b.size[d] for b in dinfo.boxes})
             ssizes = sorted({b.size[d] for b in sinfo.boxes})
-            if len(dsizes) == 1 and dsizes[0] and t % dsizes[0] == 0 and s % dsizes[0]:
+            if len(dsizes) == 1 and dsizes[0] and t % dsizes[0] == 0 and t > dsizes[0] and s % dsizes[0]:
                 msg += (f"; dim {d}: {s} does not divide into the destination's "
                         f"{t // dsizes[0]} shards of {dsizes[0]}")
-            elif len(ssizes) == 1 and ssizes[0] and s % ssizes[0] == 0 and t % ssizes[0]:
+            elif len(ssizes) == 1 and ssizes[0] and s % ssizes[0] == 0 and s > ssizes[0] and t % ssizes[0]:
                 msg += (f"; dim {d}: {t} does not divide into the source's "
                         f"{s // ssizes[0]} shards of {ssizes[0]}")
             break

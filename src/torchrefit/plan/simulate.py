@@ -1,0 +1,78 @@
+"""Plan every rank of a world in one process, from layouts alone (no processes, no GPUs).
+
+Used to test the planner's cross-rank agreement and to explain a refit before
+launching it (``torchrefit plan``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..layout._types import ModelLayout
+from ..maps import NameMap
+from .index import RoleIndex
+from .planner import CastPolicy, Planner
+from .roster import encode_roster
+from .types import RankPlan
+
+__all__ = ["plan_world", "check_agreement"]
+
+
+def plan_world(
+    src: Sequence[ModelLayout | None],
+    dst: Sequence[ModelLayout | None],
+    *,
+    name_map: NameMap | None = None,
+    cast: CastPolicy = "buffers",
+    ranks: Sequence[int] | None = None,
+) -> dict[int, RankPlan]:
+    """The plans of ``ranks`` (default: all) of a world whose rank r holds ``src[r]``
+    and ``dst[r]``; validates the whole refit first, as every rank would."""
+    world = len(src)
+    planner = Planner(
+        RoleIndex("source", [encode_roster(s) if s is not None else None for s in src]),
+        RoleIndex("destination", [encode_roster(d) if d is not None else None for d in dst]),
+        name_map, cast=cast,
+    )
+    planner.validate()
+    chosen = range(world) if ranks is None else ranks
+    return {r: planner.plan_rank(r, world, src[r], dst[r]) for r in chosen}
+
+
+def check_agreement(plans: dict[int, RankPlan], dst: Sequence[ModelLayout | None]) -> None:
+    """Assert what a correct world of plans satisfies (raises AssertionError saying what not):
+
+    * what each rank sends to a peer is what that peer receives from it, same order;
+    * every element of every destination piece is written exactly once.
+    """
+    for s, plan in plans.items():
+        for d in plan.send_peers:
+            if d not in plans:
+                continue
+            sent = [(t.name, t.region, t.wire_dtype) for t in plan.sends if t.peer == d]
+            got = [(t.name, t.region, t.wire_dtype) for t in plans[d].recvs if t.peer == s]
+            assert sent == got, f"rank {s} -> rank {d}: sends and receives differ"
+    for r, plan in plans.items():
+        layout = dst[r]
+        want = {(t.name, p.box) for _, t in layout for p in t.pieces} if layout is not None else set()
+        counts: dict[str, int] = {}
+        for c in plan.local:
+            counts[c.name] = counts.get(c.name, 0) + c.region.numel
+        for t in plan.recvs:
+            counts[t.name] = counts.get(t.name, 0) + t.region.numel
+        need: dict[str, int] = {}
+        for name, box in want:
+            need[name] = need.get(name, 0) + box.numel
+        assert counts == {k: v for k, v in need.items() if v}, f"rank {r}: coverage differs"
+        _assert_disjoint(r, [(c.name, c.region) for c in plan.local] + [(t.name, t.region) for t in plan.recvs])
+
+
+def _assert_disjoint(rank: int, regions) -> None:
+    by_name: dict[str, list] = {}
+    for name, box in regions:
+        by_name.setdefault(name, []).append(box)
+    for name, boxes in by_name.items():
+        boxes.sort(key=lambda b: b.offset)
+        for i, a in enumerate(boxes):
+            for b in boxes[i + 1: i + 9]:
+                assert a.intersect(b) is None, f"rank {rank}: {name} {a} and {b} overlap"

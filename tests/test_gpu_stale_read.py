@@ -1,0 +1,110 @@
+"""The seed's stale-read test, on a real GPU, for every transport that runs on one GPU.
+
+The producer's update of the source weights is queued on the caller's stream
+behind a ~50 ms gate (``torch.cuda._sleep``, its cycle count converted from a
+cycles-per-ms rate measured at run time); ``refit()`` is called at once, and the
+destination must then hold the updated values. Paths covered: NCCL and Gloo in
+one process (local copies on the caller's stream), Gloo with two processes on
+one GPU collocated (local copies on the side stream overlapping staged remote
+rounds), and Gloo non-collocated (GPU -> pinned host staging). NCCL cannot pair
+two ranks on one GPU; its remote path runs in the multi-GPU suite.
+
+Setting ``TORCHREFIT_BREAK_PRODUCER_WAIT=1`` removes the side stream's wait for the
+producer (test-only monkeypatch) to show that the test then fails.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+import torchrefit as tr
+from torchrefit.testing import Mesh, ModelSpec, build_toy, expected_local, run_world
+
+pytestmark = pytest.mark.gpu
+
+SPEC = ModelSpec(layers=2, hidden=256, heads=8, groups=4, ffn=1024, vocab=4096)
+GATE_MS = 50.0
+BUMP = 1000.0
+
+
+def _cycles_per_ms() -> float:
+    """Measure how many ``torch.cuda._sleep`` cycles one millisecond takes, now."""
+    torch.cuda._sleep(1_000_000)  # warm up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return 10_000_000 / start.elapsed_time(end)
+
+
+def _break_producer_wait() -> None:
+    from torchrefit.execute import streams
+
+    @contextmanager
+    def session(self, keep_alive=()):
+        if self.stream is None:
+            yield self
+            return
+        caller = torch.cuda.current_stream(self.device)
+        self._open = True  # no stream.wait_stream(caller): the seed's bug
+        try:
+            yield self
+        finally:
+            self._open = False
+            caller.wait_stream(self.stream)
+
+    streams.SideStream.session = session
+
+
+def _stale_read(rank: int, world: int, src_mesh: Mesh, dst_mesh: Mesh, transport: str) -> list[str]:
+    if os.environ.get("TORCHREFIT_BREAK_PRODUCER_WAIT") == "1":
+        _break_producer_wait()
+    torch.cuda.set_device(0)
+    src = build_toy(SPEC, src_mesh, rank, seed=1)
+    dst = build_toy(SPEC, dst_mesh, rank, seed=2)
+    src = src.cuda() if src is not None else None
+    dst = dst.cuda() if dst is not None else None
+    refitter = tr.Refitter(src, dst, transport=transport)
+    refitter.refit()  # compile and warm up
+    torch.cuda.synchronize()
+    cycles = int(GATE_MS * _cycles_per_ms())
+    gate, release = torch.cuda.Event(), torch.cuda.Stream()
+    with torch.cuda.stream(release):
+        torch.cuda._sleep(cycles)
+        gate.record(release)
+    torch.cuda.current_stream().wait_event(gate)
+    if src is not None:
+        with torch.no_grad():
+            for p in src.parameters():  # the producer: queued behind the gate
+                p.add_(BUMP)
+    refitter.refit()  # no synchronisation in between: the refit must order itself
+    torch.cuda.synchronize()
+    expected = expected_local(SPEC, dst_mesh, rank, seed=1)
+    stale = []
+    for name, value in (dst.state_dict().items() if dst is not None else ()):
+        want = expected[name] + BUMP
+        if not torch.equal(value.cpu(), want):
+            stale.append(f"{name}: max diff {(value.cpu() - want).abs().max().item():.1f}")
+    return stale
+
+
+CASES = {
+    "nccl-1proc-local": (1, Mesh(1, ranks=1), Mesh(1, ranks=1), "nccl"),
+    "gloo-1proc-local": (1, Mesh(1, ranks=1), Mesh(1, ranks=1), "gloo"),
+    "gloo-2proc-collocated-tp2->tp1": (2, Mesh(2, ranks=2), Mesh(1, ranks=2), "gloo"),
+    "gloo-2proc-noncollocated": (2, Mesh(1, ranks=1), Mesh(1, ranks=1, offset=1), "gloo"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_refit_never_reads_stale_weights(name: str) -> None:
+    world, src_mesh, dst_mesh, transport = CASES[name]
+    backend = "nccl" if transport == "nccl" else "gloo"
+    results = run_world(_stale_read, world, src_mesh, dst_mesh, transport, backend=backend, timeout=180)
+    for rank, stale in enumerate(results):
+        assert stale == [], f"rank {rank} read stale weights: {stale[:3]}"
