@@ -1,7 +1,7 @@
 """``Refitter`` and ``swap_model_weights``: the public entry points.
 
 Construction is collective over ``group``: every rank describes what it holds,
-the rosters are gathered with one ``all_gather_object``, every rank validates the
+the rosters are gathered in one object gather (sizes, then bytes), every rank validates the
 whole refit and plans its own part, and one more small gather makes sure all
 ranks agree before any byte moves (a rank that failed makes every rank raise).
 ``refit()`` is collective too: the first call compiles the plan against the
@@ -18,6 +18,7 @@ from time import perf_counter
 import torch
 import torch.distributed as dist
 
+from ._collectives import all_gather_pickled
 from .errors import LayoutError, PlanError, RefitError, TransportError, VerificationError
 from .execute.program import Program
 from .layout import Described, LayoutArg, describe
@@ -156,9 +157,7 @@ class Refitter:
         info = _RankInfo(error, enc_src, enc_dst, int(staging_bytes), device,
                          dist.is_nccl_available() and torch.cuda.is_available(),
                          dist.is_gloo_available())
-        infos: list[_RankInfo | None] = [None] * self.world
-        dist.all_gather_object(infos, info, group=self.group)
-        return infos  # type: ignore[return-value]
+        return all_gather_pickled(info, self.group)
 
     def _plan(self, infos, name_map: NameMap, cast, skip) -> RankPlan:
         planner = Planner(
@@ -182,12 +181,11 @@ class Refitter:
         """Second gather: every rank learns whether any rank failed to plan, and the
         largest number of peers any rank talks to (which sizes messages)."""
         peers = len(self.plan.send_peers) + len(self.plan.recv_peers)
-        out: list[tuple[str | None, int] | None] = [None] * self.world
-        dist.all_gather_object(out, (self._plan_error, peers), group=self.group)
-        for rank, (err, _) in enumerate(out):  # type: ignore[misc]
+        out = all_gather_pickled((self._plan_error, peers), self.group)
+        for rank, (err, _) in enumerate(out):
             if err:
                 raise PlanError(f"planning failed on rank {rank}: {err}")
-        return max(p for _, p in out)  # type: ignore[misc]
+        return max(p for _, p in out)
 
     def _make_transport(self, transport: str | Transport) -> Transport:
         if isinstance(transport, Transport):
@@ -240,8 +238,7 @@ class Refitter:
         if self._verifier is None:
             self._verifier = self._compile(compare=True)
         bad = self._verifier.mismatches()
-        out: list[list[str] | None] = [None] * self.world
-        dist.all_gather_object(out, bad[:5], group=self.group)
+        out = all_gather_pickled(bad[:5], self.group)
         found = [f"rank {r}: {m}" for r, ms in enumerate(out) for m in (ms or [])]
         if found:
             raise VerificationError("destination differs from source: " + "; ".join(found[:5]))
