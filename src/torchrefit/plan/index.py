@@ -28,6 +28,14 @@ class TensorInfo:
     first_rank: int
     boxes: dict[Box, list[int]] = field(default_factory=dict)  # box -> class ids, ascending
     _disjoint: bool | None = None
+    _box_key: tuple[Box, ...] | None = None
+
+    @property
+    def box_key(self) -> tuple[Box, ...]:
+        """The distinct boxes held, hashable (read once the index is built)."""
+        if self._box_key is None:
+            self._box_key = tuple(self.boxes)
+        return self._box_key
 
     @property
     def disjoint(self) -> bool:
@@ -49,6 +57,8 @@ class RoleIndex:
         self.tensors: dict[str, TensorInfo] = {}
         self.aliases: dict[str, str] = {}
         self._ranks_cache: dict[tuple[int, ...], tuple[int, ...]] = {}
+        # One Box per distinct (offset, size): layers and experts repeat the same boxes.
+        self._boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], Box] = {}
         self.rank_class: dict[int, int] = {}
         by_bytes: dict[bytes, int] = {}
         for rank, blob in enumerate(rosters):
@@ -76,8 +86,16 @@ class RoleIndex:
                     f"{info.first_rank} has global shape {list(info.shape)} {info.dtype}, rank "
                     f"{rank} has {list(shape)} {dtype}"
                 )
-            for off, size in boxes:
-                info.boxes.setdefault(Box(off, size), []).append(cid)
+            held = info.boxes
+            for pair in boxes:
+                box = self._boxes.get(pair)
+                if box is None:
+                    box = self._boxes[pair] = Box(*pair)
+                cids = held.get(box)
+                if cids is None:
+                    held[box] = [cid]
+                else:
+                    cids.append(cid)
         for alias, target in roster.aliases:
             known = self.aliases.setdefault(alias, target)
             if known != target:

@@ -65,6 +65,10 @@ class Planner:
         self._regions: dict[tuple[str, Box], list[Region]] = {}
         self._remote: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
         self._consumers: dict[str, list[str]] | None = None
+        # Geometries already checked: layers and experts repeat the same few, so validating
+        # 30,000 tensors costs what their distinct shapes and box sets cost.
+        self._segments_ok: set[tuple] = set()
+        self._coverage_ok: set[tuple] = set()
 
     # ----------------------------------------------------------------- validation
     def validate(self) -> None:
@@ -80,7 +84,7 @@ class Planner:
                 if not self._skipped(name):
                     problems.append(self._no_source(info))
                 continue
-            problem = self._check_segments(info, segs) or self._check_coverage(info)
+            problem = self._check_segments(info, segs) or self._check_coverage(info, segs)
             if problem:
                 problems.append(problem)
             if len(problems) > 20:
@@ -101,6 +105,17 @@ class Planner:
         )
 
     def _check_segments(self, info: TensorInfo, segs: list[Segment]) -> str | None:
+        srcs = [self.src.tensors[seg.src_name] for seg in segs]
+        key = (info.shape, info.dtype, info.is_buffer,
+               tuple((seg.dst_box, seg.src_offset, t.shape, t.dtype) for seg, t in zip(segs, srcs)))
+        if key in self._segments_ok:
+            return None
+        problem = self._segments_problem(info, segs)
+        if problem is None:
+            self._segments_ok.add(key)
+        return problem
+
+    def _segments_problem(self, info: TensorInfo, segs: list[Segment]) -> str | None:
         for seg in segs:
             sinfo = self.src.tensors[seg.src_name]
             src_box = Box(seg.src_offset, seg.dst_box.size)
@@ -122,7 +137,18 @@ class Planner:
     def _may_cast(self, sinfo: TensorInfo, dinfo: TensorInfo) -> bool:
         return self.cast is True or (self.cast == "buffers" and dinfo.is_buffer)
 
-    def _check_coverage(self, info: TensorInfo) -> str | None:
+    def _check_coverage(self, info: TensorInfo, segs: list[Segment]) -> str | None:
+        # Coverage depends on geometry only (which boxes are held, not by whom).
+        key = (info.box_key, tuple((seg.dst_box, seg.src_offset, self.src.tensors[seg.src_name].box_key)
+                                   for seg in segs))
+        if key in self._coverage_ok:
+            return None
+        problem = self._coverage_problem(info)
+        if problem is None:
+            self._coverage_ok.add(key)
+        return problem
+
+    def _coverage_problem(self, info: TensorInfo) -> str | None:
         for box, cids in info.boxes.items():
             covered = sum(r.dst_box.numel for r in self.regions(info.name, box))
             if covered != box.numel:
