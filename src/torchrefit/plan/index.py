@@ -54,6 +54,7 @@ class RoleIndex:
     def __init__(self, role: str, rosters: Sequence[bytes | None]) -> None:
         self.role = role
         self.members: list[list[int]] = []  # class id -> ranks, ascending
+        self.names: list[list[str]] = []  # class id -> the global tensors it holds
         self.tensors: dict[str, TensorInfo] = {}
         self.aliases: dict[str, str] = {}
         self._ranks_cache: dict[tuple[int, ...], tuple[int, ...]] = {}
@@ -68,6 +69,7 @@ class RoleIndex:
             if cid is None:
                 cid = by_bytes[blob] = len(self.members)
                 self.members.append([])
+                self.names.append([])
                 self._add_class(cid, rank, blob)
             self.members[cid].append(rank)
             self.rank_class[rank] = cid
@@ -76,6 +78,7 @@ class RoleIndex:
     def _add_class(self, cid: int, rank: int, blob: bytes) -> None:
         roster = decode_roster(blob)
         tensors = self.tensors
+        self.names[cid] = [e[0] for e in roster.entries]
         for name, shape, dtype, is_buffer, boxes in roster.entries:
             info = tensors.get(name)
             if info is None:

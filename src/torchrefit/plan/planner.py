@@ -7,15 +7,15 @@ costs time in proportion to the global tensors it holds and the distinct boxes
 held of them, not to world size times parameters.
 
 Choosing among source replicas: a destination rank that holds the region as a
-source copies it locally. The others, in ascending rank order, are dealt round
-robin over the holders, starting at a per-region offset (a CRC of the region),
-so bytes spread evenly over replicas and every rank derives the same choice.
+source copies it locally. The others are dealt over the holders by bytes (see
+:mod:`.deal`): every region a holder set holds, in one canonical order, so each
+replica sends an equal share and every rank derives the same choice from the
+rosters alone.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import zlib
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from ..errors import PlanError
 from ..layout._types import Box, ModelLayout, TensorLayout
 from ..maps import Identity, NameMap, Segment
+from .deal import Block, Line
 from .index import RoleIndex, TensorInfo
-from .types import LocalCopy, RankPlan, Transfer
+from .types import LocalCopy, RankPlan, Transfer, itemsize
 
 __all__ = ["Region", "Planner", "CastPolicy"]
 
@@ -39,7 +40,6 @@ class Region:
     src_name: str
     src_box: Box
     holders: tuple[int, ...]  # source class ids
-    spread: int  # start of the round robin over holders
 
 
 class Planner:
@@ -64,6 +64,9 @@ class Planner:
         self._segments: dict[str, list[Segment] | None] = {}
         self._regions: dict[tuple[str, Box], list[Region]] = {}
         self._remote: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
+        # Per holder set of 2+ ranks: its line of bytes, and what each holder sends of it.
+        self._lines: dict[tuple[int, ...], Line] = {}
+        self._sends: dict[tuple[tuple[int, ...], int], dict] = {}
         self._consumers: dict[str, list[str]] | None = None
         # Geometries already checked: layers and experts repeat the same few, so validating
         # 30,000 tensors costs what their distinct shapes and box sets cost.
@@ -217,10 +220,7 @@ class Planner:
         if not sinfo.disjoint and len(hits) > 1:
             hits = _grid_cells(src_part, hits)
         return [
-            Region(
-                inter.moved(seg.src_offset, seg.dst_box.offset), seg.src_name, inter, tuple(cids),
-                zlib.crc32(f"{dst_name}|{inter.offset}".encode()),
-            )
+            Region(inter.moved(seg.src_offset, seg.dst_box.offset), seg.src_name, inter, tuple(cids))
             for inter, cids in hits
         ]
 
@@ -235,23 +235,90 @@ class Planner:
             self._remote[key] = got
         return got
 
-    def source_of(self, region: Region, dst_cids: tuple[int, ...], rank: int) -> int:
+    def sources(self, name: str, box: Box, i: int, dst_cids: tuple[int, ...],
+                rank: int) -> list[tuple[int, Box]]:
+        """Who fills region ``i`` of ``box`` of ``name`` on destination ``rank``:
+        ``(source rank, part of the region)``, parts in row order; ``rank`` itself
+        where it holds the region as a source (a local copy)."""
+        region = self.regions(name, box)[i]
         holders = self.src.ranks(region.holders)
-        i = bisect_left(holders, rank)
-        if i < len(holders) and holders[i] == rank:
-            return rank
-        remote = self._remote_ranks(dst_cids, region.holders)
-        k = bisect_left(remote, rank)
-        return holders[(k + region.spread) % len(holders)]
+        k = bisect_left(holders, rank)
+        if k < len(holders) and holders[k] == rank:
+            return [(rank, region.dst_box)]
+        if len(holders) == 1:
+            return [(holders[0], region.dst_box)]
+        parts = self._line(region.holders).split(self.dst.rank_class[rank], rank, (name, box, i))
+        return [(holders[h], _rows(region.dst_box, lo, hi)) for h, lo, hi in parts]
 
-    def destinations_of(self, region: Region, dst_cids: tuple[int, ...], rank: int) -> list[int]:
+    def destinations(self, name: str, box: Box, i: int, dst_cids: tuple[int, ...],
+                     rank: int) -> list[tuple[int, Box]]:
+        """What source ``rank`` sends of region ``i`` of ``box`` of ``name``:
+        ``(destination rank, part of the region)``, as :meth:`sources` decides."""
+        region = self.regions(name, box)[i]
         holders = self.src.ranks(region.holders)
-        i = bisect_left(holders, rank)
-        if i == len(holders) or holders[i] != rank:
+        k = bisect_left(holders, rank)
+        if k == len(holders) or holders[k] != rank:
             return []
+        if len(holders) == 1:
+            return [(d, region.dst_box) for d in self._remote_ranks(dst_cids, region.holders)]
+        sends = self._sends.get((region.holders, k))
+        if sends is None:
+            sends = self._sends[(region.holders, k)] = self._line(region.holders).sends(k)
+        return [(d, _rows(region.dst_box, lo, hi)) for d, lo, hi in sends.get((name, box, i), ())]
+
+    def deal(self, name: str, box: Box, i: int,
+             dst_cids: tuple[int, ...]) -> list[tuple[int, int, int]]:
+        """``(source rank, destination rank, bytes)`` of every remote transfer of region
+        ``i`` of ``box`` of ``name``, as the ranks' plans have them (whole-world summaries)."""
+        region = self.regions(name, box)[i]
+        holders = self.src.ranks(region.holders)
         remote = self._remote_ranks(dst_cids, region.holders)
-        n = len(holders)
-        return remote[(i - region.spread) % n:: n]
+        size = self.wire_bytes(region)
+        if len(holders) == 1 or not remote:
+            return [(holders[0], d, size) for d in remote]
+        line, key = self._line(region.holders), (name, box, i)
+        row_bytes = size // (region.dst_box.size[0] if region.dst_box.ndim else 1)
+        cls = self.dst.rank_class
+        return [(holders[h], d, (hi - lo) * row_bytes) for d in remote
+                for h, lo, hi in line.split(cls[d], d, key)]
+
+    def wire_bytes(self, region: Region) -> int:
+        """Bytes of one transfer of a whole region (in the source's dtype)."""
+        return region.dst_box.numel * itemsize(self.src.tensors[region.src_name].dtype)
+
+    def _line(self, holders: tuple[int, ...]) -> Line:
+        """The line of bytes a holder set deals (see :mod:`.deal`), built on first use.
+
+        Every class of the set holds all of the set's regions, so the tensors of its
+        first class are where to look: work in proportion to what one holder holds.
+        """
+        line = self._lines.get(holders)
+        if line is not None:
+            return line
+        items = []
+        for src_name in self.src.names[holders[0]]:
+            for name in self.consumers(src_name):
+                for box, cids in self.dst.tensors[name].boxes.items():
+                    for i, r in enumerate(self.regions(name, box)):
+                        if r.src_name == src_name and r.holders == holders:
+                            items.append(((name, box.offset, box.size, i), (name, box, i), cids, r))
+        items.sort(key=lambda it: it[0])
+        held = set(self.src.ranks(holders))
+        blocks: dict[int, Block] = {}
+        for _, key, cids, r in items:
+            rows = r.dst_box.size[0] if r.dst_box.ndim else 1
+            for c in cids:
+                b = blocks.get(c)
+                if b is None:
+                    b = blocks[c] = Block([d for d in self.dst.members[c] if d not in held])
+                b.add(key, self.wire_bytes(r), rows)
+        line = self._lines[holders] = Line(len(held), blocks)
+        return line
+
+    def local_ranks(self, region: Region, dst_cids: tuple[int, ...]) -> list[int]:
+        """Destination ranks holding the box that copy ``region`` from their own source."""
+        held = set(self.src.ranks(region.holders))
+        return [r for r in self.dst.ranks(dst_cids) if r in held]
 
     # ------------------------------------------------------------------ rank plan
     def plan_rank(
@@ -275,17 +342,17 @@ class Planner:
             boxes = self.dst.tensors[t.name].boxes
             for piece in t.pieces:
                 dst_cids = tuple(boxes[piece.box])
-                for region in self.regions(t.name, piece.box):
-                    local_box = region.dst_box.moved(piece.box.offset, piece.local_offset)
+                for i, region in enumerate(self.regions(t.name, piece.box)):
                     src_dtype = self.src.tensors[region.src_name].dtype
-                    peer = self.source_of(region, dst_cids, rank)
-                    if peer == rank:
-                        skey, sbox = _local_source(src_by_name, region)
-                        local.append(LocalCopy(t.name, region.dst_box, skey, sbox, key, local_box,
-                                               src_dtype, t.dtype))
-                    else:
-                        recvs.append(Transfer(peer, t.name, region.dst_box, key, local_box,
-                                              src_dtype, t.dtype))
+                    for peer, part in self.sources(t.name, piece.box, i, dst_cids, rank):
+                        local_box = part.moved(piece.box.offset, piece.local_offset)
+                        if peer == rank:
+                            skey, sbox = _local_source(src_by_name, region)
+                            local.append(LocalCopy(t.name, part, skey, sbox, key, local_box,
+                                                   src_dtype, t.dtype))
+                        else:
+                            recvs.append(Transfer(peer, t.name, part, key, local_box,
+                                                  src_dtype, t.dtype))
         return local, recvs
 
     def _sending(self, rank: int, src: ModelLayout) -> list[Transfer]:
@@ -294,15 +361,20 @@ class Planner:
             for name in self.consumers(t.name):
                 for dst_box, cids in self.dst.tensors[name].boxes.items():
                     dst_cids = tuple(cids)
-                    for region in self.regions(name, dst_box):
+                    for i, region in enumerate(self.regions(name, dst_box)):
                         if region.src_name != t.name:
                             continue
-                        peers = self.destinations_of(region, dst_cids, rank)
-                        if peers:
-                            sbox = _box_in(t, region.src_box)
-                            sends.extend(Transfer(p, name, region.dst_box, key, sbox, t.dtype, t.dtype)
-                                         for p in peers)
+                        for peer, part in self.destinations(name, dst_box, i, dst_cids, rank):
+                            sbox = _box_in(t, part.moved(region.dst_box.offset, region.src_box.offset))
+                            sends.append(Transfer(peer, name, part, key, sbox, t.dtype, t.dtype))
         return sends
+
+
+def _rows(box: Box, lo: int, hi: int) -> Box:
+    """Rows ``lo`` to ``hi`` (dim 0) of a box."""
+    if lo == 0 and (not box.ndim or hi == box.size[0]):
+        return box
+    return Box((box.offset[0] + lo,) + box.offset[1:], (hi - lo,) + box.size[1:])
 
 
 def _local_source(src_by_name, region: Region) -> tuple[str, Box]:

@@ -1,0 +1,121 @@
+"""Dealing transfers over source replicas by bytes, so that every replica sends its share.
+
+The regions one set of source ranks holds (a *holder set*, such as the 32
+data-parallel replicas of one TP x PP shard) are sent to the destination ranks
+that need them and do not hold them. Each (region, destination) *pair* is laid on
+a line of bytes: destination ranks in ascending order, and for each, the regions
+it needs from the set in one canonical order (its *block*). The line is cut into
+``n`` equal stretches, holder ``i`` (ascending rank) sending stretch ``i``; a
+pair that straddles a cut is split by rows (dim 0 of the region), rounded to the
+nearest row. So every holder sends ``total / n`` bytes give or take a row, a
+large region (an embedding shard) is shared by several replicas rather than
+loading one, and each holder talks to few destinations (``destinations / n``
+plus one or two), each destination to few holders.
+
+Destination ranks of one class (identical holdings) have identical blocks, so a
+block is built once per class and where a rank's block starts is a sum over
+classes: sender and receiver compute the same rows from the rosters alone, in
+time proportional to what the holder set holds and the classes it serves.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from heapq import merge
+
+__all__ = ["Block", "Line", "split_pair"]
+
+Key = Hashable  # names one region of the holder set (the planner uses (name, box, index))
+
+
+@dataclass
+class Block:
+    """What one destination rank of a class receives from the holder set, in line order."""
+
+    ranks: list[int]  # the class's ranks that receive it (those not among the holders)
+    keys: list[Key] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)  # where each pair starts in the block
+    sizes: list[int] = field(default_factory=list)  # bytes of each pair
+    rows: list[int] = field(default_factory=list)  # rows (dim 0) of each pair
+    width: int = 0
+    index: dict[Key, int] = field(default_factory=dict)
+
+    def add(self, key: Key, size: int, rows: int) -> None:
+        self.index[key] = len(self.keys)
+        self.keys.append(key)
+        self.offsets.append(self.width)
+        self.sizes.append(size)
+        self.rows.append(rows)
+        self.width += size
+
+
+class Line:
+    """One holder set's line of bytes (see the module docstring)."""
+
+    def __init__(self, n: int, blocks: dict[int, Block]) -> None:
+        self.n = n
+        self.blocks = {c: b for c, b in blocks.items() if b.ranks and b.width}
+        self.total = sum(b.width * len(b.ranks) for b in self.blocks.values())
+        self.cut = [i * self.total // n for i in range(n + 1)]
+        self._starts: dict[int, int] = {}
+
+    def block_start(self, rank: int) -> int:
+        """Where the block of destination ``rank`` starts: blocks of lower ranks first."""
+        got = self._starts.get(rank)
+        if got is None:
+            got = self._starts[rank] = sum(b.width * bisect_left(b.ranks, rank)
+                                           for b in self.blocks.values())
+        return got
+
+    def split(self, cls: int, rank: int, key: Key) -> list[tuple[int, int, int]]:
+        """``(holder index, first row, end row)`` of each holder sending part of the
+        pair (``key``, ``rank``); ``cls`` is the rank's class (receivers call this)."""
+        b = self.blocks[cls]
+        j = b.index[key]
+        start = self.block_start(rank) + b.offsets[j]
+        return split_pair(start, b.sizes[j], b.rows[j], self.cut)
+
+    def sends(self, i: int) -> dict[Key, list[tuple[int, int, int]]]:
+        """What holder ``i`` sends: ``{key: [(destination rank, first row, end row)]}``."""
+        a, e = self.cut[i], self.cut[i + 1]
+        out: dict[Key, list[tuple[int, int, int]]] = {}
+        pos = 0
+        for rank, cls in merge(*([(r, c) for r in b.ranks] for c, b in self.blocks.items())):
+            b = self.blocks[cls]
+            if pos + b.width > a:
+                self._sends_of_block(b, rank, pos, a, e, out)
+            pos += b.width
+            if pos >= e:
+                break
+        return out
+
+    @staticmethod
+    def _sends_of_block(b: Block, rank: int, pos: int, a: int, e: int,
+                        out: dict[Key, list[tuple[int, int, int]]]) -> None:
+        j = max(0, bisect_right(b.offsets, a - pos) - 1)
+        while j < len(b.keys) and pos + b.offsets[j] < e:
+            s = pos + b.offsets[j]
+            lo, hi = _cut(a, s, b.sizes[j], b.rows[j]), _cut(e, s, b.sizes[j], b.rows[j])
+            if hi > lo:
+                out.setdefault(b.keys[j], []).append((rank, lo, hi))
+            j += 1
+
+
+def split_pair(start: int, size: int, rows: int, cut: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(holder, first row, end row)`` of each stretch ``[cut[i], cut[i + 1])`` that
+    holds part of the pair laid at ``start``, rounded to the nearest row."""
+    i = max(0, bisect_right(cut, start) - 1)
+    out = []
+    while i < len(cut) - 1 and cut[i] < start + size:
+        lo, hi = _cut(cut[i], start, size, rows), _cut(cut[i + 1], start, size, rows)
+        if hi > lo:
+            out.append((i, lo, hi))
+        i += 1
+    return out
+
+
+def _cut(edge: int, start: int, size: int, rows: int) -> int:
+    """The row of a pair laid at ``start`` nearest to line position ``edge``."""
+    return min(max((2 * (edge - start) * rows + size) // (2 * size), 0), rows)
