@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Container, Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .layout._types import Box
 
@@ -50,7 +51,7 @@ class NameMap:
             name = src_aliases.get(name)
             if name is None or name not in src_names:
                 return None
-        return [Segment(Box.whole(dst_shape), name, (0,) * len(dst_shape))]
+        return [Segment(_whole(tuple(dst_shape)), name, (0,) * len(dst_shape))]
 
     def cache_key(self) -> object:
         """What identifies this map's behaviour, for plan caches."""
@@ -81,6 +82,11 @@ class Rename(NameMap):
 
     def cache_key(self) -> object:
         return (type(self).__qualname__, tuple(sorted(self.table.items())))
+
+
+@lru_cache(maxsize=1024)
+def _whole(shape: tuple[int, ...]) -> Box:
+    return Box.whole(shape)  # boxes are immutable: one per shape serves every layer
 
 
 def _template_regex(template: str) -> re.Pattern[str]:

@@ -28,14 +28,7 @@ class TensorInfo:
     first_rank: int
     boxes: dict[Box, list[int]] = field(default_factory=dict)  # box -> class ids, ascending
     _disjoint: bool | None = None
-    _box_key: tuple[Box, ...] | None = None
-
-    @property
-    def box_key(self) -> tuple[Box, ...]:
-        """The distinct boxes held, hashable (read once the index is built)."""
-        if self._box_key is None:
-            self._box_key = tuple(self.boxes)
-        return self._box_key
+    _geometry: int | None = None
 
     @property
     def disjoint(self) -> bool:
@@ -60,6 +53,7 @@ class RoleIndex:
         self._ranks_cache: dict[tuple[int, ...], tuple[int, ...]] = {}
         # One Box per distinct (offset, size): layers and experts repeat the same boxes.
         self._boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], Box] = {}
+        self._geometries: dict[tuple, int] = {}
         self.rank_class: dict[int, int] = {}
         by_bytes: dict[bytes, int] = {}
         for rank, blob in enumerate(rosters):
@@ -106,6 +100,16 @@ class RoleIndex:
                     f"{alias}: {self.role} ranks disagree about what it aliases: "
                     f"{known!r} and {target!r} (rank {rank})"
                 )
+
+    def geometry(self, info: TensorInfo) -> int:
+        """A small id that tensors of equal shape, dtype, kind and held boxes share
+        (read once the index is built; what validation depends on besides names)."""
+        gid = info._geometry
+        if gid is None:
+            key = (info.shape, info.dtype, info.is_buffer,
+                   tuple((b.offset, b.size) for b in info.boxes))
+            gid = info._geometry = self._geometries.setdefault(key, len(self._geometries))
+        return gid
 
     def ranks(self, class_ids: Sequence[int]) -> tuple[int, ...]:
         """The ranks of some classes, ascending (cached: few distinct combinations recur)."""

@@ -68,10 +68,9 @@ class Planner:
         self._lines: dict[tuple[int, ...], Line] = {}
         self._sends: dict[tuple[tuple[int, ...], int], dict] = {}
         self._consumers: dict[str, list[str]] | None = None
-        # Geometries already checked: layers and experts repeat the same few, so validating
+        # Geometries found valid: layers and experts repeat the same few, so validating
         # 30,000 tensors costs what their distinct shapes and box sets cost.
-        self._segments_ok: set[tuple] = set()
-        self._coverage_ok: set[tuple] = set()
+        self._valid: set[tuple] = set()
 
     # ----------------------------------------------------------------- validation
     def validate(self) -> None:
@@ -87,9 +86,14 @@ class Planner:
                 if not self._skipped(name):
                     problems.append(self._no_source(info))
                 continue
-            problem = self._check_segments(info, segs) or self._check_coverage(info, segs)
+            key = self._geometry(info, segs)
+            if key in self._valid:
+                continue
+            problem = self._check_segments(info, segs) or self._check_coverage(info)
             if problem:
                 problems.append(problem)
+            else:
+                self._valid.add(key)
             if len(problems) > 20:
                 break
         if problems:
@@ -107,18 +111,15 @@ class Planner:
             "it untouched)"
         )
 
-    def _check_segments(self, info: TensorInfo, segs: list[Segment]) -> str | None:
-        srcs = [self.src.tensors[seg.src_name] for seg in segs]
-        key = (info.shape, info.dtype, info.is_buffer,
-               tuple((seg.dst_box, seg.src_offset, t.shape, t.dtype) for seg, t in zip(segs, srcs)))
-        if key in self._segments_ok:
-            return None
-        problem = self._segments_problem(info, segs)
-        if problem is None:
-            self._segments_ok.add(key)
-        return problem
+    def _geometry(self, info: TensorInfo, segs: list[Segment]) -> tuple:
+        """All that validity depends on: both tensors' shapes, dtypes, kinds and held
+        boxes (not names, not which ranks hold them), and where the segments sit."""
+        src = self.src
+        return (self.dst.geometry(info), tuple(
+            (seg.dst_box.offset, seg.dst_box.size, seg.src_offset, src.geometry(src.tensors[seg.src_name]))
+            for seg in segs))
 
-    def _segments_problem(self, info: TensorInfo, segs: list[Segment]) -> str | None:
+    def _check_segments(self, info: TensorInfo, segs: list[Segment]) -> str | None:
         for seg in segs:
             sinfo = self.src.tensors[seg.src_name]
             src_box = Box(seg.src_offset, seg.dst_box.size)
@@ -140,18 +141,7 @@ class Planner:
     def _may_cast(self, sinfo: TensorInfo, dinfo: TensorInfo) -> bool:
         return self.cast is True or (self.cast == "buffers" and dinfo.is_buffer)
 
-    def _check_coverage(self, info: TensorInfo, segs: list[Segment]) -> str | None:
-        # Coverage depends on geometry only (which boxes are held, not by whom).
-        key = (info.box_key, tuple((seg.dst_box, seg.src_offset, self.src.tensors[seg.src_name].box_key)
-                                   for seg in segs))
-        if key in self._coverage_ok:
-            return None
-        problem = self._coverage_problem(info)
-        if problem is None:
-            self._coverage_ok.add(key)
-        return problem
-
-    def _coverage_problem(self, info: TensorInfo) -> str | None:
+    def _check_coverage(self, info: TensorInfo) -> str | None:
         for box, cids in info.boxes.items():
             covered = sum(r.dst_box.numel for r in self.regions(info.name, box))
             if covered != box.numel:

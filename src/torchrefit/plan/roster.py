@@ -28,12 +28,19 @@ class Roster:
 
 
 def roster_of(layout: ModelLayout) -> Roster:
+    # Equal tuples become one object, so pickle writes each distinct shape and box list
+    # once (layers and experts repeat them) and the decoder builds it once.
+    same: dict = {}
     entries = tuple(
-        (t.name, t.global_shape, t.dtype, t.is_buffer,
-         tuple((p.box.offset, p.box.size) for p in t.pieces))
+        (t.name, _one(same, t.global_shape), t.dtype, t.is_buffer,
+         _one(same, tuple(_one(same, (p.box.offset, p.box.size)) for p in t.pieces)))
         for _, t in layout
     )
     return Roster(entries, tuple(layout.aliases))
+
+
+def _one(same: dict, value: tuple) -> tuple:
+    return same.setdefault(value, value)
 
 
 def encode_roster(layout: ModelLayout | Roster) -> bytes:
