@@ -1,0 +1,92 @@
+"""``torchrefit plan``: simulate a refit at any world size on one CPU and explain it.
+
+No processes, no GPUs, no tensors: the rosters every rank would gather are built
+from a model shape and two layouts, then planned as the ranks would plan them.
+Prints what moves (totals, per rank, per link, balance, local fraction), the
+metadata each rank gathers and what planning costs one rank; ``--json`` and
+``--heatmap`` write the same to files. Example::
+
+    torchrefit plan --model llama-70b --src tp8pp4 --dst tp4 --world 1024
+    torchrefit plan --model deepseek-v3 --src pp16ep64 --dst tp8ep8 --world 1024
+    torchrefit plan --layers 32 --hidden 4096 --src tp2@0:16 --dst tp1@16:32 --world 32
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="simulate and explain a refit plan at any world size, on CPU",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="gpt-4b",
+                   help="shape preset: gpt-4b, llama-70b, deepseek-v3 (default gpt-4b); "
+                        "the flags below override its fields")
+    for flag in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "experts", "expert-ffn"):
+        p.add_argument(f"--{flag}", type=int, default=None)
+    p.add_argument("--dtype", default=None, help="parameter dtype, e.g. bfloat16, float32")
+    p.add_argument("--src", default="tp8pp4",
+                   help="source layout, e.g. tp8pp4, pp16ep64, tp2@0:512 (ranks 0-511); "
+                        "default tp8pp4")
+    p.add_argument("--dst", default="tp4", help="destination layout, e.g. tp4, tp8ep8; default tp4")
+    p.add_argument("--world", type=int, default=1024, help="world size (default 1024)")
+    p.add_argument("--samples", type=int, default=8, help="ranks whose planning is timed (default 8)")
+    p.add_argument("--rank", type=int, action="append", default=[],
+                   help="also print this rank's plan (repeatable)")
+    p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    p.add_argument("--heatmap", metavar="FILE.png",
+                   help="draw the rank x rank traffic matrix (needs matplotlib)")
+    p.set_defaults(run=run)
+
+
+def _shape(args):
+    from torchrefit.simulate import preset
+
+    shape = preset(args.model)
+    kw = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+          "kv_heads": args.kv_heads, "ffn": args.ffn, "vocab": args.vocab,
+          "experts": args.experts, "expert_ffn": args.expert_ffn, "dtype": args.dtype}
+    if args.heads is not None and args.kv_heads is None and shape.kv_heads == shape.heads:
+        kw["kv_heads"] = args.heads  # a multi-head preset stays multi-head
+    if args.experts and not (args.expert_ffn or shape.expert_ffn):
+        kw["expert_ffn"] = args.ffn or shape.ffn
+    return shape.with_overrides(**kw)
+
+
+def run(args) -> int:
+    from torchrefit.simulate import parse_mesh
+    from torchrefit.simulate.report import simulate
+
+    try:
+        shape = _shape(args)
+        src, dst = parse_mesh(args.src, args.world), parse_mesh(args.dst, args.world)
+        sim = simulate(shape, src, dst, args.world, model=args.model, samples=args.samples,
+                       ranks=args.rank)
+    except ValueError as e:
+        print(f"torchrefit plan: {e}", file=sys.stderr)
+        return 2
+    report = sim.report
+    print(f"torchrefit plan: {args.world} ranks, simulated on this CPU in "
+          f"{report.simulate_seconds:.1f} s")
+    for line in report.lines():
+        print("  " + line)
+    for r in args.rank:
+        print()
+        print(sim.plan(r).summary())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_json(), f, indent=1)
+        print(f"  wrote {args.json}")
+    if args.heatmap:
+        from torchrefit.simulate.heatmap import draw_heatmap
+        try:
+            draw_heatmap(sim.traffic, args.heatmap, f"{args.model}: {report.src} -> {report.dst}")
+        except ImportError as e:
+            print(f"torchrefit plan: {e}", file=sys.stderr)
+            return 2
+        print(f"  wrote {args.heatmap}")
+    return 0
+

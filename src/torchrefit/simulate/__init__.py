@@ -1,0 +1,9 @@
+"""Simulated refits: model shapes, compact layout strings and whole worlds of rosters,
+planned on one CPU without processes or GPUs (``torchrefit plan``)."""
+
+from .meshes import Coords, Mesh, parse_mesh
+from .shapes import PRESETS, GlobalTensor, ModelShape, global_tensors, preset
+from .world import SimulatedRole, layout_of, simulated_role
+
+__all__ = ["ModelShape", "GlobalTensor", "PRESETS", "preset", "global_tensors", "Mesh", "Coords",
+           "parse_mesh", "SimulatedRole", "simulated_role", "layout_of"]

@@ -1,0 +1,38 @@
+"""Draw a refit's rank x rank traffic matrix (matplotlib, imported only when asked)."""
+
+from __future__ import annotations
+
+from .traffic import Traffic
+
+__all__ = ["draw_heatmap"]
+
+
+def draw_heatmap(moves: Traffic, path: str, title: str) -> None:
+    """Write a PNG of bytes sent from each source rank (rows) to each destination rank
+    (columns), local copies on the diagonal. Raises ImportError saying what to install."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")  # files only: no display needed on a cluster node
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import LogNorm
+    except ImportError as e:
+        raise ImportError(
+            f"--heatmap needs matplotlib ({e}); install it with: pip install 'torchrefit[bench]'"
+        ) from None
+    w = moves.world
+    grid = [[moves.matrix[s * w + d] / 1e9 for d in range(w)] for s in range(w)]
+    for r, b in enumerate(moves.local):
+        grid[r][r] += b / 1e9
+    peak = max((max(row) for row in grid), default=0.0)
+    fig, ax = plt.subplots(figsize=(8, 7), dpi=120)
+    floor = max(peak * 1e-4, 1e-9)
+    masked = [[v if v > 0 else float("nan") for v in row] for row in grid]
+    image = ax.imshow(masked, cmap="viridis", interpolation="nearest", origin="upper",
+                      norm=LogNorm(vmin=floor, vmax=max(peak, floor * 10)))
+    ax.set_xlabel("destination rank")
+    ax.set_ylabel("source rank")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(image, ax=ax, label="GB (log scale; diagonal: local copies)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

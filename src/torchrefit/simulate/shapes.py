@@ -1,0 +1,194 @@
+"""Model shapes for simulated refits: presets and the global tensors of a shape.
+
+A :class:`ModelShape` says how big a Megatron-style GPT is; :func:`global_tensors`
+lists its global tensors with Megatron-core's canonical names and how each is
+sharded (tensor-parallel dim and stride, expert or not, which pipeline stage).
+Nothing here allocates a tensor: shapes only, so that ``torchrefit plan`` can
+describe a 1024-rank refit of a 671 B-parameter model on a laptop.
+
+Simplifications (the planner sees the same kind of tensors, not bit-exact models):
+
+* local-spec layer norm names (``input_layernorm``, ``pre_mlp_layernorm``), not
+  Transformer Engine's fused ``linear_qkv.layer_norm_weight``;
+* DeepSeek-V3: multi-latent attention has Megatron's names and shapes, the
+  down projections replicated; no multi-token-prediction layers; the router's
+  ``expert_bias`` is a float32 buffer; one shared expert, sharded like a dense MLP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+__all__ = ["ModelShape", "GlobalTensor", "PRESETS", "preset", "global_tensors", "stage_layers"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The size of a Megatron-style GPT (dense, or MoE where ``experts`` > 0)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int  # dense MLP width (the first ``dense_layers`` layers of an MoE model)
+    vocab: int
+    swiglu: bool = True
+    bias: bool = False  # linear biases and layer-norm biases (GPT-2 style)
+    tie: bool = False  # output layer served from the word embedding
+    position_embeddings: int = 0  # learned absolute positions (rows), 0: none (RoPE)
+    experts: int = 0
+    expert_ffn: int = 0
+    shared_expert_ffn: int = 0  # 0: no shared expert
+    dense_layers: int = 0  # MoE models: the first layers keep a dense MLP
+    mla: bool = False  # DeepSeek multi-latent attention instead of GQA
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for f in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"model shape: {f} must be positive, not {getattr(self, f)}")
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ValueError(f"model shape: {self.heads} heads do not divide hidden {self.hidden} "
+                             f"or are not a multiple of {self.kv_heads} kv heads")
+        if self.experts and self.expert_ffn < 1:
+            raise ValueError("model shape: an MoE model needs expert_ffn > 0")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def with_overrides(self, **kw) -> ModelShape:
+        """This shape with the fields given (None values ignored), for CLI flags."""
+        names = {f.name for f in fields(self)}
+        return replace(self, **{k: v for k, v in kw.items() if v is not None and k in names})
+
+
+PRESETS: dict[str, ModelShape] = {
+    # The seed's benchmark model: 244 tensors, 4.25 B parameters (tied, learned positions).
+    "gpt-4b": ModelShape(20, 4096, 32, 32, 16384, 50304, swiglu=False, bias=True, tie=True,
+                         position_embeddings=4096),
+    "llama-70b": ModelShape(80, 8192, 64, 8, 28672, 128256),
+    "deepseek-v3": ModelShape(61, 7168, 128, 128, 18432, 129280, experts=256, expert_ffn=2048,
+                              shared_expert_ffn=2048, dense_layers=3, mla=True),
+}
+
+
+def preset(name: str) -> ModelShape:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; use one of {sorted(PRESETS)}") from None
+
+
+@dataclass(frozen=True)
+class GlobalTensor:
+    """A global tensor and how Megatron-core shards it.
+
+    ``group`` is ``"tp"`` (dense tensor parallel), ``"etp"`` (expert tensor
+    parallel) or ``"rep"`` (replicated); ``layer`` and ``expert`` are global
+    indices; ``stage`` is ``"first"`` / ``"last"`` for tensors of one pipeline end.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    group: str = "rep"
+    dim: int = 0
+    stride: int = 1
+    layer: int | None = None
+    expert: int | None = None
+    stage: str | None = None
+    dtype: str | None = None  # None: the model's dtype
+    buffer: bool = False
+
+
+# MLA sizes of DeepSeek-V3 (q_lora_rank, kv_lora_rank, qk nope / rope head dims, v head dim).
+_MLA = (1536, 512, 128, 64, 128)
+
+
+def global_tensors(shape: ModelShape) -> list[GlobalTensor]:
+    """Every global tensor of the model in Megatron's order (embedding, layers, head)."""
+    s, H = shape, shape.hidden
+    out = [GlobalTensor("embedding.word_embeddings.weight", (s.vocab, H), "tp", stage="first")]
+    if s.position_embeddings:
+        out.append(GlobalTensor("embedding.position_embeddings.weight",
+                                (s.position_embeddings, H), stage="first"))
+    for i in range(s.layers):
+        out += _layer(s, i)
+    out += _norm(s, "decoder.final_layernorm", None, stage="last")
+    if not s.tie:
+        out.append(GlobalTensor("output_layer.weight", (s.vocab, H), "tp", stage="last"))
+    return out
+
+
+def stage_layers(layers: int, pp: int, stage: int) -> range:
+    """Global layers of a pipeline stage: as even as can be (61 over 16: 3 or 4 each)."""
+    return range(layers * stage // pp, layers * (stage + 1) // pp)
+
+
+def _norm(s: ModelShape, prefix: str, layer: int | None, stage: str | None = None,
+          width: int | None = None) -> list[GlobalTensor]:
+    w = (width or s.hidden,)
+    out = [GlobalTensor(prefix + ".weight", w, layer=layer, stage=stage)]
+    if s.bias:
+        out.append(GlobalTensor(prefix + ".bias", w, layer=layer, stage=stage))
+    return out
+
+
+def _linear(s: ModelShape, name: str, shape: tuple[int, int], group: str, dim: int, layer: int,
+            stride: int = 1, expert: int | None = None, bias: bool | None = None) -> list[GlobalTensor]:
+    out = [GlobalTensor(name + ".weight", shape, group, dim, stride, layer, expert)]
+    if s.bias if bias is None else bias:
+        # A column-parallel bias is cut like its rows; a row-parallel one is replicated.
+        out.append(GlobalTensor(name + ".bias", shape[:1], group if dim == 0 else "rep", 0,
+                                stride, layer, expert))
+    return out
+
+
+def _layer(s: ModelShape, i: int) -> list[GlobalTensor]:
+    p = f"decoder.layers.{i}."
+    out = _norm(s, p + "input_layernorm", i)
+    out += _mla(s, p, i) if s.mla else _gqa(s, p, i)
+    out += _norm(s, p + "pre_mlp_layernorm", i)
+    if s.experts and i >= s.dense_layers:
+        out += _moe(s, p, i)
+    else:
+        out += _mlp(s, p + "mlp.", s.ffn, "tp", i)
+    return out
+
+
+def _gqa(s: ModelShape, p: str, i: int) -> list[GlobalTensor]:
+    hd = s.head_dim
+    qkv = ((s.heads + 2 * s.kv_heads) * hd, s.hidden)
+    return (_linear(s, p + "self_attention.linear_qkv", qkv, "tp", 0, i)
+            + _linear(s, p + "self_attention.linear_proj", (s.hidden, s.heads * hd), "tp", 1, i))
+
+
+def _mla(s: ModelShape, p: str, i: int) -> list[GlobalTensor]:
+    q_rank, kv_rank, nope, rope, v = _MLA
+    a, H, n = p + "self_attention.", s.hidden, s.heads
+    return (_linear(s, a + "linear_q_down_proj", (q_rank, H), "rep", 0, i)
+            + _norm(s, a + "q_layernorm", i, width=q_rank)
+            + _linear(s, a + "linear_q_up_proj", (n * (nope + rope), q_rank), "tp", 0, i)
+            + _linear(s, a + "linear_kv_down_proj", (kv_rank + rope, H), "rep", 0, i)
+            + _norm(s, a + "kv_layernorm", i, width=kv_rank)
+            + _linear(s, a + "linear_kv_up_proj", (n * (nope + v), kv_rank), "tp", 0, i)
+            + _linear(s, a + "linear_proj", (H, n * v), "tp", 1, i))
+
+
+def _mlp(s: ModelShape, p: str, ffn: int, group: str, i: int,
+         expert: int | None = None) -> list[GlobalTensor]:
+    fc1 = (ffn * (2 if s.swiglu else 1), s.hidden)
+    # SwiGLU: each rank holds its part of the gate and of the up projection (stride 2).
+    return (_linear(s, p + "linear_fc1", fc1, group, 0, i, 2 if s.swiglu else 1, expert)
+            + _linear(s, p + "linear_fc2", (s.hidden, ffn), group, 1, i, 1, expert))
+
+
+def _moe(s: ModelShape, p: str, i: int) -> list[GlobalTensor]:
+    out = [GlobalTensor(p + "mlp.router.weight", (s.experts, s.hidden), layer=i),
+           GlobalTensor(p + "mlp.router.expert_bias", (s.experts,), layer=i, dtype="float32",
+                        buffer=True)]
+    for e in range(s.experts):
+        out += _mlp(s, f"{p}mlp.experts.local_experts.{e}.", s.expert_ffn, "etp", i, e)
+    if s.shared_expert_ffn:
+        out += _mlp(s, p + "mlp.shared_experts.", s.shared_expert_ffn, "tp", i)
+    return out

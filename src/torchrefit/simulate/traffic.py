@@ -1,0 +1,104 @@
+"""The traffic of a whole refit: bytes from every source rank to every destination rank.
+
+Computed from the planner's replica choice (:meth:`Planner.deal`), region by region,
+without building every rank's plan: the same bytes as the ranks' plans, at a
+fraction of the cost, so ``torchrefit plan`` can total a 1024-rank refit.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+from ..plan.planner import Planner
+from ..plan.types import itemsize
+
+__all__ = ["Traffic", "traffic"]
+
+
+@dataclass(frozen=True, eq=False)
+class Traffic:
+    """``matrix[s * world + d]``: bytes source rank ``s`` sends destination rank ``d``;
+    ``local[r]``: bytes rank ``r`` copies locally; ``candidates``: the source ranks
+    that hold a replica of something some rank receives (the ranks that could send)."""
+
+    world: int
+    matrix: array
+    local: tuple[int, ...]
+    candidates: tuple[int, ...]
+    floor: int  # no choice of replicas can make the busiest sender send less (see traffic())
+
+    def sent(self) -> list[int]:
+        w, m = self.world, self.matrix
+        return [sum(m[s * w:(s + 1) * w]) for s in range(w)]
+
+    def received(self) -> list[int]:
+        w, m = self.world, self.matrix
+        return [sum(m[d::w]) for d in range(w)]
+
+    @property
+    def bytes_remote(self) -> int:
+        return sum(self.matrix)
+
+    @property
+    def bytes_local(self) -> int:
+        return sum(self.local)
+
+    def links(self) -> list[int]:
+        """Bytes of every (source, destination) pair that moves any."""
+        return [b for b in self.matrix if b]
+
+    def mean_send(self) -> float:
+        """Mean bytes sent over the ranks that could send (hold a replica of what is needed)."""
+        if not self.candidates:
+            return 0.0
+        sent = self.sent()
+        return sum(sent[r] for r in self.candidates) / len(self.candidates)
+
+    def max_send_over_mean(self) -> float:
+        """Balance: the busiest sender against the mean over the ranks that could send."""
+        mean = self.mean_send()
+        return max(self.sent()) / mean if mean else 1.0
+
+    def max_send_over_floor(self) -> float:
+        """Balance against the least the busiest sender could send under any replica choice
+        (where the layout itself is uneven, e.g. one expert per rank, the mean is not reachable)."""
+        floor = max(self.floor, self.mean_send())
+        return max(self.sent()) / floor if floor else 1.0
+
+
+def traffic(planner: Planner, world: int) -> Traffic:
+    """Whole-world traffic of a validated planner (every rank's plan, summed)."""
+    matrix = array("q", bytes(8 * world * world))
+    local = [0] * world
+    dealt: dict[tuple[int, ...], int] = {}  # remote bytes per holder set
+    for name in sorted(planner.dst.tensors):
+        if planner.segments(name) is None:
+            continue  # skipped on purpose
+        info = planner.dst.tensors[name]
+        for box, cids in info.boxes.items():
+            dst_cids = tuple(cids)
+            for i, region in enumerate(planner.regions(name, box)):
+                moves = planner.deal(name, box, i, dst_cids)
+                for s, d, nbytes in moves:
+                    matrix[s * world + d] += nbytes
+                if moves:
+                    dealt[region.holders] = dealt.get(region.holders, 0) + sum(m[2] for m in moves)
+                copied = region.dst_box.numel * itemsize(info.dtype)
+                for r in planner.local_ranks(region, dst_cids):
+                    local[r] += copied
+    candidates = sorted({c for h in dealt for c in h})
+    ranks = planner.src.ranks(candidates) if candidates else ()
+    return Traffic(world, matrix, tuple(local), tuple(ranks), _floor(planner, dealt))
+
+
+def _floor(planner: Planner, dealt: dict[tuple[int, ...], int]) -> int:
+    """A lower bound on the busiest sender under any choice of replicas: whatever only
+    the ranks of a holder set H hold (its bytes and those of every set inside it)
+    is sent by those ranks, so one of them sends at least that over their number."""
+    sets = [(frozenset(h), len(planner.src.ranks(h)), b) for h, b in dealt.items()]
+    best = 0
+    for h, n, _ in sets:
+        inside = sum(b for g, _, b in sets if g <= h)
+        best = max(best, -(-inside // n))
+    return best
