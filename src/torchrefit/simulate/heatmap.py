@@ -6,6 +6,8 @@ from .traffic import Traffic
 
 __all__ = ["draw_heatmap"]
 
+_CELLS = 256  # at most this many cells a side: a pixel per rank pair is lost on screen
+
 
 def draw_heatmap(moves: Traffic, path: str, title: str) -> None:
     """Write a PNG of bytes sent from each source rank (rows) to each destination rank
@@ -20,19 +22,29 @@ def draw_heatmap(moves: Traffic, path: str, title: str) -> None:
             f"--heatmap needs matplotlib ({e}); install it with: pip install 'torchrefit[bench]'"
         ) from None
     w = moves.world
-    grid = [[moves.matrix[s * w + d] / 1e9 for d in range(w)] for s in range(w)]
+    k = -(-w // _CELLS)  # ranks per cell: a 1024-rank world has cells of 4 x 4 ranks
+    n = -(-w // k)
+    grid = [[0.0] * n for _ in range(n)]
+    m = moves.matrix
+    for s in range(w):
+        row, base = grid[s // k], s * w
+        for d in range(w):
+            if m[base + d]:
+                row[d // k] += m[base + d] / 1e9
     for r, b in enumerate(moves.local):
-        grid[r][r] += b / 1e9
+        grid[r // k][r // k] += b / 1e9
     peak = max((max(row) for row in grid), default=0.0)
     fig, ax = plt.subplots(figsize=(8, 7), dpi=120)
     floor = max(peak * 1e-4, 1e-9)
     masked = [[v if v > 0 else float("nan") for v in row] for row in grid]
     image = ax.imshow(masked, cmap="viridis", interpolation="nearest", origin="upper",
+                      extent=(0, n * k, n * k, 0),
                       norm=LogNorm(vmin=floor, vmax=max(peak, floor * 10)))
     ax.set_xlabel("destination rank")
     ax.set_ylabel("source rank")
     ax.set_title(title, fontsize=9)
-    fig.colorbar(image, ax=ax, label="GB (log scale; diagonal: local copies)")
+    what = f"GB per {k} x {k} ranks" if k > 1 else "GB"
+    fig.colorbar(image, ax=ax, label=f"{what} (log scale; diagonal: local copies)")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -105,7 +105,10 @@ def parse_mesh(text: str, world: int) -> Mesh:
                          "'pp16ep64', 'tp4ep8etp1@512:1024'")
     tp, ep = sizes.get("tp", 1), sizes.get("ep", 1)
     etp = sizes.get("etp", 1 if "ep" in sizes else tp)
-    mesh = Mesh(tp, sizes.get("pp", 1), ep, etp, start, end)
+    try:
+        mesh = Mesh(tp, sizes.get("pp", 1), ep, etp, start, end)
+    except ValueError as e:
+        raise ValueError(f"layout {text!r}: {e}") from None
     if "dp" in sizes and sizes["dp"] != mesh.dp:
         raise ValueError(f"layout {text!r}: DP is {mesh.dp} over {mesh.ranks} ranks, not {sizes['dp']}")
     return mesh

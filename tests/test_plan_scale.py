@@ -1,0 +1,271 @@
+"""Planning at 1024 ranks, simulated on one CPU: what every rank would plan from the
+gathered rosters, checked on sampled ranks.
+
+For a Llama-70B-shaped and a DeepSeek-V3-shaped model (fewer layers, world size
+1024), collocated and not: what sampled senders send each peer equals what that
+peer plans to receive from them (same regions, same order), every element of a
+sampled destination rank is written exactly once, the whole-world traffic agrees
+with the ranks' plans, replicas share the sending within 1.1x, and planning is
+deterministic. Also the byte dealing on its own, layout strings, model shapes,
+and the ``torchrefit plan`` command's JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+
+import pytest
+
+from torchrefit.cli import main
+from torchrefit.plan.deal import Block, Line, split_pair
+from torchrefit.plan.index import RoleIndex
+from torchrefit.plan.planner import Planner
+from torchrefit.plan.simulate import check_agreement
+from torchrefit.simulate import global_tensors, parse_mesh, preset, simulated_role
+from torchrefit.simulate.report import time_rank
+from torchrefit.simulate.traffic import traffic
+
+WORLD = 1024
+
+CASES = {
+    # name: (preset, fewer layers for speed, src, dst, ranks sampled)
+    "llama tp8pp4->tp4 collocated": ("llama-70b", 8, "tp8pp4", "tp4", 8),
+    "llama tp8pp4->tp4 disjoint": ("llama-70b", 8, "tp8pp4@0:512", "tp4@512:1024", 8),
+    "llama tp4pp2->tp8 few engines": ("llama-70b", 8, "tp4pp2@0:960", "tp8@960:1024", 8),
+    # Each expert lives on one source rank: every rank talks to ~130 peers.
+    "deepseek pp16ep64->tp8ep8": ("deepseek-v3", 17, "pp16ep64", "tp8ep8", 3),
+}
+
+
+class _World:
+    """One simulated case: rosters, a validated planner, whole-world traffic."""
+
+    def __init__(self, case: str) -> None:
+        name, layers, src, dst, self.samples = CASES[case]
+        shape = preset(name).with_overrides(layers=layers)
+        self.src = simulated_role(shape, parse_mesh(src, WORLD), WORLD)
+        self.dst = simulated_role(shape, parse_mesh(dst, WORLD), WORLD)
+        self.blobs = self.src.rosters(), self.dst.rosters()
+        self.planner = Planner(RoleIndex("source", self.blobs[0]),
+                               RoleIndex("destination", self.blobs[1]))
+        self.planner.validate()
+        self.traffic = traffic(self.planner, WORLD)
+        self.plans: dict = {}
+
+    def plan(self, rank: int, sends_only: bool = False):
+        """Rank ``rank``'s plan, or only its sends where that is all a check needs
+        (receiving may copy locally from the rank's source: it needs both halves)."""
+        key = (rank, sends_only)
+        if key not in self.plans:
+            dst = None if sends_only else self.dst.layout(rank)
+            self.plans[key] = self.planner.plan_rank(rank, WORLD, self.src.layout(rank), dst)
+        return self.plans[key]
+
+    def sampled(self) -> list[int]:
+        """The busiest sender and receiver, then both ends and random ranks."""
+        rng = random.Random(3)
+        sent, received = self.traffic.sent(), self.traffic.received()
+        picks = [max(range(WORLD), key=sent.__getitem__),
+                 max(range(WORLD), key=received.__getitem__), 0, WORLD - 1,
+                 *rng.sample(range(WORLD), 4)]
+        return sorted(set(picks[:self.samples]))
+
+
+_WORLDS: dict[str, _World] = {}
+
+
+def world(case: str) -> _World:
+    if case not in _WORLDS:
+        _WORLDS[case] = _World(case)
+    return _WORLDS[case]
+
+
+class _Layouts:
+    def __init__(self, role) -> None:
+        self.role = role
+
+    def __getitem__(self, rank: int):
+        return self.role.layout(rank)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sampled_ranks_agree_with_their_peers(case: str) -> None:
+    w = world(case)
+    for r in w.sampled():
+        plan = w.plan(r)
+        for peer in plan.send_peers:
+            got = [_id(t) for t in w.plan(peer).recvs if t.peer == r]
+            assert [_id(t) for t in plan.sends if t.peer == peer] == got, \
+                f"{case}: rank {r} -> rank {peer}: sends and receives differ"
+        for peer in plan.recv_peers:
+            sent = [_id(t) for t in w.plan(peer, sends_only=True).sends if t.peer == r]
+            assert sent == [_id(t) for t in plan.recvs if t.peer == peer], \
+                f"{case}: rank {peer} -> rank {r}: sends and receives differ"
+    # Every element of a sampled destination rank written exactly once.
+    check_agreement({r: w.plan(r) for r in w.sampled()}, _Layouts(w.dst))
+
+
+def _id(t) -> tuple:
+    return t.name, t.region, t.wire_dtype
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_traffic_matches_the_ranks_plans(case: str) -> None:
+    w = world(case)
+    m = w.traffic.matrix
+    for r in w.sampled():
+        plan = w.plan(r)  # its sends come from the sender's dealing, the traffic from receivers'
+        for (kind, peer), nbytes in plan.bytes_by_peer().items():
+            cell = m[r * WORLD + peer] if kind == "send" else m[peer * WORLD + r]
+            assert cell == nbytes, f"{case}: rank {r} {kind} {peer}: plan {nbytes}, traffic {cell}"
+        assert sum(m[r * WORLD:(r + 1) * WORLD]) == plan.bytes_sent
+        assert sum(m[r::WORLD]) == plan.bytes_received
+        assert w.traffic.local[r] == plan.bytes_local
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_replicas_share_the_sending(case: str) -> None:
+    """Within 1.1x of the least the busiest sender could send under any replica choice
+    (with 8 layers the embedding's stage sends more whatever the choice)."""
+    t = world(case).traffic
+    assert t.max_send_over_floor() <= 1.1, f"{case}: {t.max_send_over_floor():.3f}x the floor"
+    assert t.max_send_over_floor() <= t.max_send_over_mean() + 1e-9
+
+
+@pytest.mark.parametrize("src,dst", [("tp8pp4", "tp4"), ("tp8pp4@0:512", "tp4@512:1024"),
+                                     ("tp4pp2@0:960", "tp8@960:1024")])
+def test_llama_70b_busiest_sender_within_1_1x_the_mean(src: str, dst: str) -> None:
+    """The whole 80-layer model: here the layout is even, so the mean is reachable."""
+    shape = preset("llama-70b")
+    s, d = simulated_role(shape, parse_mesh(src, WORLD), WORLD), simulated_role(
+        shape, parse_mesh(dst, WORLD), WORLD)
+    planner = Planner(RoleIndex("source", s.rosters()), RoleIndex("destination", d.rosters()))
+    planner.validate()
+    ratio = traffic(planner, WORLD).max_send_over_mean()
+    assert ratio <= 1.1, f"{src} -> {dst}: busiest sender {ratio:.3f}x the mean"
+
+
+def test_planning_is_deterministic() -> None:
+    w = world("deepseek pp16ep64->tp8ep8")
+    again = _World("deepseek pp16ep64->tp8ep8")
+    assert again.blobs == w.blobs, "simulated rosters differ between two builds"
+    for r in w.sampled()[:3]:
+        _, plan = time_rank(*again.blobs, r, WORLD, again.src.layout(r), again.dst.layout(r))
+        assert plan == w.plan(r)
+
+
+def test_metadata_is_compact() -> None:
+    """Per rank a few KB at most, against hundreds of KB for pickled layout objects."""
+    import pickle
+
+    w = world("deepseek pp16ep64->tp8ep8")
+    rank = 5
+    mine = len(w.blobs[0][rank]) + len(w.blobs[1][rank])
+    pickled = len(pickle.dumps((w.src.layout(rank), w.dst.layout(rank))))
+    assert mine * 20 < pickled, (mine, pickled)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_dealing_covers_every_pair_once_and_evenly(seed: int) -> None:
+    rng = random.Random(seed)
+    n = rng.randint(1, 9)
+    blocks = {}
+    ranks = iter(rng.sample(range(200), 60))
+    for c in range(rng.randint(1, 4)):
+        b = Block(sorted(next(ranks) for _ in range(rng.randint(1, 12))))
+        for k in range(rng.randint(1, 6)):
+            rows = rng.randint(1, 50)
+            b.add((c, k), rows * rng.choice([2, 4, 96]), rows)
+        blocks[c] = b
+    line = Line(n, blocks)
+    from_senders: dict = {}
+    for i in range(n):
+        for key, parts in line.sends(i).items():
+            for d, lo, hi in parts:
+                from_senders.setdefault((key, d), []).append((i, lo, hi))
+    load = [0] * n
+    for c, b in blocks.items():
+        for d in b.ranks:
+            for key, size, rows in zip(b.keys, b.sizes, b.rows):
+                parts = line.split(c, d, key)
+                assert parts == from_senders.pop((key, d), []), "sender and receiver disagree"
+                assert parts[0][1] == 0 and parts[-1][2] == rows
+                assert all(a[2] == b2[1] for a, b2 in zip(parts, parts[1:])), "rows not tiled"
+                for i, lo, hi in parts:
+                    load[i] += (hi - lo) * (size // rows)
+    assert not from_senders
+    biggest_row = max(s // r for b in blocks.values() for s, r in zip(b.sizes, b.rows))
+    assert max(load) - min(load) <= 2 * biggest_row + 1
+
+
+def test_split_pair_rounds_to_rows() -> None:
+    cut = [0, 50, 100]
+    assert split_pair(0, 100, 10, cut) == [(0, 0, 5), (1, 5, 10)]
+    assert split_pair(45, 20, 1, cut) == [(1, 0, 1)]  # one row: the holder of its midpoint
+
+
+def test_layout_strings() -> None:
+    m = parse_mesh("tp8pp4", 1024)
+    assert (m.tp, m.pp, m.ep, m.etp, m.dp, m.start, m.end) == (8, 4, 1, 8, 32, 0, 1024)
+    m = parse_mesh("tp8ep8", 1024)
+    assert (m.tp, m.ep, m.etp, m.dp) == (8, 8, 1, 128)
+    assert [m.coords(r).ep for r in range(8, 16)] == list(range(8))  # engines of 8 ranks
+    m = parse_mesh("TP4 x PP2 @512:1024", 1024)
+    assert (m.tp, m.pp, m.start, m.end, m.coords(511)) == (4, 2, 512, 1024, None)
+    for bad in ("tp3", "tq8", "tp8@0:2000", "tp8dp5"):
+        with pytest.raises(ValueError):
+            parse_mesh(bad, 1024)
+
+
+@pytest.mark.parametrize("name,tensors,params", [
+    ("gpt-4b", 244, 4.25e9), ("llama-70b", 483, 70.55e9), ("deepseek-v3", 30486, 671.0e9)])
+def test_presets_have_the_real_sizes(name: str, tensors: int, params: float) -> None:
+    ts = global_tensors(preset(name))
+    total = sum(_numel(t.shape) for t in ts if not t.buffer)
+    assert len(ts) == tensors and abs(total - params) / params < 0.005, (len(ts), total)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def test_plan_command_writes_json(tmp_path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--model", "llama-70b", "--layers", "4", "--src", "tp8pp2",
+                 "--dst", "tp4@64:128", "--world", "128", "--samples", "3", "--rank", "70",
+                 "--json", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    for key in ("plan_seconds", "peak_rss_bytes", "metadata_bytes_per_rank", "bytes_total",
+                "max_send_over_mean", "max_send_over_floor", "local_fraction", "timings"):
+        assert key in data, key
+    assert data["bytes_total"] == data["bytes_remote"] + data["bytes_local"] > 0
+    assert data["max_send_over_mean"] <= 1.1
+    text = capsys.readouterr().out
+    assert "balance" in text and "rank 70 of 128" in text
+
+
+def test_plan_command_rejects_bad_layouts(capsys) -> None:
+    assert main(["plan", "--src", "tp3", "--world", "8"]) == 2
+    assert "tp3" in capsys.readouterr().err
+
+
+def test_heatmap_without_matplotlib_says_what_to_install(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
+    code = main(["plan", "--layers", "4", "--src", "tp2", "--dst", "tp1", "--world", "4",
+                 "--samples", "2", "--heatmap", str(tmp_path / "h.png")])
+    assert code == 2
+    assert "pip install 'torchrefit[bench]'" in capsys.readouterr().err
+
+
+def test_heatmap_draws(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "h.png"
+    assert main(["plan", "--layers", "4", "--src", "tp2", "--dst", "tp1@4:8", "--world", "8",
+                 "--samples", "2", "--heatmap", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
