@@ -2,9 +2,10 @@
 
 Every rank builds the same :class:`Planner` from the same rosters, validates the
 whole refit (so that bad input raises the same :class:`PlanError` on every rank
-before any byte moves), then plans only its own transfers. Planning one rank
-costs time in proportion to the global tensors it holds and the distinct boxes
-held of them, not to world size times parameters.
+before any byte moves), then plans only its own transfers. Validation visits
+every destination tensor once but checks each distinct geometry (shapes, dtypes,
+held boxes) once; a rank's own plan costs what it sends and receives plus what
+the holder sets it deals with hold: never world size times parameters.
 
 Choosing among source replicas: a destination rank that holds the region as a
 source copies it locally. The others are dealt over the holders by bytes (see
