@@ -66,6 +66,8 @@ class Program:
         message_limit: int,
         *,
         compare: bool = False,
+        cuda_graph: bool = False,
+        share_storage: bool = False,
     ) -> None:
         self.plan = plan
         self.src_tensors = src_tensors
@@ -73,16 +75,22 @@ class Program:
         self.transport = transport
         self.message_limit = message_limit
         self.compare = compare  # verify mode: receive into staging and compare, never write
+        self.cuda_graph = cuda_graph
+        self.share_storage = share_storage and not compare
+        self.shared: list[str] = []  # destination keys that alias source storage
         self.device = _device_of(plan, src_tensors, dst_tensors)
         self.side = SideStream(self.device)
         self._compile()
 
     # ----------------------------------------------------------------- compiling
     def _compile(self) -> None:
-        self._watch = self._watched()
         self._bases: dict[tuple[str, str], torch.Tensor] = {}
+        self._graph = None
         self._compile_local()
         self._compile_rounds()
+        if self.cuda_graph and self.device.type == "cuda" and (self._big or self._small_dst):
+            self._graph = self._capture_local()
+        self._watch = self._watched()  # after aliasing, which moves destination storage
 
     def _watched(self) -> list[tuple[torch.Tensor, int]]:
         used = {("src", c.src_key) for c in self.plan.local} | {("dst", c.dst_key) for c in self.plan.local}
@@ -107,7 +115,11 @@ class Program:
         self._small_dst: list[torch.Tensor] = []
         self._small_src: list[torch.Tensor] = []
         self._small_names: list[str] = []
+        self.shared = self._alias_whole_tensors() if self.share_storage else []
+        shared = set(self.shared)
         for c in self.plan.local:
+            if c.dst_key in shared:
+                continue
             dst = self._view("dst", c.dst_key, c.dst_box)
             src = self._view("src", c.src_key, c.src_box)
             if dst.data_ptr() == src.data_ptr() and dst.stride() == src.stride() and dst.dtype == src.dtype:
@@ -118,6 +130,43 @@ class Program:
                 self._small_dst.append(dst)
                 self._small_src.append(src)
                 self._small_names.append(c.name)
+
+    def _alias_whole_tensors(self) -> list[str]:
+        """Destination tensors made to share source storage (see ``_alias``)."""
+        by_dst: dict[str, list] = defaultdict(list)
+        for c in self.plan.local:
+            by_dst[c.dst_key].append(c)
+        return [key for key, copies in by_dst.items() if self._alias(key, copies)]
+
+    def _alias(self, key: str, copies: list) -> bool:
+        """Make destination tensor ``key`` share the source's storage where its local
+        copies, together, are one contiguous source region of the same shape, dtype
+        and device, with every piece at the same local place on both sides."""
+        tensor = self._tensor("dst", key)
+        src_keys = {c.src_key for c in copies}
+        if len(src_keys) != 1 or any(c.src_box.offset != c.dst_box.offset for c in copies):
+            return False
+        if sum(c.dst_box.numel for c in copies) != tensor.numel():
+            return False
+        origin = min(c.src_box.offset for c in copies)
+        src = self._view("src", copies[0].src_key, Box(origin, tuple(tensor.shape)))
+        if (src.shape != tensor.shape or src.dtype != tensor.dtype or src.device != tensor.device
+                or not src.is_contiguous()):
+            return False
+        with torch.no_grad():
+            if isinstance(tensor, torch.nn.Parameter):
+                tensor.data = src
+            else:
+                tensor.set_(src)
+        self._bases.pop(("dst", key), None)
+        return True
+
+    def _capture_local(self) -> torch.cuda.CUDAGraph:
+        """Capture the local copies once; each refit replays them with one launch."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph):
+            self._copy_local()
+        return graph
 
     def _compile_rounds(self) -> None:
         limit = self.message_limit
@@ -234,6 +283,12 @@ class Program:
         return bad
 
     def _local_copies(self) -> None:
+        if self._graph is not None:
+            self._graph.replay()  # on the current stream: ordered like the copies it holds
+        else:
+            self._copy_local()
+
+    def _copy_local(self) -> None:
         for dst, src, _ in self._big:
             dst.copy_(src)
         if self._small_dst:
