@@ -31,6 +31,8 @@ $B --model gpt-4b --layers 4 --experts 16 --expert-ffn 4096 --variant plain --va
 step "4 processes on the one GPU, collocated TP2 -> TP1 through gloo"
 $B --model gpt-4b --layers 4 --nproc 4 --src tp2 --dst tp1 --transport gloo --warmup 1 --iters 5 \
    --variant plain --label "gpt 4-layer tp2->tp1 4 procs gloo" --json "$R/h200_4proc_gloo_tp2_tp1.json"
+step "local-copy lab: where the time goes against the floor"
+python benchmarks/local_copy_lab.py --json "$R/h200_local_copy_lab.json"
 step "size sweep for the plot"
 $B --model gpt-4b --layers 2,5,10,20 --variant graph --warmup 3 --iters 15 \
    --label "size sweep" --json "$R/h200_size_sweep.json" --plot "$R/h200_size_sweep.png"

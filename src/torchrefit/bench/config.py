@@ -18,9 +18,10 @@ PRESETS: dict[str, dict] = {
     "tiny": dict(layers=2, hidden=64, heads=4, groups=2, ffn=128, vocab=256, swiglu=True),
 }
 
-#: how the executor runs: plain replay, CUDA-graph replay of local copies, shared storage
+#: how the executor runs: eager copies, CUDA-graph replay of local copies (the default),
+#: shared storage
 VARIANTS = {
-    "plain": {},
+    "plain": {"cuda_graph": False},
     "graph": {"cuda_graph": True},
     "share": {"share_storage": True},
 }
