@@ -18,6 +18,8 @@ step "stale-read test (issue 2): must pass"
 python -m pytest -q -p no:cacheprovider tests/test_gpu_stale_read.py
 step "stale-read test with the side stream's producer wait removed: must FAIL"
 TORCHREFIT_BREAK_PRODUCER_WAIT=1 python -m pytest -q -p no:cacheprovider tests/test_gpu_stale_read.py
+step "the same, one process, in this process (what each path read)"
+python benchmarks/stale_debug.py
 
 step "seed model TP1 -> TP1, nccl, vs megatron-core (issue 5 targets)"
 $B --model gpt-4b --compare megatron-core --transport nccl --variant plain --variant graph --variant share \

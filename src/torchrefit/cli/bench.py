@@ -11,6 +11,7 @@ the GPU is busy, peak extra device memory and first-refit time.
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 
 import torch
@@ -85,8 +86,10 @@ def run(args) -> int:
         rows.extend(got)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": "torchrefit " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
-                       "configs": rows}, f, indent=1, default=str)
+            argv = sys.argv[1:]
+            argv = argv[1:] if argv[:1] == ["bench"] else argv
+            json.dump({"command": "torchrefit bench " + shlex.join(argv), "configs": rows}, f,
+                      indent=1, default=str)
     if args.plot:
         _plot(rows, args.plot)
     return 0

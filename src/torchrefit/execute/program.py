@@ -278,9 +278,17 @@ class Program:
     def run(self) -> RunStats:
         """Replay the refit. Collective with the plan's peers."""
         self._check_storage()
-        with torch.no_grad(), self.side.session(1 if self._graph is not None else None):
-            self._local_copies()  # on side streams: overlaps the rounds on the caller's stream
-            self._run_rounds(self._unpack)
+        with torch.no_grad():
+            if not self._rounds and self._graph is not None:
+                # Nothing to overlap: replay on the caller's stream (ordered after the
+                # producer and before the consumer by stream order; the branches inside
+                # are the fork and join captured through SideStreams). A side stream
+                # here would cost ~0.2 ms of host time per refit on an H200.
+                self._graph.replay()
+            else:
+                with self.side.session(1 if self._graph is not None else None):
+                    self._local_copies()  # on side streams: overlaps the rounds below
+                    self._run_rounds(self._unpack)
         return RunStats(len(self._rounds), self.messages_sent, self.messages_received,
                         self.staging_bytes)
 
