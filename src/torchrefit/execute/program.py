@@ -93,6 +93,7 @@ class Program:
         self._bases: dict[tuple[str, str], torch.Tensor] = {}
         self._graph = None
         self._compile_local()
+        self._branch_of = self._balance_branches()
         self._compile_rounds()
         if self.cuda_graph and self.device.type == "cuda" and (self._big or self._small_dst):
             self._graph = self._capture_local()
@@ -189,6 +190,18 @@ class Program:
                           "copying eagerly", stacklevel=3)
             return None
         return graph
+
+    def _balance_branches(self) -> list[int]:
+        """Side stream of each large copy: largest first onto the least loaded stream,
+        so the branches carry about the same bytes and end together."""
+        n = len(self.side.streams) or 1
+        load = [0] * n
+        branch = [0] * len(self._big)
+        for i in sorted(range(len(self._big)), key=lambda i: -self._big[i][0].numel() * self._big[i][0].element_size()):
+            b = load.index(min(load))
+            branch[i] = b
+            load[b] += self._big[i][0].numel() * self._big[i][0].element_size()
+        return branch
 
     def _compile_rounds(self) -> None:
         limit = self.message_limit
@@ -318,9 +331,8 @@ class Program:
     def _copy_local(self) -> None:
         """Inside a session of all side streams: large copies spread over them, small
         ones in one foreach."""
-        n = len(self.side.streams) or 1
-        for i, (dst, src, _) in enumerate(self._big):
-            with self.side.placed(i % n):
+        for branch, (dst, src, _) in zip(self._branch_of, self._big):
+            with self.side.placed(branch):
                 dst.copy_(src)
         if self._small_dst:
             with self.side.placed(0):
