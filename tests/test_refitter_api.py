@@ -4,7 +4,8 @@ Covers: ``share_storage`` (whole destination tensors alias source storage, the r
 is still copied), recompiling when a tensor's storage moves between refits
 (``param.data = ...`` on either side), ``swap_model_weights`` caching its plan per
 model pair, ``verify()`` catching a corrupted destination on every rank, the
-report's byte counts, and ``cuda_graph=True`` being accepted on CPU (no-op).
+report's byte counts, ``cuda_graph=True`` being accepted on CPU (no-op), and a refit over a
+sub-group (group ranks translated to global ranks) within a small staging budget.
 """
 
 from __future__ import annotations
@@ -111,3 +112,34 @@ def test_swap_model_weights_caches_and_verify_catches_corruption() -> None:
         assert got["cached"] == (True, False, 2) and got["ok"]
         assert got["verify"] is not None and "decoder.layers.0.mlp.linear_fc2.weight" in got["verify"]
         assert "rank 1" in got["verify"]
+
+
+def _subgroup_and_budget(rank: int, world: int) -> dict:
+    """Ranks 1-3 of a 4-rank world refit over their own sub-group (rank 0 stays out), with a
+    staging budget small enough to force many rounds of packed, non-contiguous messages."""
+    import torch.distributed as dist
+
+    group = dist.new_group([1, 2, 3])
+    if rank == 0:
+        return {}
+    g = dist.get_rank(group)
+    spec = ModelSpec(layers=2, hidden=48, ffn=96, vocab=96)
+    src = build_toy(spec, Mesh(1, ranks=1), g, 1)  # group rank 0 (world rank 1) holds the source
+    dst = build_toy(spec, Mesh(2, ranks=2, offset=1), g, 2)  # TP2 on group ranks 1-2
+    budget = 64 << 10
+    r = tr.Refitter(src, dst, group=group, staging_bytes=budget)
+    report = r.refit()
+    ok = dst is None or _equal(dst, expected_local(spec, Mesh(2, ranks=2, offset=1), g, 1))
+    r.verify()
+    return {"ok": ok, "rounds": report.rounds, "staging": report.staging_bytes, "budget": budget,
+            "sent": report.bytes_sent, "received": report.bytes_received}
+
+
+def test_subgroup_ranks_and_staging_budget() -> None:
+    results = run_world(_subgroup_and_budget, 4, timeout=120)
+    assert results[0] == {}
+    for got in results[1:]:
+        assert got["ok"]
+        assert got["staging"] <= got["budget"], got
+    assert results[1]["sent"] > 2 * results[1]["budget"] and results[1]["rounds"] > 4, results[1]
+    assert results[1]["sent"] == results[2]["received"] + results[3]["received"]
