@@ -20,7 +20,7 @@ from ..testing import build_toy, run_world
 from ..testing.toy import global_table
 from .config import VARIANTS, BenchConfig
 from .megatron_models import build_megatron_gpt, megatron_available, megatron_swap
-from .timing import copy_bandwidth, host_times, summarize, time_calls
+from .timing import copy_bandwidth, host_times, link_bandwidth, summarize, time_calls
 
 __all__ = ["run_bench", "backend_for"]
 
@@ -67,8 +67,9 @@ def _bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
 
     device = _device(rank)
     bandwidth = copy_bandwidth(device) if rank == 0 else None
+    link = link_bandwidth(device) if _one_gpu_each(cfg) else None
     src, dst = _models(cfg, rank, device)
-    out = {"rows": [], "bandwidth": bandwidth, **_model_size(cfg, src)}
+    out = {"rows": [], "bandwidth": bandwidth, "link": link, **_model_size(cfg, src)}
     order = [v for v in cfg.variants if v != "share"]
     for variant in order:
         out["rows"].append(_time_refitter(tr, src, dst, cfg, variant, device))
@@ -77,6 +78,11 @@ def _bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
     if "share" in cfg.variants:  # last: aliasing rewires the destination model
         out["rows"].append(_time_refitter(tr, src, dst, cfg, "share", device))
     return out
+
+
+def _one_gpu_each(cfg: BenchConfig) -> bool:
+    """Several processes, each on its own GPU: a link between GPUs can be measured."""
+    return cfg.nproc > 1 and torch.cuda.is_available() and cfg.nproc <= torch.cuda.device_count()
 
 
 def _model_size(cfg: BenchConfig, src) -> dict:
@@ -120,6 +126,7 @@ def _time_refitter(tr, src, dst, cfg: BenchConfig, variant: str, device: torch.d
            "times": times, "hosts": hosts, "first_refit_s": first, "peak_extra_bytes": peak,
            "staging_bytes": report.staging_bytes, "bytes_local": report.bytes_local,
            "bytes_sent": report.bytes_sent,
+           "bytes_received": report.bytes_received,
            "shared_tensors": report.shared_tensors, "plan_seconds": refitter.plan_seconds}
     refitter.close()
     return row
@@ -158,25 +165,53 @@ def _aggregate(cfg: BenchConfig, per_rank: list[dict]) -> list[dict]:
             row["bytes_local"] = sum(r["bytes_local"] for r in ranks)
             row["bytes_remote"] = sum(r["bytes_sent"] for r in ranks)
             row["staging_bytes"] = max(r["staging_bytes"] for r in ranks)
+            row["per_rank_bytes"] = [(r["bytes_local"], r["bytes_sent"], r["bytes_received"]) for r in ranks]
         rows.append(row)
     base = _shape_fields(cfg, per_rank, bandwidth)
+    link = per_rank[0].get("link")
+    base["link_bandwidth_gbs"] = link / 1e9 if link else None
     torch_rows = [r for r in rows if r["impl"] == "torchrefit"]
-    local = max((r["bytes_local"] for r in torch_rows), default=0)
-    floor_ms = 2 * local / bandwidth * 1e3 if bandwidth else None
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    one_gpu = cfg.nproc == 1 or gpus == 1
+    floor_ms, note = _floor_ms(cfg, torch_rows[0] if torch_rows else None, bandwidth, link)
     meg = next((r for r in rows if r["impl"] == "megatron-core"), None)
     for r in rows:
         r.update(base)
-        remote_free = bool(torch_rows) and torch_rows[0]["bytes_remote"] == 0
-        r["floor_ms"] = floor_ms if (remote_free and one_gpu) else None
-        r["floor_note"] = ("HBM copy floor of the local bytes" if r["floor_ms"] is not None
-                           else "no floor: remote bytes go through a link not measured here")
-        r["ratio_to_floor"] = r["median_ms"] / floor_ms if r["floor_ms"] else None
+        r["floor_ms"], r["floor_note"] = floor_ms, note
+        r["ratio_to_floor"] = r["median_ms"] / floor_ms if floor_ms else None
+        r["link_utilization"] = _link_utilization(torch_rows[0], link, r["median_ms"]) if torch_rows else None
         if meg is not None and r["impl"] == "torchrefit":
             r["megatron_median_ms"] = meg["median_ms"]
             r["ratio_to_megatron"] = r["median_ms"] / meg["median_ms"]
     return rows
+
+
+def _link_utilization(row: dict, link: float | None, median_ms: float) -> float | None:
+    """Fraction of the link's measured bandwidth the busiest GPU's remote bytes achieved."""
+    busiest = max((max(sent, received) for _, sent, received in row["per_rank_bytes"]), default=0)
+    if not link or not busiest:
+        return None
+    return busiest / link / (median_ms / 1e3)
+
+
+def _floor_ms(cfg: BenchConfig, row: dict | None, hbm: float | None, link: float | None):
+    """The time no refit can beat, and how it was derived.
+
+    One GPU per process: per GPU, the larger of its local bytes read and written over
+    the HBM copy bandwidth and its remote bytes (the larger direction) over the link's
+    per-direction bandwidth; the slowest GPU sets the floor. Several processes on one
+    GPU share its memory bandwidth and have no link: only all-local refits get a floor.
+    """
+    if row is None or not hbm:
+        return None, "no torchrefit row"
+    per_rank = row["per_rank_bytes"]
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cfg.nproc == 1 or (gpus and cfg.nproc > gpus):
+        if any(sent or received for _, sent, received in per_rank):
+            return None, "no floor: remote bytes between processes that share one device"
+        return 2 * sum(local for local, _, _ in per_rank) / hbm * 1e3, "HBM copy floor of the local bytes"
+    if link is None:
+        return None, "no floor: no link bandwidth measured"
+    per_gpu = [max(2 * local / hbm, max(sent, received) / link) for local, sent, received in per_rank]
+    return max(per_gpu) * 1e3, "per GPU max(2 x local / HBM copy bandwidth, remote / link bandwidth)"
 
 
 def _shape_fields(cfg: BenchConfig, per_rank: list[dict], bandwidth: float | None) -> dict:

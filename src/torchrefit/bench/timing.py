@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["copy_bandwidth", "time_calls", "host_times", "summarize", "sleep_cycles_per_ms"]
+__all__ = ["copy_bandwidth", "link_bandwidth", "time_calls", "host_times", "summarize", "sleep_cycles_per_ms"]
 
 
 def _sync(device: torch.device) -> None:
@@ -33,6 +33,37 @@ def copy_bandwidth(device: torch.device, nbytes: int = 4 << 30, reps: int = 10) 
     seconds = (time.perf_counter() - t0) / reps
     del src, dst
     return 2 * nbytes / seconds
+
+
+def link_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 5) -> float | None:
+    """Point-to-point bandwidth between ranks 0 and 1 in bytes/s per direction, both
+    directions at once (a large send and receive each way). Collective: every rank of
+    the world calls it; ranks other than 0 and 1 only wait. None for a single rank."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world < 2:
+        return None
+    if device.type != "cuda":
+        nbytes = min(nbytes, 64 << 20)
+    out: list[float | None] = [None]
+    if rank < 2:
+        send = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        recv = torch.empty_like(send)
+        peer = 1 - rank
+
+        def exchange() -> None:
+            ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+
+        exchange()
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            exchange()
+        _sync(device)
+        out[0] = nbytes * reps / (time.perf_counter() - t0)
+    dist.barrier()
+    return out[0]
 
 
 def time_calls(fn: Callable[[], object], warmup: int, iters: int, device: torch.device,
