@@ -25,4 +25,4 @@ if [ "$N" -ge 8 ]; then
   run --nproc 8 --src tp8 --dst tp4 --transport nccl --label "tp8->tp4xdp2" --json "$R/gpu${N}_tp8_tp4dp2.json"
 fi
 echo; echo "=== correctness on the GPUs with nccl"
-python -m pytest -q -p no:cacheprovider tests/test_gpu_stale_read.py
+python -m pytest -q -p no:cacheprovider tests/test_gpu_stale_read.py tests/test_gpu_layouts.py
