@@ -7,27 +7,18 @@ import cProfile
 import os
 import pstats
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 import torchrefit as tr
 from torchrefit.bench.config import PRESETS
-from torchrefit.bench.timing import sleep_cycles_per_ms
+from torchrefit.bench.timing import host_times, sleep_cycles_per_ms
 from torchrefit.testing import Mesh, ModelSpec, build_toy
 
 
-def busy_host_ms(fn, cycles, iters=30):
-    out = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(cycles)
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(out)
+def busy_host_ms(fn, cycles_per_ms: float, iters: int = 30) -> float:
+    return statistics.median(host_times(fn, iters, torch.device("cuda"), 20.0, cycles_per_ms)) * 1e3
 
 
 def stale_probe(cycles_per_ms: float, user_stream: bool, big: bool) -> float:
@@ -83,7 +74,7 @@ def main() -> None:
     for name, fn in [("refit()", r.refit), ("program.run()", prog.run), ("_check_storage", prog._check_storage),
                      ("session(1) enter+exit", session_only), ("session + placed + replay", session_replay),
                      ("replay on current stream", prog._graph.replay)]:
-        print(f"host ms {name:<28} {busy_host_ms(fn, cycles):.3f}")
+        print(f"host ms {name:<28} {busy_host_ms(fn, cpm):.3f}")
     prof = cProfile.Profile()
     for _ in range(50):
         torch.cuda.synchronize()

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import torchrefit as tr
 from torchrefit.bench.config import PRESETS
-from torchrefit.bench.timing import copy_bandwidth, sleep_cycles_per_ms
+from torchrefit.bench.timing import copy_bandwidth, host_times, sleep_cycles_per_ms
 from torchrefit.testing import Mesh, ModelSpec, build_toy
 
 
@@ -37,16 +37,8 @@ def device_ms(fn, iters: int) -> float:
     return statistics.median(out)
 
 
-def host_ms(fn, iters: int, cycles: int) -> float:
-    out = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(cycles)
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(out)
+def host_ms(fn, iters: int, cycles_per_ms: float) -> float:
+    return statistics.median(host_times(fn, iters, torch.device("cuda"), 20.0, cycles_per_ms)) * 1e3
 
 
 def branch_graph(big, small_dst, small_src, branches: int) -> torch.cuda.CUDAGraph:
@@ -122,7 +114,7 @@ def main() -> None:
     src = build_toy(spec, Mesh(1, ranks=1), 0, 1, device="cuda", random_init=True)
     dst = build_toy(spec, Mesh(1, ranks=1), 0, 2, device="cuda", random_init=True)
     bw = copy_bandwidth(torch.device("cuda"))
-    cycles = int(20 * sleep_cycles_per_ms(torch.device("cuda")))
+    cycles = sleep_cycles_per_ms(torch.device("cuda"))
     rows = {}
     plain = tr.Refitter(src, dst, cuda_graph=False)
     plain.refit()

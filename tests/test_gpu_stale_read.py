@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import torchrefit as tr
+from torchrefit.bench.timing import sleep_cycles_per_ms
 from torchrefit.testing import Mesh, ModelSpec, build_toy, expected_local, run_world
 
 pytestmark = pytest.mark.gpu
@@ -30,17 +31,6 @@ pytestmark = pytest.mark.gpu
 SPEC = ModelSpec(layers=2, hidden=256, heads=8, groups=4, ffn=1024, vocab=4096)
 GATE_MS = 50.0
 BUMP = 1000.0
-
-
-def _cycles_per_ms() -> float:
-    """Measure how many ``torch.cuda._sleep`` cycles one millisecond takes, now."""
-    torch.cuda._sleep(1_000_000)  # warm up
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    end.synchronize()
-    return 10_000_000 / start.elapsed_time(end)
 
 
 def _break_producer_wait() -> None:
@@ -80,7 +70,7 @@ def _stale_read(rank: int, world: int, src_mesh: Mesh, dst_mesh: Mesh, transport
             for p in src.parameters():  # load the producer's kernel now: with lazy module
                 p.add_(0.0)             # loading, its first launch inside the gate would block
     torch.cuda.synchronize()            # the host until the gate ends, hiding the race
-    cycles = int(GATE_MS * _cycles_per_ms())
+    cycles = int(GATE_MS * sleep_cycles_per_ms(torch.device("cuda")))
     gate, release = torch.cuda.Event(), torch.cuda.Stream()
     with torch.cuda.stream(release):
         torch.cuda._sleep(cycles)

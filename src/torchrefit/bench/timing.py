@@ -90,6 +90,7 @@ def time_calls(fn: Callable[[], object], warmup: int, iters: int, device: torch.
 
 
 def sleep_cycles_per_ms(device: torch.device) -> float:
+    """``torch.cuda._sleep`` cycles per millisecond, measured now (clocks vary)."""
     torch.cuda._sleep(1_000_000)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -99,11 +100,12 @@ def sleep_cycles_per_ms(device: torch.device) -> float:
     return 20_000_000 / start.elapsed_time(end)
 
 
-def host_times(fn: Callable[[], object], iters: int, device: torch.device, busy_ms: float = 20.0) -> list[float]:
+def host_times(fn: Callable[[], object], iters: int, device: torch.device, busy_ms: float = 20.0,
+               cycles_per_ms: float | None = None) -> list[float]:
     """Seconds the host spends inside ``fn`` while the GPU is still busy with earlier work."""
     if device.type != "cuda":
         return []
-    cycles = int(busy_ms * sleep_cycles_per_ms(device))
+    cycles = int(busy_ms * (cycles_per_ms or sleep_cycles_per_ms(device)))
     out = []
     for _ in range(iters):
         _sync(device)
