@@ -134,6 +134,9 @@ class Refitter:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
+        if self.rank < 0:
+            raise RefitError(f"global rank {dist.get_rank()} is not a member of the refit group; "
+                             "only the group's ranks construct a Refitter")
         self.version = 0
         self._program: Program | None = None
         self._verifier: Program | None = None
