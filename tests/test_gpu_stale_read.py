@@ -4,9 +4,10 @@ The producer's update of the source weights is queued on the caller's stream
 behind a ~50 ms gate (``torch.cuda._sleep``, its cycle count converted from a
 cycles-per-ms rate measured at run time); ``refit()`` is called at once, and the
 destination must then hold the updated values. Paths covered: NCCL and Gloo in
-one process (local copies on the caller's stream), Gloo with two processes on
-one GPU collocated (local copies on the side stream overlapping staged remote
-rounds), and Gloo non-collocated (GPU -> pinned host staging). NCCL cannot pair
+one process (local copies on the side streams, replayed as a CUDA graph, and
+eagerly), Gloo with two processes on one GPU collocated (local copies on the side
+streams overlapping staged remote rounds), and Gloo non-collocated (GPU -> pinned
+host staging). NCCL cannot pair
 two ranks on one GPU; its remote path runs in the multi-GPU suite.
 
 Setting ``TORCHREFIT_BREAK_PRODUCER_WAIT=1`` removes the side stream's wait for the
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 import torchrefit as tr
+from torchrefit.bench.timing import sleep_cycles_per_ms
 from torchrefit.testing import Mesh, ModelSpec, build_toy, expected_local, run_world
 
 pytestmark = pytest.mark.gpu
@@ -31,37 +33,29 @@ GATE_MS = 50.0
 BUMP = 1000.0
 
 
-def _cycles_per_ms() -> float:
-    """Measure how many ``torch.cuda._sleep`` cycles one millisecond takes, now."""
-    torch.cuda._sleep(1_000_000)  # warm up
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    end.synchronize()
-    return 10_000_000 / start.elapsed_time(end)
-
-
 def _break_producer_wait() -> None:
     from torchrefit.execute import streams
 
     @contextmanager
-    def session(self, keep_alive=()):
-        if self.stream is None:
+    def session(self, n=None, keep_alive=()):
+        if not self.streams:
             yield self
             return
+        used = self.streams[: n or len(self.streams)]
         caller = torch.cuda.current_stream(self.device)
-        self._open = True  # no stream.wait_stream(caller): the seed's bug
+        outer, self._open = self._open, len(used)  # no stream.wait_stream(caller): the seed's bug
         try:
             yield self
         finally:
-            self._open = False
-            caller.wait_stream(self.stream)
+            self._open = outer
+            for stream in used:
+                caller.wait_stream(stream)
 
-    streams.SideStream.session = session
+    streams.SideStreams.session = session
 
 
-def _stale_read(rank: int, world: int, src_mesh: Mesh, dst_mesh: Mesh, transport: str) -> list[str]:
+def _stale_read(rank: int, world: int, src_mesh: Mesh, dst_mesh: Mesh, transport: str,
+                cuda_graph: bool) -> list[str]:
     if os.environ.get("TORCHREFIT_BREAK_PRODUCER_WAIT") == "1":
         _break_producer_wait()
     torch.cuda.set_device(0)
@@ -69,10 +63,14 @@ def _stale_read(rank: int, world: int, src_mesh: Mesh, dst_mesh: Mesh, transport
     dst = build_toy(SPEC, dst_mesh, rank, seed=2)
     src = src.cuda() if src is not None else None
     dst = dst.cuda() if dst is not None else None
-    refitter = tr.Refitter(src, dst, transport=transport)
+    refitter = tr.Refitter(src, dst, transport=transport, cuda_graph=cuda_graph)
     refitter.refit()  # compile and warm up
-    torch.cuda.synchronize()
-    cycles = int(GATE_MS * _cycles_per_ms())
+    if src is not None:
+        with torch.no_grad():
+            for p in src.parameters():  # load the producer's kernel now: with lazy module
+                p.add_(0.0)             # loading, its first launch inside the gate would block
+    torch.cuda.synchronize()            # the host until the gate ends, hiding the race
+    cycles = int(GATE_MS * sleep_cycles_per_ms(torch.device("cuda")))
     gate, release = torch.cuda.Event(), torch.cuda.Stream()
     with torch.cuda.stream(release):
         torch.cuda._sleep(cycles)
@@ -94,17 +92,19 @@ def _stale_read(rank: int, world: int, src_mesh: Mesh, dst_mesh: Mesh, transport
 
 
 CASES = {
-    "nccl-1proc-local": (1, Mesh(1, ranks=1), Mesh(1, ranks=1), "nccl"),
-    "gloo-1proc-local": (1, Mesh(1, ranks=1), Mesh(1, ranks=1), "gloo"),
-    "gloo-2proc-collocated-tp2->tp1": (2, Mesh(2, ranks=2), Mesh(1, ranks=2), "gloo"),
-    "gloo-2proc-noncollocated": (2, Mesh(1, ranks=1), Mesh(1, ranks=1, offset=1), "gloo"),
+    "nccl-1proc-local-graph": (1, Mesh(1, ranks=1), Mesh(1, ranks=1), "nccl", True),
+    "nccl-1proc-local-eager": (1, Mesh(1, ranks=1), Mesh(1, ranks=1), "nccl", False),
+    "gloo-1proc-local-graph": (1, Mesh(1, ranks=1), Mesh(1, ranks=1), "gloo", True),
+    "gloo-2proc-collocated-tp2->tp1": (2, Mesh(2, ranks=2), Mesh(1, ranks=2), "gloo", True),
+    "gloo-2proc-noncollocated": (2, Mesh(1, ranks=1), Mesh(1, ranks=1, offset=1), "gloo", True),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_refit_never_reads_stale_weights(name: str) -> None:
-    world, src_mesh, dst_mesh, transport = CASES[name]
+    world, src_mesh, dst_mesh, transport, graph = CASES[name]
     backend = "nccl" if transport == "nccl" else "gloo"
-    results = run_world(_stale_read, world, src_mesh, dst_mesh, transport, backend=backend, timeout=180)
+    results = run_world(_stale_read, world, src_mesh, dst_mesh, transport, graph, backend=backend,
+                        timeout=180)
     for rank, stale in enumerate(results):
         assert stale == [], f"rank {rank} read stale weights: {stale[:3]}"

@@ -187,10 +187,16 @@ def _non_persistent(dst) -> dict[str, torch.Tensor]:
     return out
 
 
-def _run_case(case: Case, rank: int) -> dict:
-    src = build_toy(case.spec, case.src, rank, SRC_SEED)
-    dst = _build_dst(case, rank)
-    expected = _expected(case, rank)
+def _to(model, device: str):
+    if model is None or device == "cpu":
+        return model
+    return [m.to(device) for m in model] if isinstance(model, list) else model.to(device)
+
+
+def _run_case(case: Case, rank: int, device: str = "cpu") -> dict:
+    src = _to(build_toy(case.spec, case.src, rank, SRC_SEED), device)
+    dst = _to(_build_dst(case, rank), device)
+    expected = {k: v.to(device) for k, v in _expected(case, rank).items()}
     state = _state(dst)
     if set(state) != set(expected):
         return {"error": f"toy bug: keys {sorted(set(state) ^ set(expected))[:4]}"}
@@ -206,11 +212,15 @@ def _run_case(case: Case, rank: int) -> dict:
             "remote": report.bytes_remote, "version": r.version}
 
 
-def _world_cases(rank: int, world: int, cases: list[Case]) -> dict[str, dict]:
+def _world_cases(rank: int, world: int, cases: list[Case], on_gpus: bool = False) -> dict[str, dict]:
+    device = "cpu"
+    if on_gpus:
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
     out = {}
     for case in cases:
         try:
-            out[case.id] = _run_case(case, rank)
+            out[case.id] = _run_case(case, rank, device)
         except Exception as e:  # recorded per case; errors are agreed, so no rank hangs
             out[case.id] = {"error": f"{type(e).__name__}: {e}"}
         dist.barrier()
@@ -222,8 +232,7 @@ def results() -> list[dict[str, dict]]:
     return run_world(_world_cases, WORLD, CASES, timeout=900)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_layout_case(case: Case, results) -> None:
+def check_case(case: Case, results) -> None:
     held = 0
     for rank, per_rank in enumerate(results):
         got = per_rank[case.id]
@@ -234,6 +243,11 @@ def test_layout_case(case: Case, results) -> None:
         assert got["version"] == 2
         held += got["n"]
     assert held > 0, "no rank held a destination tensor"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_layout_case(case: Case, results) -> None:
+    check_case(case, results)
 
 
 def test_some_cases_move_bytes_between_ranks(results) -> None:

@@ -55,6 +55,7 @@ class RefitReport:
     messages_received: int
     staging_bytes: int
     compiled: bool  # this call compiled the plan (the first refit)
+    shared_tensors: int = 0  # destination tensors aliasing source storage (share_storage)
 
     @property
     def bytes_remote(self) -> int:
@@ -93,6 +94,18 @@ class Refitter:
             ``True`` converts any tensor, ``False`` none.
         skip: glob patterns of destination tensors that may have no source.
         staging_bytes: bound on this rank's staging memory for packed messages.
+        cuda_graph: on CUDA (the default), capture the local copies in a CUDA graph
+            once and replay it on every refit: one launch, less host time, two
+            parallel branches for large copies; re-captured if a tensor's storage
+            moves. False copies eagerly (same streams, more host time).
+        share_storage: collocated only. Where a whole destination tensor is exactly a
+            contiguous source region of the same dtype on the same device, make the
+            destination alias the source's storage instead of copying; ``refit()`` then
+            only orders streams for it. The caller must not write into such
+            destination tensors (that writes the trainer's weights), must not train
+            while the engine reads them (the engine would see weights change mid
+            rollout), and must not free or offload either side separately.
+            ``refit()`` reports them in ``shared_tensors``.
     """
 
     def __init__(
@@ -110,13 +123,20 @@ class Refitter:
         cast: CastPolicy = "buffers",
         skip: tuple[str, ...] | list[str] = (),
         staging_bytes: int = DEFAULT_STAGING_BYTES,
+        cuda_graph: bool = True,
+        share_storage: bool = False,
     ) -> None:
         t0 = perf_counter()
+        self.cuda_graph = cuda_graph
+        self.share_storage = share_storage
         if not dist.is_initialized():
             raise RefitError("torch.distributed is not initialized; call init_process_group first")
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
+        if self.rank < 0:
+            raise RefitError(f"global rank {dist.get_rank()} is not a member of the refit group; "
+                             "only the group's ranks construct a Refitter")
         self.version = 0
         self._program: Program | None = None
         self._verifier: Program | None = None
@@ -218,7 +238,7 @@ class Refitter:
         return RefitReport(
             self.version, perf_counter() - t0, self.plan.bytes_local, self.plan.bytes_sent,
             self.plan.bytes_received, self.transport_name, stats.rounds, stats.messages_sent,
-            stats.messages_received, stats.staging_bytes, compiled,
+            stats.messages_received, stats.staging_bytes, compiled, len(self._program.shared),
         )
 
     def _compile(self, compare: bool) -> Program:
@@ -227,6 +247,7 @@ class Refitter:
             self._src.tensors if self._src else {},
             self._dst.tensors if self._dst else {},
             self._transport, self.message_limit, compare=compare,
+            cuda_graph=self.cuda_graph and not compare, share_storage=self.share_storage,
         )
 
     def verify(self) -> None:

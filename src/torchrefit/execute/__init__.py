@@ -2,7 +2,7 @@
 
 from .messages import Chunk, Message, cut_messages
 from .program import Program, RunStats
-from .streams import SideStream, host_wait_current
+from .streams import SideStreams, host_wait_current
 
-__all__ = ["Chunk", "Message", "cut_messages", "Program", "RunStats", "SideStream",
+__all__ = ["Chunk", "Message", "cut_messages", "Program", "RunStats", "SideStreams",
            "host_wait_current"]

@@ -4,7 +4,7 @@ Work that runs on a side stream must first wait for the caller's current stream,
 where the producer (the optimizer step) queued the newest weights, and the
 caller's stream must wait for the side stream before ``refit()`` returns, so the
 consumer (the rollout engine) never reads a half-written destination. Every
-transport and the executor go through :class:`SideStream`; none orders streams on
+transport and the executor go through :class:`SideStreams`; none orders streams on
 its own. On CPU tensors every helper here is a no-op.
 """
 
@@ -15,49 +15,55 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-__all__ = ["SideStream", "host_wait_current"]
+__all__ = ["SideStreams", "host_wait_current"]
 
 
-class SideStream:
-    """A side stream bound to the caller's stream by waits in both directions.
+class SideStreams:
+    """Side streams bound to the caller's stream by waits in both directions.
 
-    ``with side.session():`` opens the ordering window: on entry the side stream
-    waits for everything already queued on the caller's stream (the producer); on
-    exit the caller's stream waits for everything queued on the side stream (so
-    the consumer sees finished data). Inside the window, ``with side.placed():``
-    puts work on the side stream; work outside it stays on the caller's stream
-    and overlaps with the side stream's. On CPU both are no-ops.
+    ``with side.session(n):`` opens the ordering window over the first ``n`` streams:
+    on entry each waits for everything already queued on the caller's stream (the
+    producer); on exit the caller's stream waits for everything queued on them (so
+    the consumer sees finished data). Inside the window, ``with side.placed(i):``
+    puts work on stream ``i``; work outside it stays on the caller's stream and
+    overlaps. Inside a CUDA-graph capture the same waits become the graph's fork
+    and join. On CPU every helper is a no-op.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, count: int = 2) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-        self._open = False
+        self.streams = ([torch.cuda.Stream(device=device) for _ in range(count)]
+                        if device.type == "cuda" else [])
+        self._open = 0
 
     @contextmanager
-    def session(self, keep_alive: Iterable[torch.Tensor] = ()) -> Iterator[SideStream]:
-        if self.stream is None:
+    def session(self, n: int | None = None, keep_alive: Iterable[torch.Tensor] = ()) -> Iterator[SideStreams]:
+        if not self.streams:
             yield self
             return
+        used = self.streams[: n or len(self.streams)]
         caller = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(caller)  # producer -> side stream: no stale reads
-        self._open = True
+        for stream in used:
+            stream.wait_stream(caller)  # producer -> side stream: no stale reads
+        outer, self._open = self._open, len(used)
         try:
             yield self
         finally:
-            self._open = False
-            caller.wait_stream(self.stream)  # side stream -> consumer: no torn reads
+            self._open = outer
+            for stream in used:
+                caller.wait_stream(stream)  # side stream -> consumer: no torn reads
             for t in keep_alive:
                 if t.is_cuda:
-                    t.record_stream(self.stream)
+                    for stream in used:
+                        t.record_stream(stream)
 
-    def placed(self):
-        """Context placing work on the side stream; only valid inside :meth:`session`."""
-        if self.stream is None:
+    def placed(self, i: int = 0):
+        """Context placing work on stream ``i``; only valid inside :meth:`session`."""
+        if not self.streams:
             return nullcontext()
-        if not self._open:
-            raise RuntimeError("side stream work must run inside SideStream.session()")
-        return torch.cuda.stream(self.stream)
+        if i >= self._open:
+            raise RuntimeError(f"side stream {i} used outside a SideStreams.session() that opened it")
+        return torch.cuda.stream(self.streams[i])
 
 
 def host_wait_current(device: torch.device) -> None:

@@ -119,10 +119,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise LayoutError(f"unsupported dtype {name!r}") from None
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise LayoutError(f"unsupported dtype {name!r}")
+        _DTYPES[name] = dtype
+    return dtype
 
 
 @dataclass(frozen=True, slots=True)

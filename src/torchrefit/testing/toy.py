@@ -244,19 +244,44 @@ def _held(spec: ModelSpec, c: Coords, name: str, d: TensorDef) -> str | None:
     return local
 
 
-def _local_tensors(spec: ModelSpec, c: Coords, seed: int, value_spec: ModelSpec) -> dict[str, tuple[str, TensorDef, torch.Tensor]]:
+def _table_for(spec: ModelSpec, c: Coords) -> dict[str, TensorDef]:
     table = global_table(spec)
     if spec.tie and c.pp_size > 1:  # Megatron keeps a copy of the embedding on the last stage
         table["output_layer.weight"] = TensorDef((spec.vocab, spec.hidden), "tp", stage="last")
+    return table
+
+
+def _local_shape(d: TensorDef, size: int) -> tuple[int, ...]:
+    if d.group == "rep" or size == 1:
+        return d.shape
+    return d.shape[: d.dim] + (d.shape[d.dim] // size,) + d.shape[d.dim + 1:]
+
+
+def _local_tensors(spec: ModelSpec, c: Coords, seed: int, value_spec: ModelSpec,
+                   device: torch.device | str | None = None, random_init: bool = False,
+                   ) -> dict[str, tuple[str, TensorDef, torch.Tensor]]:
+    """Local name -> (global name, definition, local tensor) for what rank ``c`` holds.
+
+    ``random_init`` fills local tensors with random values on ``device`` directly (fast,
+    for benchmarks); otherwise they are cut from the global values by the oracle.
+    """
+    gen = None
+    if random_init:
+        gen = torch.Generator(device=device or "cpu").manual_seed(seed * 7919 + c.tp * 131 + c.pp * 17 + c.ep)
     out = {}
-    for name, d in table.items():
+    for name, d in _table_for(spec, c).items():
         local = _held(spec, c, name, d)
         if local is None:
             continue
-        g = global_value(name, d.shape, seed, value_spec)
         rank, size = (c.etp, c.etp_size) if d.group == "etp" else (c.tp, c.tp_size)
         dtype = spec.buffer_dtype if d.buffer else spec.dtype
-        out[local] = (name, d, _oracle_shard(g, d, rank, size).to(dtype))
+        if random_init:
+            value = torch.empty(_local_shape(d, size), dtype=dtype, device=device)
+            value.normal_(generator=gen)
+        else:
+            g = global_value(name, d.shape, seed, value_spec)
+            value = _oracle_shard(g, d, rank, size).to(dtype=dtype, device=device)
+        out[local] = (name, d, value)
     return out
 
 
@@ -317,11 +342,13 @@ class ToyGPT(nn.Module):
         return _forward(self, tokens)
 
 
-def build_toy(spec: ModelSpec, mesh: Mesh, rank: int, seed: int, *, tp_group=None) -> ToyGPT | None:
+def build_toy(spec: ModelSpec, mesh: Mesh, rank: int, seed: int, *, tp_group=None,
+              device: torch.device | str | None = None, random_init: bool = False) -> ToyGPT | None:
     """The model rank ``rank`` holds in layout ``mesh`` (None outside the mesh's ranks).
 
     Groups are :class:`FakeGroup`s (only rank and size are read by layout code);
-    pass a real ``tp_group`` to run :meth:`ToyGPT.forward`.
+    pass a real ``tp_group`` to run :meth:`ToyGPT.forward`. ``random_init`` skips the
+    oracle and fills tensors with random values on ``device`` (for benchmarks).
     """
     c = mesh.coords(rank)
     if c is None:
@@ -331,7 +358,7 @@ def build_toy(spec: ModelSpec, mesh: Mesh, rank: int, seed: int, *, tp_group=Non
                       expt_tp=FakeGroup(c.etp, c.etp_size))
     model = ToyGPT(spec, c, pg, tp_group)
     layers = _layers_of(spec, c)
-    for local, (_, d, value) in _local_tensors(spec, c, seed, spec).items():
+    for local, (_, d, value) in _local_tensors(spec, c, seed, spec, device, random_init).items():
         _register(model, local, value, d)
     for i, module in enumerate(_layer_modules(model)):
         module.layer_number = layers[0] + i + 1

@@ -1,0 +1,10 @@
+"""Benchmarks of refits: configurations, timing against the physical floor, runners.
+
+``torchrefit bench`` is the command line over :func:`run_bench`; the scripts under
+``benchmarks/`` call it for the reference runs recorded in ``BENCHMARKS.md``.
+"""
+
+from .config import BenchConfig, parse_layout
+from .runner import run_bench
+
+__all__ = ["BenchConfig", "parse_layout", "run_bench"]

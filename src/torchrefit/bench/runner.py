@@ -1,0 +1,231 @@
+"""Running a benchmark configuration on real processes and summarising it.
+
+Each rank builds its source and destination models (toy Megatron-style models
+filled on the device, or megatron-core ``GPTModel``s for ``--compare
+megatron-core``), then for every variant: times construction plus the first
+refit, warms up, times ``iters`` refits with the device idle before each, times
+the host side while the GPU is busy, records peak extra device memory, and
+verifies the result. Rows are per variant; times are the slowest rank's per
+iteration.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..testing import build_toy, run_world
+from ..testing.toy import global_table
+from .config import VARIANTS, BenchConfig
+from .megatron_models import build_megatron_gpt, megatron_available, megatron_swap
+from .timing import copy_bandwidth, host_times, link_bandwidth, summarize, time_calls
+
+__all__ = ["run_bench", "backend_for"]
+
+
+def backend_for(cfg: BenchConfig) -> str:
+    if not torch.cuda.is_available():
+        return "gloo"
+    if cfg.transport == "gloo" or cfg.nproc > torch.cuda.device_count():
+        return "gloo"
+    return "nccl"
+
+
+def run_bench(cfg: BenchConfig) -> list[dict]:
+    """Run ``cfg`` on ``cfg.nproc`` processes; one summary row per variant (and megatron-core)."""
+    if cfg.compare == "megatron-core" and not megatron_available():
+        raise RuntimeError("--compare megatron-core needs megatron-core installed")
+    if cfg.compare == "megatron-core" and cfg.src != cfg.dst:
+        raise ValueError("--compare megatron-core runs with equal source and destination layouts")
+    per_rank = run_world(_bench_rank, cfg.nproc, cfg, backend=backend_for(cfg), timeout=1800,
+                         pg_timeout=600)
+    return _aggregate(cfg, per_rank)
+
+
+def _device(rank: int) -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def _models(cfg: BenchConfig, rank: int, device: torch.device):
+    src_mesh, dst_mesh = cfg.meshes()
+    if cfg.compare == "megatron-core":
+        layout = {"tp": src_mesh.tp, "pp": src_mesh.pp}
+        return build_megatron_gpt(cfg.spec, seed=1, **layout), build_megatron_gpt(cfg.spec, seed=2, **layout)
+    src = build_toy(cfg.spec, src_mesh, rank, seed=1, device=device, random_init=True)
+    dst = build_toy(cfg.spec, dst_mesh, rank, seed=2, device=device, random_init=True)
+    return src, dst
+
+
+def _bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
+    import torchrefit as tr
+
+    device = _device(rank)
+    bandwidth = copy_bandwidth(device) if rank == 0 else None
+    link = link_bandwidth(device) if _one_gpu_each(cfg) else None
+    src, dst = _models(cfg, rank, device)
+    out = {"rows": [], "bandwidth": bandwidth, "link": link, **_model_size(cfg, src)}
+    order = [v for v in cfg.variants if v != "share"]
+    for variant in order:
+        out["rows"].append(_time_refitter(tr, src, dst, cfg, variant, device))
+    if cfg.compare == "megatron-core":
+        out["rows"].append(_time_megatron(src, dst, cfg, device))
+    if "share" in cfg.variants:  # last: aliasing rewires the destination model
+        out["rows"].append(_time_refitter(tr, src, dst, cfg, "share", device))
+    return out
+
+
+def _one_gpu_each(cfg: BenchConfig) -> bool:
+    """Several processes, each on its own GPU: a link between GPUs can be measured."""
+    return cfg.nproc > 1 and torch.cuda.is_available() and cfg.nproc <= torch.cuda.device_count()
+
+
+def _model_size(cfg: BenchConfig, src) -> dict:
+    """Parameters and bytes of the whole (global) source model."""
+    if cfg.compare == "megatron-core":  # equal layouts, TP1 in practice: local is global
+        params = sum(p.numel() for p in src.parameters()) if src is not None else 0
+    else:
+        params = sum(_numel(d.shape) for d in global_table(cfg.spec).values() if not d.buffer)
+    return {"params": params, "model_bytes": params * cfg.spec.dtype.itemsize}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _memory(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def _time_refitter(tr, src, dst, cfg: BenchConfig, variant: str, device: torch.device) -> dict:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    base = _memory(device)
+    dist.barrier()
+    t0 = time.perf_counter()
+    refitter = tr.Refitter(src, dst, transport=cfg.transport, **VARIANTS[variant])
+    report = refitter.refit()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    first = time.perf_counter() - t0
+    times = time_calls(refitter.refit, cfg.warmup, cfg.iters, device)
+    local_only = not refitter.plan.sends and not refitter.plan.recvs
+    hosts = host_times(refitter.refit, cfg.iters, device) if local_only and cfg.nproc == 1 else []
+    peak = (torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else 0
+    refitter.verify()
+    row = {"impl": "torchrefit", "variant": variant, "transport": refitter.transport_name,
+           "times": times, "hosts": hosts, "first_refit_s": first, "peak_extra_bytes": peak,
+           "staging_bytes": report.staging_bytes, "bytes_local": report.bytes_local,
+           "bytes_sent": report.bytes_sent,
+           "bytes_received": report.bytes_received,
+           "shared_tensors": report.shared_tensors, "plan_seconds": refitter.plan_seconds}
+    refitter.close()
+    return row
+
+
+def _time_megatron(src, dst, cfg: BenchConfig, device: torch.device) -> dict:
+    method = "gloo" if cfg.transport == "gloo" else "nccl"
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    base = _memory(device)
+    t0 = time.perf_counter()
+    megatron_swap(src, dst, method)
+    torch.cuda.synchronize(device)
+    first = time.perf_counter() - t0
+    times = time_calls(lambda: megatron_swap(src, dst, method), cfg.warmup, cfg.iters, device)
+    hosts = host_times(lambda: megatron_swap(src, dst, method), cfg.iters, device) if cfg.nproc == 1 else []
+    peak = torch.cuda.max_memory_allocated(device) - base
+    return {"impl": "megatron-core", "variant": "swap_model_weights", "transport": method,
+            "times": times, "hosts": hosts, "first_refit_s": first, "peak_extra_bytes": peak}
+
+
+def _aggregate(cfg: BenchConfig, per_rank: list[dict]) -> list[dict]:
+    bandwidth = per_rank[0]["bandwidth"]
+    rows = []
+    for i, row0 in enumerate(per_rank[0]["rows"]):
+        ranks = [r["rows"][i] for r in per_rank]
+        times = [max(t) for t in zip(*(r["times"] for r in ranks))]  # slowest rank per iteration
+        row = {k: v for k, v in row0.items() if k not in ("times", "hosts")}
+        row.update(summarize(times))
+        hosts = [h for r in ranks for h in r["hosts"]]
+        row["host_ms"] = summarize(hosts)["median_ms"] if hosts else None
+        row["first_refit_s"] = max(r["first_refit_s"] for r in ranks)
+        row["peak_extra_bytes"] = max(r["peak_extra_bytes"] for r in ranks)
+        if "bytes_local" in row0:  # every remote byte counted once, where it is sent
+            row["bytes_local"] = sum(r["bytes_local"] for r in ranks)
+            row["bytes_remote"] = sum(r["bytes_sent"] for r in ranks)
+            row["staging_bytes"] = max(r["staging_bytes"] for r in ranks)
+            row["per_rank_bytes"] = [(r["bytes_local"], r["bytes_sent"], r["bytes_received"]) for r in ranks]
+        rows.append(row)
+    base = _shape_fields(cfg, per_rank, bandwidth)
+    link = per_rank[0].get("link")
+    base["link_bandwidth_gbs"] = link / 1e9 if link else None
+    torch_rows = [r for r in rows if r["impl"] == "torchrefit"]
+    floor_ms, note = _floor_ms(cfg, torch_rows[0] if torch_rows else None, bandwidth, link)
+    meg = next((r for r in rows if r["impl"] == "megatron-core"), None)
+    for r in rows:
+        r.update(base)
+        r["floor_ms"], r["floor_note"] = floor_ms, note
+        r["ratio_to_floor"] = r["median_ms"] / floor_ms if floor_ms else None
+        r["link_utilization"] = _link_utilization(torch_rows[0], link, r["median_ms"]) if torch_rows else None
+        if meg is not None and r["impl"] == "torchrefit":
+            r["megatron_median_ms"] = meg["median_ms"]
+            r["ratio_to_megatron"] = r["median_ms"] / meg["median_ms"]
+    return rows
+
+
+def _link_utilization(row: dict, link: float | None, median_ms: float) -> float | None:
+    """Fraction of the link's measured bandwidth the busiest GPU's remote bytes achieved."""
+    busiest = max((max(sent, received) for _, sent, received in row["per_rank_bytes"]), default=0)
+    if not link or not busiest:
+        return None
+    return busiest / link / (median_ms / 1e3)
+
+
+def _floor_ms(cfg: BenchConfig, row: dict | None, hbm: float | None, link: float | None):
+    """The time no refit can beat, and how it was derived.
+
+    One GPU per process: per GPU, the larger of its local bytes read and written over
+    the HBM copy bandwidth and its remote bytes (the larger direction) over the link's
+    per-direction bandwidth; the slowest GPU sets the floor. Several processes on one
+    GPU share its memory bandwidth and have no link: only all-local refits get a floor.
+    """
+    if row is None or not hbm:
+        return None, "no torchrefit row"
+    per_rank = row["per_rank_bytes"]
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cfg.nproc == 1 or (gpus and cfg.nproc > gpus):
+        if any(sent or received for _, sent, received in per_rank):
+            return None, "no floor: remote bytes between processes that share one device"
+        return 2 * sum(local for local, _, _ in per_rank) / hbm * 1e3, "HBM copy floor of the local bytes"
+    if link is None:
+        return None, "no floor: no link bandwidth measured"
+    per_gpu = [max(2 * local / hbm, max(sent, received) / link) for local, sent, received in per_rank]
+    return max(per_gpu) * 1e3, "per GPU max(2 x local / HBM copy bandwidth, remote / link bandwidth)"
+
+
+def _shape_fields(cfg: BenchConfig, per_rank: list[dict], bandwidth: float | None) -> dict:
+    s = cfg.spec
+    return {
+        "label": cfg.label or f"{cfg.src}->{cfg.dst} {cfg.mode}",
+        "src": cfg.src, "dst": cfg.dst, "mode": cfg.mode, "world": cfg.nproc,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "shape": {"layers": s.layers, "hidden": s.hidden, "heads": s.heads, "kv_heads": s.groups,
+                  "ffn": s.ffn, "vocab": s.vocab, "experts": s.experts, "dtype": str(s.dtype).removeprefix("torch."),
+                  "swiglu": s.swiglu, "tie": s.tie},
+        "params": max(r["params"] for r in per_rank),
+        "model_bytes": max(r["model_bytes"] for r in per_rank),
+        "copy_bandwidth_gbs": bandwidth / 1e9 if bandwidth else None,
+        "warmup": cfg.warmup, "iters": cfg.iters,
+    }

@@ -1,0 +1,153 @@
+"""``torchrefit bench``: time refits against the physical floor (and megatron-core).
+
+In the manner of Megatron-LM's ``examples/rl/benchmark_refit.py``, without a
+Megatron dependency: shape flags or a preset, source and destination layouts,
+collocated or not, transport, warm-up and timed iterations. Prints, per
+configuration and variant: bytes moved, mean / median / stddev / min-max, the
+floor measured in the same run and the ratio to it, host time per refit while
+the GPU is busy, peak extra device memory and first-refit time.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+
+import torch
+
+__all__ = ["add_parser", "run"]
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="time refits against the copy floor (and megatron-core)")
+    p.add_argument("--model", help="shape preset: gpt-4b (the seed's model), tiny; "
+                                   "default gpt-4b on a GPU, a small shape on CPU")
+    p.add_argument("--layers", help="number of layers; a comma list runs several sizes")
+    for flag in ("hidden", "heads", "kv-heads", "ffn", "vocab", "experts", "expert-ffn"):
+        p.add_argument(f"--{flag}", type=int)
+    p.add_argument("--swiglu", action=argparse_bool(), default=None, help="gated MLP (stride-2 fc1)")
+    p.add_argument("--tie", action="store_true", help="tie the output layer to the embedding")
+    p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
+    p.add_argument("--src", default="tp1", help="source layout, e.g. tp2pp2 (default tp1)")
+    p.add_argument("--dst", default="tp1", help="destination layout, e.g. tp4 (default tp1)")
+    p.add_argument("--mode", default="collocated", choices=["collocated", "non-collocated"])
+    p.add_argument("--transport", default="auto", help="auto, nccl or gloo")
+    p.add_argument("--nproc", type=int, default=1, help="processes (one per GPU where there are enough)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--variant", action="append", choices=["plain", "graph", "share"],
+                   help="executor variant, repeatable: plain replay, CUDA-graph replay of local "
+                        "copies, shared storage (default: plain and graph)")
+    p.add_argument("--compare", choices=["megatron-core"], help="also time megatron-core's "
+                                                                 "swap_model_weights on the same models")
+    p.add_argument("--label", default="")
+    p.add_argument("--json", help="write every figure to this JSON file")
+    p.add_argument("--plot", help="draw time against model size with the floor line (matplotlib)")
+    p.set_defaults(run=run)
+
+
+def argparse_bool():
+    import argparse
+    return argparse.BooleanOptionalAction
+
+
+def _spec(args, layers: int | None):
+    from torchrefit.bench.config import PRESETS
+    from torchrefit.testing import ModelSpec
+
+    name = args.model or ("gpt-4b" if torch.cuda.is_available() else None)
+    base = dict(PRESETS[name]) if name else dict(layers=4, hidden=512, heads=8, groups=8, ffn=2048,
+                                                 vocab=8192, swiglu=False)
+    flags = {"hidden": args.hidden, "heads": args.heads, "groups": args.kv_heads, "ffn": args.ffn,
+             "vocab": args.vocab, "experts": args.experts, "expert_ffn": args.expert_ffn,
+             "swiglu": args.swiglu, "layers": layers}
+    base.update({k: v for k, v in flags.items() if v is not None})
+    if "groups" not in base or (args.heads and not args.kv_heads):
+        base["groups"] = base["heads"]
+    return ModelSpec(**base, tie=args.tie, bias=True, dtype=_DTYPES[args.dtype])
+
+
+def run(args) -> int:
+    from torchrefit.bench import BenchConfig, run_bench
+
+    sizes = [int(x) for x in args.layers.split(",")] if args.layers else [None]
+    variants = tuple(args.variant or ["plain", "graph"])
+    rows = []
+    for layers in sizes:
+        cfg = BenchConfig(spec=_spec(args, layers), src=args.src, dst=args.dst, mode=args.mode,
+                          transport=args.transport, nproc=args.nproc, warmup=args.warmup,
+                          iters=args.iters, variants=variants, compare=args.compare, label=args.label)
+        got = run_bench(cfg)
+        _print(cfg, got)
+        rows.extend(got)
+    if args.json:
+        with open(args.json, "w") as f:
+            argv = sys.argv[1:]
+            argv = argv[1:] if argv[:1] == ["bench"] else argv
+            json.dump({"command": "torchrefit bench " + shlex.join(argv), "configs": rows}, f,
+                      indent=1, default=str)
+    if args.plot:
+        _plot(rows, args.plot)
+    return 0
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
+def _f(x, spec: str = ".2f", suffix: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def _print(cfg, rows: list[dict]) -> None:
+    r0 = rows[0]
+    print(f"\n{r0['label']}: {r0['params'] / 1e9:.2f} B params ({_fmt_bytes(r0['model_bytes'])}), "
+          f"{cfg.nproc} process(es), {r0['device']}, copy bandwidth "
+          f"{_f(r0['copy_bandwidth_gbs'], '.0f', ' GB/s')}, warmup {cfg.warmup}, iters {cfg.iters}")
+    head = (f"{'impl':<14}{'variant':<20}{'transport':<10}{'local':>10}{'remote':>10}{'median':>9}"
+            f"{'mean':>9}{'std':>7}{'min-max':>16}{'floor':>8}{'x floor':>8}{'x mcore':>8}"
+            f"{'host':>8}{'first':>8}{'peak':>10}")
+    print(head)
+    for r in rows:
+        print(f"{r['impl']:<14}{r['variant']:<20}{r['transport']:<10}"
+              f"{_fmt_bytes(r.get('bytes_local')):>10}{_fmt_bytes(r.get('bytes_remote')):>10}"
+              f"{r['median_ms']:>7.2f}ms{r['mean_ms']:>7.2f}ms{r['stddev_ms']:>7.2f}"
+              f"{r['min_ms']:>8.2f}-{r['max_ms']:<7.2f}{_f(r['floor_ms']):>8}"
+              f"{_f(r['ratio_to_floor'], '.3f'):>8}{_f(r.get('ratio_to_megatron'), '.3f'):>8}"
+              f"{_f(r['host_ms'], '.3f'):>8}{r['first_refit_s']:>7.3f}s"
+              f"{_fmt_bytes(r['peak_extra_bytes']):>10}")
+
+
+def _plot(rows: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'torchrefit[bench]'") from None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series: dict[str, list] = {}
+    for r in rows:
+        series.setdefault(f"{r['impl']} {r['variant']}", []).append((r["params"] / 1e9, r["median_ms"]))
+    for name, pts in series.items():
+        pts.sort()
+        ax.plot(*zip(*pts), marker="o", label=name)
+    floor = sorted({(r["params"] / 1e9, r["floor_ms"]) for r in rows if r.get("floor_ms")})
+    if floor:
+        ax.plot(*zip(*floor), "k--", label="copy floor")
+    ax.set_xlabel("model parameters (billions)")
+    ax.set_ylabel("median refit time (ms)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
