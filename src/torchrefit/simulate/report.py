@@ -89,8 +89,8 @@ class PlanReport:
         return [
             f"model        {self.model}: {self.tensors} tensors, {self.params / 1e9:.2f} B parameters, "
             f"{_gb(self.model_bytes)}",
-            f"source       {self.src} ({self.src_classes} distinct rosters)",
-            f"destination  {self.dst} ({self.dst_classes} distinct rosters)",
+            f"source       {self.src} ({_rosters(self.src_classes)})",
+            f"destination  {self.dst} ({_rosters(self.dst_classes)})",
             f"moves        {_gb(self.bytes_total)} in all: {_gb(self.bytes_remote)} between ranks, "
             f"{_gb(self.bytes_local)} by local copy ({self.local_fraction:.1%} local)",
             f"per rank     sent: max {_gb(self.max_sent)}, mean {_gb(self.mean_sent)} over the "
@@ -265,3 +265,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _gb(n: float) -> str:
     return f"{n / 1e9:,.2f} GB" if n >= 1e8 else f"{n / 1e6:,.2f} MB"
+
+
+def _rosters(n: int) -> str:
+    return f"{n} distinct roster{'' if n == 1 else 's'}"
