@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 import torchrefit as tr
-from torchrefit.bench.config import PRESETS
+from torchrefit.bench.config import spec_from_preset
 from torchrefit.bench.timing import host_times, sleep_cycles_per_ms
-from torchrefit.testing import Mesh, ModelSpec, build_toy
+from torchrefit.testing import Mesh, build_toy
 
 
 def busy_host_ms(fn, cycles_per_ms: float, iters: int = 30) -> float:
@@ -54,7 +54,7 @@ def main() -> None:
         for big in (False, True):
             print(f"stale probe: caller={'user stream' if user else 'default stream'} "
                   f"{'64M' if big else '1K'} floats -> dst max {stale_probe(cpm, user, big)}")
-    spec = ModelSpec(**PRESETS["gpt-4b"], dtype=torch.bfloat16)
+    spec = spec_from_preset("gpt-4b")
     src = build_toy(spec, Mesh(1, ranks=1), 0, 1, device="cuda", random_init=True)
     dst = build_toy(spec, Mesh(1, ranks=1), 0, 2, device="cuda", random_init=True)
     r = tr.Refitter(src, dst)

@@ -8,16 +8,15 @@ import torch
 import torch.distributed as dist
 
 import torchrefit as tr
-from torchrefit.bench.config import PRESETS
+from torchrefit.bench.config import spec_from_preset
 from torchrefit.bench.megatron_models import build_megatron_gpt
-from torchrefit.testing import ModelSpec
 
 if __name__ == "__main__":
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29577")
     dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
-    spec = ModelSpec(**PRESETS["gpt-4b"], dtype=torch.bfloat16)
+    spec = spec_from_preset("gpt-4b")
     src, dst = build_megatron_gpt(spec, seed=1), build_megatron_gpt(spec, seed=2)
     for name, b in src.named_buffers():
         print(f"buffer {name} {tuple(b.shape)} {b.dtype} contiguous={b.is_contiguous()}")

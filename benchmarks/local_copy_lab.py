@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 import torchrefit as tr
-from torchrefit.bench.config import PRESETS
+from torchrefit.bench.config import spec_from_preset
 from torchrefit.bench.timing import copy_bandwidth, host_times, sleep_cycles_per_ms
-from torchrefit.testing import Mesh, ModelSpec, build_toy
+from torchrefit.testing import Mesh, build_toy
 
 
 def device_ms(fn, iters: int) -> float:
@@ -110,7 +110,7 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
-    spec = ModelSpec(**{**PRESETS["gpt-4b"], "layers": args.layers}, dtype=torch.bfloat16)
+    spec = spec_from_preset("gpt-4b", layers=args.layers)
     src = build_toy(spec, Mesh(1, ranks=1), 0, 1, device="cuda", random_init=True)
     dst = build_toy(spec, Mesh(1, ranks=1), 0, 2, device="cuda", random_init=True)
     bw = copy_bandwidth(torch.device("cuda"))

@@ -4,7 +4,7 @@
 ``benchmarks/`` call it for the reference runs recorded in ``BENCHMARKS.md``.
 """
 
-from .config import BenchConfig, parse_layout
+from .config import BenchConfig, spec_from_preset
 from .runner import run_bench
 
-__all__ = ["BenchConfig", "parse_layout", "run_bench"]
+__all__ = ["BenchConfig", "spec_from_preset", "run_bench"]

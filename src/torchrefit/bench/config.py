@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..simulate.meshes import min_ranks, parse_mesh
+from ..simulate.shapes import preset
 from ..testing.toy import Mesh, ModelSpec
 
-__all__ = ["BenchConfig", "parse_layout", "PRESETS", "VARIANTS"]
-
-#: model shapes by name; ``gpt-4b`` is the seed's benchmark model (Megatron defaults:
-#: 4x MLP without gating, biases, untied output layer: 4.46 B parameters)
-PRESETS: dict[str, dict] = {
-    "gpt-4b": dict(layers=20, hidden=4096, heads=32, groups=32, ffn=16384, vocab=50304, swiglu=False),
-    "tiny": dict(layers=2, hidden=64, heads=4, groups=2, ffn=128, vocab=256, swiglu=True),
-}
+__all__ = ["BenchConfig", "spec_from_preset", "VARIANTS"]
 
 #: how the executor runs: eager copies, CUDA-graph replay of local copies (the default),
 #: shared storage
@@ -26,19 +20,24 @@ VARIANTS = {
     "share": {"share_storage": True},
 }
 
-_LAYOUT = re.compile(r"(tp|pp|ep|etp|dp)(\d+)")
 
+def spec_from_preset(name: str, **overrides) -> ModelSpec:
+    """The toy model spec of a ``torchrefit.simulate`` preset (the one preset table).
 
-def parse_layout(text: str) -> dict[str, int]:
-    """``"tp2pp2ep4etp1"`` -> ``{"tp": 2, "pp": 2, "ep": 4, "etp": 1}`` (dp where given)."""
-    text = text.strip().lower()
-    parts = _LAYOUT.findall(text)
-    if not parts or "".join(f"{k}{v}" for k, v in parts) != text:
-        raise ValueError(f"cannot read layout {text!r}; write it like tp2pp2ep4 (tp, pp, ep, etp, dp)")
-    out = {k: int(v) for k, v in parts}
-    if any(v < 1 for v in out.values()):
-        raise ValueError(f"layout {text!r}: sizes must be positive")
-    return out
+    Toy models have no learned position embeddings and only weight layer norms, so
+    ``gpt-4b`` comes to 4.44 B parameters here against 4.46 B in megatron-core.
+    """
+    shape = preset(name)
+    if shape.mla or shape.dense_layers or shape.shared_expert_ffn:
+        raise ValueError(f"preset {name!r} has features toy models lack (MLA, mixed dense and "
+                         "MoE layers, shared experts); pass shape flags instead")
+    fields = dict(layers=shape.layers, hidden=shape.hidden, heads=shape.heads, groups=shape.kv_heads,
+                  ffn=shape.ffn, vocab=shape.vocab, swiglu=shape.swiglu, bias=shape.bias,
+                  tie=shape.tie, experts=shape.experts, dtype=getattr(torch, shape.dtype))
+    if shape.experts:
+        fields["expert_ffn"] = shape.expert_ffn
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    return ModelSpec(**fields)
 
 
 @dataclass(frozen=True)
@@ -66,15 +65,17 @@ class BenchConfig:
                 raise ValueError(f"unknown variant {v!r}; choose from {sorted(VARIANTS)}")
 
     def meshes(self) -> tuple[Mesh, Mesh]:
-        """Source and destination meshes over this world's ranks."""
-        s, d = parse_layout(self.src), parse_layout(self.dst)
-        if self.mode == "collocated":
-            return _mesh(s, self.nproc, 0), _mesh(d, self.nproc, 0)
-        ns, nd = _ranks(s), _ranks(d)
-        if ns + nd > self.nproc:
-            raise ValueError(f"non-collocated {self.src} -> {self.dst} needs {ns + nd} processes, "
-                             f"got {self.nproc}")
-        return _mesh(s, ns, 0), _mesh(d, nd, ns)
+        """Source and destination meshes over this world's ranks (layout strings as in
+        ``torchrefit plan``). Non-collocated without ``@START:END``: the source takes the
+        first ranks it needs, the destination the ones after."""
+        src, dst = self.src, self.dst
+        if self.mode == "non-collocated" and "@" not in src + dst:
+            ns, nd = min_ranks(src), min_ranks(dst)
+            if ns + nd > self.nproc:
+                raise ValueError(f"non-collocated {src} -> {dst} needs {ns + nd} processes, "
+                                 f"got {self.nproc}")
+            src, dst = f"{src}@0:{ns}", f"{dst}@{ns}:{ns + nd}"
+        return _toy_mesh(parse_mesh(src, self.nproc)), _toy_mesh(parse_mesh(dst, self.nproc))
 
     def with_(self, **kw) -> BenchConfig:
         return replace(self, **kw)
@@ -84,12 +85,5 @@ class BenchConfig:
         return self.spec.dtype
 
 
-def _ranks(layout: dict[str, int]) -> int:
-    dense = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1)
-    experts = layout.get("ep", 1) * layout.get("etp", layout.get("tp", 1)) * layout.get("pp", 1)
-    return max(dense, experts)
-
-
-def _mesh(layout: dict[str, int], ranks: int, offset: int) -> Mesh:
-    return Mesh(tp=layout.get("tp", 1), pp=layout.get("pp", 1), ep=layout.get("ep", 1),
-                etp=layout.get("etp"), ranks=ranks, offset=offset)
+def _toy_mesh(m) -> Mesh:
+    return Mesh(tp=m.tp, pp=m.pp, ep=m.ep, etp=m.etp, ranks=m.ranks, offset=m.start)

@@ -24,8 +24,8 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.flo
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="time refits against the copy floor (and megatron-core)")
-    p.add_argument("--model", help="shape preset: gpt-4b (the seed's model), tiny; "
-                                   "default gpt-4b on a GPU, a small shape on CPU")
+    p.add_argument("--model", help="shape preset (as torchrefit plan): gpt-4b (the seed's model), "
+                                   "llama-70b; default gpt-4b on a GPU, a small shape on CPU")
     p.add_argument("--layers", help="number of layers; a comma list runs several sizes")
     for flag in ("hidden", "heads", "kv-heads", "ffn", "vocab", "experts", "expert-ffn"):
         p.add_argument(f"--{flag}", type=int)
@@ -56,19 +56,23 @@ def argparse_bool():
 
 
 def _spec(args, layers: int | None):
-    from torchrefit.bench.config import PRESETS
+    from torchrefit.bench.config import spec_from_preset
     from torchrefit.testing import ModelSpec
 
-    name = args.model or ("gpt-4b" if torch.cuda.is_available() else None)
-    base = dict(PRESETS[name]) if name else dict(layers=4, hidden=512, heads=8, groups=8, ffn=2048,
-                                                 vocab=8192, swiglu=False)
     flags = {"hidden": args.hidden, "heads": args.heads, "groups": args.kv_heads, "ffn": args.ffn,
              "vocab": args.vocab, "experts": args.experts, "expert_ffn": args.expert_ffn,
-             "swiglu": args.swiglu, "layers": layers}
-    base.update({k: v for k, v in flags.items() if v is not None})
-    if "groups" not in base or (args.heads and not args.kv_heads):
-        base["groups"] = base["heads"]
-    return ModelSpec(**base, tie=args.tie, bias=True, dtype=_DTYPES[args.dtype])
+             "swiglu": args.swiglu, "layers": layers, "dtype": _DTYPES[args.dtype]}
+    if args.tie:
+        flags["tie"] = True
+    if args.heads and not args.kv_heads:
+        flags["groups"] = args.heads
+    name = args.model or ("gpt-4b" if torch.cuda.is_available() else None)
+    if name:
+        return spec_from_preset(name, **flags)
+    small = dict(layers=4, hidden=512, heads=8, groups=8, ffn=2048, vocab=8192, swiglu=False,
+                 bias=True, tie=False)
+    small.update({k: v for k, v in flags.items() if v is not None})
+    return ModelSpec(**small)
 
 
 def run(args) -> int:

@@ -16,10 +16,11 @@ is 128 engines of 8 consecutive ranks.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
-__all__ = ["Mesh", "Coords", "parse_mesh"]
+__all__ = ["Mesh", "Coords", "parse_mesh", "min_ranks"]
 
 _TOKEN = re.compile(r"(etp|tp|pp|ep|dp)(\d+)")
 _SEPARATORS = re.compile(r"[\sx_,\-]+")
@@ -88,10 +89,8 @@ class Mesh:
         return " ".join(parts) + f" on ranks {self.start}-{self.end - 1}"
 
 
-def parse_mesh(text: str, world: int) -> Mesh:
-    """``"tp8pp4"`` -> Mesh(tp=8, pp=4, start=0, end=world); raises ValueError saying why not."""
-    body, _, where = text.strip().lower().partition("@")
-    start, end = _range(where, world, text)
+def _sizes(text: str, body: str) -> dict[str, int]:
+    """The sizes a layout names, with the defaults filled in (``dp`` only where named)."""
     sizes: dict[str, int] = {}
     rest = _SEPARATORS.sub("", body)
     pos = 0
@@ -104,9 +103,24 @@ def parse_mesh(text: str, world: int) -> Mesh:
         raise ValueError(f"layout {text!r}: cannot read {rest[pos:]!r}; write e.g. 'tp8pp4', "
                          "'pp16ep64', 'tp4ep8etp1@512:1024'")
     tp, ep = sizes.get("tp", 1), sizes.get("ep", 1)
-    etp = sizes.get("etp", 1 if "ep" in sizes else tp)
+    sizes.update(tp=tp, pp=sizes.get("pp", 1), ep=ep, etp=sizes.get("etp", 1 if "ep" in sizes else tp))
+    return sizes
+
+
+def min_ranks(text: str) -> int:
+    """The fewest ranks a layout (without ``@``) fits: its model-parallel size times ``dp``."""
+    s = _sizes(text, text.strip().lower().partition("@")[0])
+    dense, experts = s["tp"] * s["pp"], s["etp"] * s["ep"] * s["pp"]
+    return dense * experts // math.gcd(dense, experts) * s.get("dp", 1)
+
+
+def parse_mesh(text: str, world: int) -> Mesh:
+    """``"tp8pp4"`` -> Mesh(tp=8, pp=4, start=0, end=world); raises ValueError saying why not."""
+    body, _, where = text.strip().lower().partition("@")
+    start, end = _range(where, world, text)
+    sizes = _sizes(text, body)
     try:
-        mesh = Mesh(tp, sizes.get("pp", 1), ep, etp, start, end)
+        mesh = Mesh(sizes["tp"], sizes["pp"], sizes["ep"], sizes["etp"], start, end)
     except ValueError as e:
         raise ValueError(f"layout {text!r}: {e}") from None
     if "dp" in sizes and sizes["dp"] != mesh.dp:
