@@ -20,6 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..simulate.meshes import Mesh as SimMesh
+
 __all__ = ["ModelSpec", "Mesh", "Coords", "TensorDef", "global_table", "global_value",
            "build_toy", "expected_local", "FakeGroup", "PGCollection"]
 
@@ -92,16 +94,14 @@ class Mesh:
         return self.ranks // (self.tp * self.pp)
 
     def coords(self, rank: int) -> Coords | None:
-        r = rank - self.offset
-        if not 0 <= r < self.ranks:
+        """Where ``rank`` sits; the rank order is ``simulate.meshes.Mesh``'s (Megatron's)."""
+        c = SimMesh(self.tp, self.pp, self.ep, self.etp_size, self.offset,
+                    self.offset + self.ranks).coords(rank)
+        if c is None:
             return None
-        per_stage = self.ranks // self.pp
-        e = r % per_stage
-        return Coords(
-            tp=r % self.tp, dp=(r // self.tp) % self.dp, pp=r // per_stage,
-            ep=(e // self.etp_size) % self.ep, etp=e % self.etp_size,
-            tp_size=self.tp, pp_size=self.pp, ep_size=self.ep, etp_size=self.etp_size,
-        )
+        dp = ((rank - self.offset) // self.tp) % self.dp
+        return Coords(tp=c.tp, dp=dp, pp=c.pp, ep=c.ep, etp=c.etp, tp_size=self.tp,
+                      pp_size=self.pp, ep_size=self.ep, etp_size=self.etp_size)
 
 
 @dataclass(frozen=True)
