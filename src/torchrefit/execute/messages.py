@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..layout._types import Box
-from ..plan.types import Transfer, itemsize
+from ..plan.types import Transfer
 
 __all__ = ["Chunk", "Message", "cut_messages", "rows_of", "ALIGN"]
 
@@ -77,7 +77,3 @@ def cut_messages(peer: int, transfers: Sequence[Transfer], limit: int) -> list[M
     if chunks:
         messages.append(Message(peer, tuple(chunks)))
     return messages
-
-
-def wire_itemsize(t: Transfer) -> int:
-    return itemsize(t.wire_dtype)

@@ -102,7 +102,8 @@ class Program:
     def _watched(self) -> list[tuple[torch.Tensor, int]]:
         used = {("src", c.src_key) for c in self.plan.local} | {("dst", c.dst_key) for c in self.plan.local}
         used |= {("src", t.key) for t in self.plan.sends} | {("dst", t.key) for t in self.plan.recvs}
-        return [(self._tensor(side, key), self._tensor(side, key).data_ptr()) for side, key in sorted(used)]
+        tensors = [self._tensor(side, key) for side, key in sorted(used)]
+        return [(t, t.data_ptr()) for t in tensors]
 
     def _tensor(self, side: str, key: str) -> torch.Tensor:
         table = self.src_tensors if side == "src" else self.dst_tensors

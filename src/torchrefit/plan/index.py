@@ -123,5 +123,3 @@ class RoleIndex:
             self._ranks_cache[key] = got
         return got
 
-    def first_rank(self, class_ids: Sequence[int]) -> int:
-        return min(self.members[c][0] for c in class_ids)

@@ -13,7 +13,7 @@ import pickle
 import zlib
 from dataclasses import dataclass
 
-from ..layout._types import Box, ModelLayout
+from ..layout._types import ModelLayout
 
 __all__ = ["RosterEntry", "Roster", "encode_roster", "decode_roster"]
 
@@ -52,7 +52,3 @@ def encode_roster(layout: ModelLayout | Roster) -> bytes:
 def decode_roster(blob: bytes) -> Roster:
     entries, aliases = pickle.loads(zlib.decompress(blob))
     return Roster(entries, aliases)
-
-
-def entry_boxes(entry: RosterEntry) -> list[Box]:
-    return [Box(o, s) for o, s in entry[4]]

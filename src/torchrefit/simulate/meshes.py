@@ -65,10 +65,6 @@ class Mesh:
     def dp(self) -> int:
         return self.ranks // (self.tp * self.pp)
 
-    @property
-    def edp(self) -> int:
-        return self.ranks // (self.etp * self.ep * self.pp)
-
     def coords(self, rank: int) -> Coords | None:
         """What rank ``rank`` (a world rank) holds, or None outside the mesh."""
         r = rank - self.start
