@@ -20,7 +20,6 @@ import pytest
 
 from torchrefit.cli import main
 from torchrefit.plan.deal import Block, Line, split_pair
-from torchrefit.plan.index import RoleIndex
 from torchrefit.plan.planner import Planner
 from torchrefit.plan.simulate import check_agreement
 from torchrefit.simulate import global_tensors, parse_mesh, preset, simulated_role
@@ -48,8 +47,7 @@ class _World:
         self.src = simulated_role(shape, parse_mesh(src, WORLD), WORLD)
         self.dst = simulated_role(shape, parse_mesh(dst, WORLD), WORLD)
         self.blobs = self.src.rosters(), self.dst.rosters()
-        self.planner = Planner(RoleIndex("source", self.blobs[0]),
-                               RoleIndex("destination", self.blobs[1]))
+        self.planner = Planner.from_rosters(self.blobs[0], self.blobs[1])
         self.planner.validate()
         self.traffic = traffic(self.planner, WORLD)
         self.plans: dict = {}
@@ -141,7 +139,7 @@ def test_llama_70b_busiest_sender_within_1_1x_the_mean(src: str, dst: str) -> No
     shape = preset("llama-70b")
     s, d = simulated_role(shape, parse_mesh(src, WORLD), WORLD), simulated_role(
         shape, parse_mesh(dst, WORLD), WORLD)
-    planner = Planner(RoleIndex("source", s.rosters()), RoleIndex("destination", d.rosters()))
+    planner = Planner.from_rosters(s.rosters(), d.rosters())
     planner.validate()
     ratio = traffic(planner, WORLD).max_send_over_mean()
     assert ratio <= 1.1, f"{src} -> {dst}: busiest sender {ratio:.3f}x the mean"

@@ -23,7 +23,6 @@ from .errors import LayoutError, PlanError, RefitError, TransportError, Verifica
 from .execute.program import Program
 from .layout import Described, LayoutArg, describe
 from .maps import Identity, NameMap
-from .plan.index import RoleIndex
 from .plan.planner import CastPolicy, Planner
 from .plan.roster import encode_roster
 from .plan.types import RankPlan
@@ -180,11 +179,8 @@ class Refitter:
         return all_gather_pickled(info, self.group)
 
     def _plan(self, infos, name_map: NameMap, cast, skip) -> RankPlan:
-        planner = Planner(
-            RoleIndex("source", [i.src for i in infos]),
-            RoleIndex("destination", [i.dst for i in infos]),
-            name_map, cast=cast, skip=tuple(skip),
-        )
+        planner = Planner.from_rosters([i.src for i in infos], [i.dst for i in infos], name_map,
+                                       cast=cast, skip=tuple(skip))
         planner.validate()  # the same rosters on every rank: the same error everywhere
         self._planner = planner
         self._plan_error: str | None = None

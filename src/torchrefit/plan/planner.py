@@ -73,6 +73,21 @@ class Planner:
         # 30,000 tensors costs what their distinct shapes and box sets cost.
         self._valid: set[tuple] = set()
 
+    @classmethod
+    def from_rosters(
+        cls,
+        src: Sequence[bytes | None],
+        dst: Sequence[bytes | None],
+        name_map: NameMap | None = None,
+        *,
+        cast: CastPolicy = "buffers",
+        skip: Sequence[str] = (),
+    ) -> Planner:
+        """The planner over every rank's gathered roster bytes (None: the rank holds no
+        such model), as each rank builds it after the gather."""
+        return cls(RoleIndex("source", src), RoleIndex("destination", dst), name_map,
+                   cast=cast, skip=skip)
+
     # ----------------------------------------------------------------- validation
     def validate(self) -> None:
         """Check the whole refit; raise one :class:`PlanError` listing what is wrong.

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 
 from ..layout._types import ModelLayout
 from ..maps import NameMap
-from .index import RoleIndex
 from .planner import CastPolicy, Planner
 from .roster import encode_roster
 from .types import RankPlan
@@ -29,11 +28,9 @@ def plan_world(
     """The plans of ``ranks`` (default: all) of a world whose rank r holds ``src[r]``
     and ``dst[r]``; validates the whole refit first, as every rank would."""
     world = len(src)
-    planner = Planner(
-        RoleIndex("source", [encode_roster(s) if s is not None else None for s in src]),
-        RoleIndex("destination", [encode_roster(d) if d is not None else None for d in dst]),
-        name_map, cast=cast,
-    )
+    planner = Planner.from_rosters([encode_roster(s) if s is not None else None for s in src],
+                                   [encode_roster(d) if d is not None else None for d in dst],
+                                   name_map, cast=cast)
     planner.validate()
     chosen = range(world) if ranks is None else ranks
     return {r: planner.plan_rank(r, world, src[r], dst[r]) for r in chosen}

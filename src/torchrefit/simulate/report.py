@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from ..layout._types import ModelLayout
-from ..plan.index import RoleIndex
 from ..plan.planner import Planner
 from ..plan.types import RankPlan, itemsize
 from .meshes import Mesh
@@ -135,7 +134,7 @@ def simulate(shape: ModelShape, src: Mesh, dst: Mesh, world: int, *, model: str 
     t0 = time.perf_counter()
     s, d = simulated_role(shape, src, world), simulated_role(shape, dst, world)
     src_blobs, dst_blobs = s.rosters(), d.rosters()
-    planner = Planner(RoleIndex("source", src_blobs), RoleIndex("destination", dst_blobs))
+    planner = Planner.from_rosters(src_blobs, dst_blobs)
     planner.validate()
     moves = traffic(planner, world)
     del planner
@@ -164,7 +163,7 @@ def time_rank(src_blobs: Sequence[bytes | None], dst_blobs: Sequence[bytes | Non
     as a gather delivers them: replicas' rosters are equal, not the same object)."""
     src_blobs, dst_blobs = _fresh(src_blobs), _fresh(dst_blobs)
     t0 = time.perf_counter()
-    planner = Planner(RoleIndex("source", src_blobs), RoleIndex("destination", dst_blobs))
+    planner = Planner.from_rosters(src_blobs, dst_blobs)
     t1 = time.perf_counter()
     planner.validate()
     t2 = time.perf_counter()
@@ -190,7 +189,7 @@ def _alloc_peak(src_blobs, dst_blobs, rank: int, world: int, s: SimulatedRole,
     src_copy, dst_copy = _fresh(src_blobs), _fresh(dst_blobs)
     tracemalloc.start()
     try:
-        planner = Planner(RoleIndex("source", src_copy), RoleIndex("destination", dst_copy))
+        planner = Planner.from_rosters(src_copy, dst_copy)
         planner.validate()
         planner.plan_rank(rank, world, s.layout(rank), d.layout(rank))
         return tracemalloc.get_traced_memory()[1]
