@@ -105,48 +105,57 @@ def _memory(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
-def _time_refitter(tr, src, dst, cfg: BenchConfig, variant: str, device: torch.device) -> dict:
+def _measure(first, again, cfg: BenchConfig, device: torch.device, host_when) -> dict:
+    """The one timing protocol for every implementation: ``first()`` (construction plus
+    the first refit) timed from aligned ranks to finished device work, then
+    ``cfg.iters`` timed calls of ``again`` after warm-up, host time while the GPU is
+    busy where ``host_when()`` says it is meaningful, and peak extra device memory."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     base = _memory(device)
     dist.barrier()
     t0 = time.perf_counter()
-    refitter = tr.Refitter(src, dst, transport=cfg.transport, **VARIANTS[variant])
-    report = refitter.refit()
+    first()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    first = time.perf_counter() - t0
-    times = time_calls(refitter.refit, cfg.warmup, cfg.iters, device)
-    local_only = not refitter.plan.sends and not refitter.plan.recvs
-    hosts = host_times(refitter.refit, cfg.iters, device) if local_only and cfg.nproc == 1 else []
+    first_s = time.perf_counter() - t0
+    times = time_calls(again, cfg.warmup, cfg.iters, device)
+    hosts = host_times(again, cfg.iters, device) if host_when() else []
     peak = (torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else 0
+    return {"times": times, "hosts": hosts, "first_refit_s": first_s, "peak_extra_bytes": peak}
+
+
+def _time_refitter(tr, src, dst, cfg: BenchConfig, variant: str, device: torch.device) -> dict:
+    made: dict = {}
+
+    def first() -> None:
+        made["r"] = tr.Refitter(src, dst, transport=cfg.transport, **VARIANTS[variant])
+        made["report"] = made["r"].refit()
+
+    def local_only() -> bool:
+        return cfg.nproc == 1 and not made["r"].plan.sends and not made["r"].plan.recvs
+
+    row = _measure(first, lambda: made["r"].refit(), cfg, device, local_only)
+    refitter, report = made["r"], made["report"]
     refitter.verify()
-    row = {"impl": "torchrefit", "variant": variant, "transport": refitter.transport_name,
-           "times": times, "hosts": hosts, "first_refit_s": first, "peak_extra_bytes": peak,
-           "staging_bytes": report.staging_bytes, "bytes_local": report.bytes_local,
-           "bytes_sent": report.bytes_sent,
-           "bytes_received": report.bytes_received,
-           "shared_tensors": report.shared_tensors, "plan_seconds": refitter.plan_seconds}
+    row.update({"impl": "torchrefit", "variant": variant, "transport": refitter.transport_name,
+                "staging_bytes": report.staging_bytes, "bytes_local": report.bytes_local,
+                "bytes_sent": report.bytes_sent, "bytes_received": report.bytes_received,
+                "shared_tensors": report.shared_tensors, "plan_seconds": refitter.plan_seconds})
     refitter.close()
     return row
 
 
 def _time_megatron(src, dst, cfg: BenchConfig, device: torch.device) -> dict:
     method = "gloo" if cfg.transport == "gloo" else "nccl"
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    base = _memory(device)
-    t0 = time.perf_counter()
-    megatron_swap(src, dst, method)
-    torch.cuda.synchronize(device)
-    first = time.perf_counter() - t0
-    times = time_calls(lambda: megatron_swap(src, dst, method), cfg.warmup, cfg.iters, device)
-    hosts = host_times(lambda: megatron_swap(src, dst, method), cfg.iters, device) if cfg.nproc == 1 else []
-    peak = torch.cuda.max_memory_allocated(device) - base
-    return {"impl": "megatron-core", "variant": "swap_model_weights", "transport": method,
-            "times": times, "hosts": hosts, "first_refit_s": first, "peak_extra_bytes": peak}
+
+    def swap() -> None:
+        megatron_swap(src, dst, method)
+
+    row = _measure(swap, swap, cfg, device, lambda: cfg.nproc == 1)
+    row.update({"impl": "megatron-core", "variant": "swap_model_weights", "transport": method})
+    return row
 
 
 def _aggregate(cfg: BenchConfig, per_rank: list[dict]) -> list[dict]:
