@@ -6,19 +6,18 @@ from __future__ import annotations
 import cProfile
 import os
 import pstats
-import statistics
 
 import torch
 import torch.distributed as dist
 
 import torchrefit as tr
 from torchrefit.bench.config import spec_from_preset
-from torchrefit.bench.timing import host_times, sleep_cycles_per_ms
+from torchrefit.bench.timing import median_host_ms, sleep_cycles_per_ms
 from torchrefit.testing import Mesh, build_toy
 
 
 def busy_host_ms(fn, cycles_per_ms: float, iters: int = 30) -> float:
-    return statistics.median(host_times(fn, iters, torch.device("cuda"), 20.0, cycles_per_ms)) * 1e3
+    return median_host_ms(fn, iters, torch.device("cuda"), cycles_per_ms)[0]  # warm
 
 
 def stale_probe(cycles_per_ms: float, user_stream: bool, big: bool) -> float:

@@ -38,15 +38,16 @@ def table(path: pathlib.Path) -> str:
         f"warmup {r0['warmup']}, iters {r0['iters']}. `{data['command']}`",
         "",
         "| impl | variant | transport | local | remote | median ms | mean ± sd ms | min-max ms | floor ms "
-        "| x floor | x megatron | host ms | first refit s | peak extra |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| x floor | x megatron | host ms | host cold ms | first refit s | peak extra |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['impl']} | {r['variant']} | {r['transport']} | {_gb(r.get('bytes_local'))} | "
             f"{_gb(r.get('bytes_remote'))} | {r['median_ms']:.2f} | {r['mean_ms']:.2f} ± {r['stddev_ms']:.2f} | "
             f"{r['min_ms']:.2f}-{r['max_ms']:.2f} | {_x(r.get('floor_ms'), 2)} | {_x(r.get('ratio_to_floor'))} | "
-            f"{_x(r.get('ratio_to_megatron'))} | {_x(r.get('host_ms'))} | {r['first_refit_s']:.3f} | "
+            f"{_x(r.get('ratio_to_megatron'))} | {_x(r.get('host_ms'))} | {_x(r.get('host_cold_ms'))} | "
+            f"{r['first_refit_s']:.3f} | "
             f"{_bytes(r['peak_extra_bytes'])} |")
     return "\n".join(lines)
 

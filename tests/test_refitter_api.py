@@ -5,7 +5,9 @@ is still copied), recompiling when a tensor's storage moves between refits
 (``param.data = ...`` on either side), ``swap_model_weights`` caching its plan per
 model pair, ``verify()`` catching a corrupted destination on every rank, the
 report's byte counts, ``cuda_graph=True`` being accepted on CPU (no-op), and a refit over a
-sub-group (group ranks translated to global ranks) within a small staging budget.
+sub-group (group ranks translated to global ranks) within a small staging budget, and
+small local copies of mixed dtypes (fp32 norms, bf16 rest) grouped one dtype pair per
+``_foreach_copy_``.
 """
 
 from __future__ import annotations
@@ -73,13 +75,39 @@ def _storage_moves(rank: int, world: int) -> dict:
     out["bytes"] = (first.bytes_local, first.bytes_sent, first.bytes_received)
     out["plan_bytes"] = (r.plan.bytes_local, r.plan.bytes_sent, r.plan.bytes_received)
     out["version"] = r.version
+    out.update(_mixed_dtype_small_copies(rank))
     return out
+
+
+def _mixed_dtype_small_copies(rank: int) -> dict:
+    """megatron-core keeps layer norms in fp32 next to bf16 biases; one foreach over both
+    falls back to a kernel per tensor, so small copies are grouped by dtype pair."""
+    mesh = Mesh(1, ranks=2)
+    spec = ModelSpec(layers=2, dtype=torch.bfloat16)
+    models = [build_toy(spec, mesh, rank, seed) for seed in (1, 2)]
+    with torch.no_grad():
+        for m in models:
+            for name, p in m.named_parameters():
+                if "norm" in name:
+                    p.data = p.data.float()
+    r = tr.Refitter(*models)
+    r.refit()
+    groups = r._program._small
+    return {
+        "mixed_exact": all(torch.equal(a, b) for a, b in zip(models[0].state_dict().values(),
+                                                             models[1].state_dict().values())),
+        "group_dtypes": sorted({(str(g.dst[0].dtype), str(g.src[0].dtype)) for g in groups}),
+        "groups_uniform": all(len({(d.dtype, s.dtype) for d, s in zip(g.dst, g.src)}) == 1
+                              for g in groups),
+    }
 
 
 def test_recompiles_when_storage_moves() -> None:
     results = run_world(_storage_moves, 2, timeout=120)
     for got in results:
         assert got["dst_moved_ok"] and got["src_moved_ok"] and got["version"] == 3
+        assert got["mixed_exact"] and got["groups_uniform"]
+        assert got["group_dtypes"] == [("torch.bfloat16", "torch.bfloat16"), ("torch.float32", "torch.float32")]
         assert got["bytes"] == got["plan_bytes"]
     sent = sum(g["bytes"][1] for g in results)
     assert sent == sum(g["bytes"][2] for g in results) > 0

@@ -121,9 +121,10 @@ def _measure(first, again, cfg: BenchConfig, device: torch.device, host_when) ->
         torch.cuda.synchronize(device)
     first_s = time.perf_counter() - t0
     times = time_calls(again, cfg.warmup, cfg.iters, device)
-    hosts = host_times(again, cfg.iters, device) if host_when() else []
+    hosts, cold = host_times(again, cfg.iters, device) if host_when() else ([], [])
     peak = (torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else 0
-    return {"times": times, "hosts": hosts, "first_refit_s": first_s, "peak_extra_bytes": peak}
+    return {"times": times, "hosts": hosts, "hosts_cold": cold, "first_refit_s": first_s,
+            "peak_extra_bytes": peak}
 
 
 def _time_refitter(tr, src, dst, cfg: BenchConfig, variant: str, device: torch.device) -> dict:
@@ -164,10 +165,11 @@ def _aggregate(cfg: BenchConfig, per_rank: list[dict]) -> list[dict]:
     for i, row0 in enumerate(per_rank[0]["rows"]):
         ranks = [r["rows"][i] for r in per_rank]
         times = [max(t) for t in zip(*(r["times"] for r in ranks))]  # slowest rank per iteration
-        row = {k: v for k, v in row0.items() if k not in ("times", "hosts")}
+        row = {k: v for k, v in row0.items() if k not in ("times", "hosts", "hosts_cold")}
         row.update(summarize(times))
-        hosts = [h for r in ranks for h in r["hosts"]]
-        row["host_ms"] = summarize(hosts)["median_ms"] if hosts else None
+        for key, samples in (("host_ms", "hosts"), ("host_cold_ms", "hosts_cold")):
+            hosts = [h for r in ranks for h in r[samples]]
+            row[key] = summarize(hosts)["median_ms"] if hosts else None
         row["first_refit_s"] = max(r["first_refit_s"] for r in ranks)
         row["peak_extra_bytes"] = max(r["peak_extra_bytes"] for r in ranks)
         if "bytes_local" in row0:  # every remote byte counted once, where it is sent

@@ -10,7 +10,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["copy_bandwidth", "link_bandwidth", "time_calls", "host_times", "summarize", "sleep_cycles_per_ms"]
+__all__ = ["copy_bandwidth", "link_bandwidth", "time_calls", "host_times", "median_host_ms", "summarize",
+           "sleep_cycles_per_ms"]
 
 
 def _sync(device: torch.device) -> None:
@@ -101,20 +102,33 @@ def sleep_cycles_per_ms(device: torch.device) -> float:
 
 
 def host_times(fn: Callable[[], object], iters: int, device: torch.device, busy_ms: float = 20.0,
-               cycles_per_ms: float | None = None) -> list[float]:
-    """Seconds the host spends inside ``fn`` while the GPU is still busy with earlier work."""
+               cycles_per_ms: float | None = None, calls: int = 4) -> tuple[list[float], list[float]]:
+    """Seconds the host spends inside ``fn`` while the GPU is still busy with earlier
+    work, as ``(warm, cold)``. Each of ``iters`` rounds queues ``busy_ms`` of GPU sleep
+    and then calls ``fn`` ``calls`` times back to back. *Cold*: the first call of a
+    round, made right after the host waited for the device (its clocks and caches may
+    have dropped; on the H200 machine this varied 3-5x between runs). *Warm*: the
+    calls after it, like a trainer's host that has just queued its optimizer step."""
     if device.type != "cuda":
-        return []
+        return [], []
     cycles = int(busy_ms * (cycles_per_ms or sleep_cycles_per_ms(device)))
-    out = []
+    warm, cold = [], []
     for _ in range(iters):
         _sync(device)
         torch.cuda._sleep(cycles)
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
+        for i in range(calls):
+            t0 = time.perf_counter()
+            fn()
+            (warm if i else cold).append(time.perf_counter() - t0)
     _sync(device)
-    return out
+    return warm, cold
+
+
+def median_host_ms(fn: Callable[[], object], iters: int, device: torch.device,
+                   cycles_per_ms: float | None = None) -> tuple[float, float]:
+    """Median warm and cold host milliseconds of ``fn`` (see :func:`host_times`)."""
+    warm, cold = host_times(fn, iters, device, cycles_per_ms=cycles_per_ms)
+    return 1e3 * statistics.median(warm), 1e3 * statistics.median(cold)
 
 
 def summarize(seconds: list[float], prefix: str = "") -> dict[str, float]:

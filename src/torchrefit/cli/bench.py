@@ -5,7 +5,8 @@ Megatron dependency: shape flags or a preset, source and destination layouts,
 collocated or not, transport, warm-up and timed iterations. Prints, per
 configuration and variant: bytes moved, mean / median / stddev / min-max, the
 floor measured in the same run and the ratio to it, host time per refit while
-the GPU is busy, peak extra device memory and first-refit time.
+the GPU is busy (warm: calls back to back; cold: the first call after the host
+waited for the device), peak extra device memory and first-refit time.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def _print(cfg, rows: list[dict]) -> None:
           f"{_f(r0['copy_bandwidth_gbs'], '.0f', ' GB/s')}, warmup {cfg.warmup}, iters {cfg.iters}")
     head = (f"{'impl':<14}{'variant':<20}{'transport':<10}{'local':>10}{'remote':>10}{'median':>9}"
             f"{'mean':>9}{'std':>7}{'min-max':>16}{'floor':>8}{'x floor':>8}{'x mcore':>8}"
-            f"{'host':>8}{'first':>8}{'peak':>10}")
+            f"{'host':>8}{'cold':>8}{'first':>8}{'peak':>10}")
     print(head)
     for r in rows:
         print(f"{r['impl']:<14}{r['variant']:<20}{r['transport']:<10}"
@@ -128,7 +129,8 @@ def _print(cfg, rows: list[dict]) -> None:
               f"{r['median_ms']:>7.2f}ms{r['mean_ms']:>7.2f}ms{r['stddev_ms']:>7.2f}"
               f"{r['min_ms']:>8.2f}-{r['max_ms']:<7.2f}{_f(r['floor_ms']):>8}"
               f"{_f(r['ratio_to_floor'], '.3f'):>8}{_f(r.get('ratio_to_megatron'), '.3f'):>8}"
-              f"{_f(r['host_ms'], '.3f'):>8}{r['first_refit_s']:>7.3f}s"
+              f"{_f(r['host_ms'], '.3f'):>8}{_f(r.get('host_cold_ms'), '.3f'):>8}"
+              f"{r['first_refit_s']:>7.3f}s"
               f"{_fmt_bytes(r['peak_extra_bytes']):>10}")
 
 

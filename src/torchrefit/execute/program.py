@@ -32,12 +32,15 @@ from .streams import SideStreams, host_wait_current
 
 __all__ = ["Program", "RunStats", "SMALL_COPY_BYTES"]
 
-#: local copies below this size go through one ``torch._foreach_copy_``
+#: local copies below this size go through ``torch._foreach_copy_`` (one per dtype pair)
 SMALL_COPY_BYTES = 1 << 20
 #: large local copies run on this many parallel side streams (graph branches): one
 #: copy's tail overlaps another's body (1.007x the flat-copy floor on an H200, against
-#: 1.035x on one stream; benchmarks/local_copy_lab.py)
+#: 1.035x on one stream; benchmarks/local_copy_lab.py). The small copies get one more
+#: stream of their own, so their many short kernels overlap the large copies instead of
+#: lengthening a branch (benchmarks/diagnose_megatron_copies.py).
 _BRANCHES = 2
+_SMALL_LANE = _BRANCHES
 
 
 @dataclass
@@ -49,6 +52,18 @@ class _Round:
     unpack_dst: list[torch.Tensor] = field(default_factory=list)
     unpack_src: list[torch.Tensor] = field(default_factory=list)
     unpack_names: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _CopyGroup:
+    """Small local copies one ``torch._foreach_copy_`` moves in one fused kernel: the
+    fused path needs one destination dtype, one source dtype and dense pairs of equal
+    strides, else it falls back to a kernel per tensor (on an H200 1.4 ms instead of
+    0.05 ms for megatron-core's bf16 biases mixed with fp32 layer norms)."""
+
+    dst: list[torch.Tensor] = field(default_factory=list)
+    src: list[torch.Tensor] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -85,7 +100,7 @@ class Program:
         self.share_storage = share_storage and not compare
         self.shared: list[str] = []  # destination keys that alias source storage
         self.device = _device_of(plan, src_tensors, dst_tensors)
-        self.side = SideStreams(self.device, _BRANCHES)
+        self.side = SideStreams(self.device, _BRANCHES + 1)
         self._compile()
 
     # ----------------------------------------------------------------- compiling
@@ -95,15 +110,16 @@ class Program:
         self._compile_local()
         self._branch_of = self._balance_branches()
         self._compile_rounds()
-        if self.cuda_graph and self.device.type == "cuda" and (self._big or self._small_dst):
+        if self.cuda_graph and self.device.type == "cuda" and (self._big or self._small):
             self._graph = self._capture_local()
-        self._watch = self._watched()  # after aliasing, which moves destination storage
+        # after aliasing, which moves destination storage
+        self._watch_tensors = self._watched()
+        self._watch_ptrs = [t.data_ptr() for t in self._watch_tensors]
 
-    def _watched(self) -> list[tuple[torch.Tensor, int]]:
+    def _watched(self) -> list[torch.Tensor]:
         used = {("src", c.src_key) for c in self.plan.local} | {("dst", c.dst_key) for c in self.plan.local}
         used |= {("src", t.key) for t in self.plan.sends} | {("dst", t.key) for t in self.plan.recvs}
-        tensors = [self._tensor(side, key) for side, key in sorted(used)]
-        return [(t, t.data_ptr()) for t in tensors]
+        return [self._tensor(side, key) for side, key in sorted(used)]
 
     def _tensor(self, side: str, key: str) -> torch.Tensor:
         table = self.src_tensors if side == "src" else self.dst_tensors
@@ -120,9 +136,7 @@ class Program:
 
     def _compile_local(self) -> None:
         self._big: list[tuple[torch.Tensor, torch.Tensor, str]] = []
-        self._small_dst: list[torch.Tensor] = []
-        self._small_src: list[torch.Tensor] = []
-        self._small_names: list[str] = []
+        small: dict[tuple, _CopyGroup] = defaultdict(_CopyGroup)
         self.shared = self._alias_whole_tensors() if self.share_storage else []
         shared = set(self.shared)
         for c in self.plan.local:
@@ -135,9 +149,12 @@ class Program:
             if c.nbytes >= SMALL_COPY_BYTES:
                 self._big.append((dst, src, c.name))
             else:
-                self._small_dst.append(dst)
-                self._small_src.append(src)
-                self._small_names.append(c.name)
+                dense = dst.is_contiguous() and src.is_contiguous()
+                group = small[(dst.dtype, src.dtype, dense)]
+                group.dst.append(dst)
+                group.src.append(src)
+                group.names.append(c.name)
+        self._small = list(small.values())
 
     def _alias_whole_tensors(self) -> list[str]:
         """Destination tensors made to share source storage (see ``_alias``)."""
@@ -195,7 +212,7 @@ class Program:
     def _balance_branches(self) -> list[int]:
         """Side stream of each large copy: largest first onto the least loaded stream,
         so the branches carry about the same bytes and end together."""
-        n = len(self.side.streams) or 1
+        n = _BRANCHES
         load = [0] * n
         branch = [0] * len(self._big)
         for i in sorted(range(len(self._big)), key=lambda i: -self._big[i][0].numel() * self._big[i][0].element_size()):
@@ -281,16 +298,22 @@ class Program:
         return r
 
     # -------------------------------------------------------------------- running
+    def _storage_moved(self) -> bool:
+        """Whether a tensor's storage moved since compiling (``param.data = ...``, an
+        engine that freed and re-allocated its weights): the compiled views still point
+        at the old storage (kept alive by them), so writing through them would be silent."""
+        # one C-level pass (map) rather than a Python loop: this runs on every refit and
+        # is most of its host time (~500 tensors for the seed's model)
+        return list(map(torch.Tensor.data_ptr, self._watch_tensors)) != self._watch_ptrs
+
     def _check_storage(self) -> None:
-        """Recompile where a tensor's storage moved (``param.data = ...``, an engine that
-        freed and re-allocated its weights); writing through old views would be silent."""
-        for t, ptr in self._watch:
-            if t.data_ptr() != ptr:
-                self._compile()
-                return
+        if self._storage_moved():
+            self._compile()
 
     def run(self) -> RunStats:
         """Replay the refit. Collective with the plan's peers."""
+        # Before any copy, never after: a caller may re-use the old storage (an engine
+        # that swaps weight buffers), so even one replay into it would corrupt.
         self._check_storage()
         with torch.no_grad():
             if not self._rounds and self._graph is not None:
@@ -315,9 +338,10 @@ class Program:
             for dst, src, name in self._big:
                 if not torch.equal(dst, src.to(dst.dtype)):
                     bad.append(f"{name} (local copy)")
-            for dst, src, name in zip(self._small_dst, self._small_src, self._small_names):
-                if not torch.equal(dst, src.to(dst.dtype)):
-                    bad.append(f"{name} (local copy)")
+            for g in self._small:
+                for dst, src, name in zip(g.dst, g.src, g.names):
+                    if not torch.equal(dst, src.to(dst.dtype)):
+                        bad.append(f"{name} (local copy)")
             self._run_rounds(lambda r: bad.extend(_compare(r)))
         return bad
 
@@ -326,18 +350,18 @@ class Program:
         if self._graph is not None:
             with self.side.placed(0):
                 self._graph.replay()
-        elif self._big or self._small_dst:
+        elif self._big or self._small:
             self._copy_local()
 
     def _copy_local(self) -> None:
-        """Inside a session of all side streams: large copies spread over them, small
-        ones in one foreach."""
+        """Inside a session of all side streams: large copies spread over the branches,
+        small ones, one foreach per group, on a stream of their own."""
         for branch, (dst, src, _) in zip(self._branch_of, self._big):
             with self.side.placed(branch):
                 dst.copy_(src)
-        if self._small_dst:
-            with self.side.placed(0):
-                torch._foreach_copy_(self._small_dst, self._small_src)
+        with self.side.placed(_SMALL_LANE):
+            for g in self._small:
+                torch._foreach_copy_(g.dst, g.src)
 
     def _run_rounds(self, unpack) -> None:
         rounds, transport = self._rounds, self.transport
