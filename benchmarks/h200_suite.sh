@@ -33,6 +33,12 @@ $B --model gpt-4b --layers 4 --experts 16 --expert-ffn 4096 --variant plain --va
 step "4 processes on the one GPU, collocated TP2 -> TP1 through gloo"
 $B --model gpt-4b --layers 4 --nproc 4 --src tp2 --dst tp1 --transport gloo --warmup 1 --iters 5 \
    --variant plain --label "gpt 4-layer tp2->tp1 4 procs gloo" --json "$R/h200_4proc_gloo_tp2_tp1.json"
+step "4 processes on the one GPU, collocated TP2 -> TP1 through CUDA IPC (same model)"
+$B --model gpt-4b --layers 4 --nproc 4 --src tp2 --dst tp1 --transport ipc --warmup 3 --iters 20 \
+   --variant plain --variant graph --label "gpt 4-layer tp2->tp1 4 procs ipc" --json "$R/h200_4proc_ipc_tp2_tp1.json"
+step "4 processes on the one GPU, the seed's model TP2 -> TP1 through CUDA IPC"
+$B --model gpt-4b --nproc 4 --src tp2 --dst tp1 --transport ipc --warmup 3 --iters 20 \
+   --variant graph --label "gpt-4b tp2->tp1 4 procs ipc" --json "$R/h200_gpt4b_4proc_ipc_tp2_tp1.json"
 step "local-copy lab: where the time goes against the floor"
 python benchmarks/local_copy_lab.py --json "$R/h200_local_copy_lab.json"
 step "size sweep for the plot"

@@ -2,8 +2,8 @@
 
 Covers a destination tensor with no source, sizes that do not divide, a dtype
 mismatch with no cast, duplicate names, ranks that disagree about a model's
-structure, a layout that fails on one rank only, a bad rank offset, a transport
-that cannot serve the tensors, and ``skip=`` letting named tensors go without a
+structure, a layout that fails on one rank only, a bad rank offset, transports
+(nccl, ipc) that cannot serve the tensors, and ``skip=`` letting named tensors go without a
 source. Each case runs on 4 real processes; each rank reports what it raised and
 whether its destination changed.
 """
@@ -70,6 +70,11 @@ def _nccl_on_cpu(rank):
         build_toy(DENSE, Mesh(1, ranks=4), rank, 2), {"transport": "nccl"}
 
 
+def _ipc_on_cpu(rank):
+    return build_toy(DENSE, Mesh(2, ranks=4), rank, 1), \
+        build_toy(DENSE, Mesh(1, ranks=4), rank, 2), {"transport": "ipc"}
+
+
 class _Plain(nn.Module):
     def __init__(self, n: int) -> None:
         super().__init__()
@@ -90,6 +95,7 @@ CASES = {
     "layout-fails-on-one-rank": (_one_rank_layout, tr.LayoutError, "rank 2"),
     "bad-offset": (_offset, tr.PlanError, "below its rank offset 2"),
     "nccl-on-cpu": (_nccl_on_cpu, tr.TransportError, "needs CUDA tensors"),
+    "ipc-on-cpu": (_ipc_on_cpu, tr.TransportError, "transport 'ipc' needs CUDA tensors"),
     "shape-mismatch": (_replicated_shape, tr.PlanError, "global shapes differ"),
 }
 

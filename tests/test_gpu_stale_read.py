@@ -7,11 +7,13 @@ destination must then hold the updated values. Paths covered: NCCL and Gloo in
 one process (local copies on the side streams, replayed as a CUDA graph, and
 eagerly), Gloo with two processes on one GPU collocated (local copies on the side
 streams overlapping staged remote rounds), and Gloo non-collocated (GPU -> pinned
-host staging). NCCL cannot pair
-two ranks on one GPU; its remote path runs in the multi-GPU suite.
+host staging), and CUDA IPC with two processes on one GPU (collocated and not:
+receivers read the sender's memory after waiting for its interprocess event).
+NCCL cannot pair two ranks on one GPU; its remote path runs in the multi-GPU suite.
 
 Setting ``TORCHREFIT_BREAK_PRODUCER_WAIT=1`` removes the side stream's wait for the
-producer (test-only monkeypatch) to show that the test then fails.
+producer and the IPC receiver's wait for the sender (test-only monkeypatches) to
+show that the test then fails.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ def _break_producer_wait() -> None:
                 caller.wait_stream(stream)
 
     streams.SideStreams.session = session
+    from torchrefit.transport import ipc
+
+    ipc.IpcTransport._wait_ready = lambda self, event: None  # receivers stop waiting for senders
 
 
 def _stale_read(rank: int, world: int, src_mesh: Mesh, dst_mesh: Mesh, transport: str,
@@ -97,6 +102,8 @@ CASES = {
     "gloo-1proc-local-graph": (1, Mesh(1, ranks=1), Mesh(1, ranks=1), "gloo", True),
     "gloo-2proc-collocated-tp2->tp1": (2, Mesh(2, ranks=2), Mesh(1, ranks=2), "gloo", True),
     "gloo-2proc-noncollocated": (2, Mesh(1, ranks=1), Mesh(1, ranks=1, offset=1), "gloo", True),
+    "ipc-2proc-collocated-tp2->tp1": (2, Mesh(2, ranks=2), Mesh(1, ranks=2), "ipc", True),
+    "ipc-2proc-noncollocated": (2, Mesh(1, ranks=1), Mesh(1, ranks=1, offset=1), "ipc", True),
 }
 
 

@@ -10,6 +10,7 @@ local tensors, later calls only replay it.
 
 from __future__ import annotations
 
+import socket
 import traceback
 import weakref
 from dataclasses import dataclass
@@ -72,6 +73,7 @@ class _RankInfo:
     device: str  # "cuda", "cpu", or "" where the rank holds no model
     nccl: bool
     gloo: bool
+    host: str  # the machine, for transports that only work within one (ipc)
 
 
 class Refitter:
@@ -81,7 +83,11 @@ class Refitter:
         src_model / dst_model: this rank's model (or list of virtual-pipeline
             chunks), or None where the rank holds no such model.
         transport: ``"auto"`` (NCCL where every model lives on CUDA, else Gloo),
-            a registered name (``"nccl"``, ``"gloo"``), or a :class:`Transport`.
+            a registered name (``"nccl"``, ``"gloo"``, ``"ipc"``), or a :class:`Transport`.
+            ``"ipc"``: every rank on one machine with CUDA tensors (collocated
+            trainer and engine processes); receivers copy straight from the senders'
+            GPU memory through CUDA IPC, with a small Gloo handshake per peer pair per
+            refit (the group needs a Gloo backend, e.g. ``"cpu:gloo,cuda:nccl"``).
         group: the process group spanning every participating rank (default: world).
         src_layout / dst_layout: None to detect, or a layout (see ``torchrefit.layout``).
         name_map: how destination names map to source names (default: identity,
@@ -175,7 +181,7 @@ class Refitter:
             error = error or f"{type(e).__name__}: {e}"
         info = _RankInfo(error, enc_src, enc_dst, int(staging_bytes), device,
                          dist.is_nccl_available() and torch.cuda.is_available(),
-                         dist.is_gloo_available())
+                         dist.is_gloo_available(), socket.gethostname())
         return all_gather_pickled(info, self.group)
 
     def _plan(self, infos, name_map: NameMap, cast, skip) -> RankPlan:
@@ -300,6 +306,13 @@ def _choose_transport(transport: str | Transport, infos: list[_RankInfo]) -> str
                              f"ranks {cpu[:8]} have CPU tensors or no NCCL")
     if transport == "gloo" and not all(i.gloo for i in infos):
         raise TransportError("transport 'gloo' is not available on every rank")
+    if transport == "ipc":
+        cpu = [r for r, i in enumerate(infos) if i.device == "cpu"]
+        hosts = sorted({i.host for i in infos if i.device})
+        if cpu or len(hosts) > 1:
+            raise TransportError(
+                f"transport 'ipc' needs CUDA tensors on every rank with a model, all on one machine; "
+                f"ranks {cpu[:8]} have CPU tensors, hosts {hosts[:4]}")
     return transport
 
 

@@ -30,6 +30,8 @@ def backend_for(cfg: BenchConfig) -> str:
         return "gloo"
     if cfg.transport == "gloo" or cfg.nproc > torch.cuda.device_count():
         return "gloo"
+    if cfg.transport == "ipc":  # handshakes over gloo, the link measurement over nccl
+        return "cpu:gloo,cuda:nccl"
     return "nccl"
 
 
@@ -209,16 +211,21 @@ def _floor_ms(cfg: BenchConfig, row: dict | None, hbm: float | None, link: float
     One GPU per process: per GPU, the larger of its local bytes read and written over
     the HBM copy bandwidth and its remote bytes (the larger direction) over the link's
     per-direction bandwidth; the slowest GPU sets the floor. Several processes on one
-    GPU share its memory bandwidth and have no link: only all-local refits get a floor.
+    GPU share its memory bandwidth and have no link: all-local refits, and CUDA IPC
+    refits (every received byte is then read and written once in that GPU's memory
+    too), get the HBM floor of all their bytes; over other transports, none.
     """
     if row is None or not hbm:
         return None, "no torchrefit row"
     per_rank = row["per_rank_bytes"]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if cfg.nproc == 1 or (gpus and cfg.nproc > gpus):
+        moved = sum(local + received for local, _, received in per_rank)
+        if row["transport"] == "ipc":
+            return 2 * moved / hbm * 1e3, "HBM copy floor of every byte (local and IPC), one GPU"
         if any(sent or received for _, sent, received in per_rank):
             return None, "no floor: remote bytes between processes that share one device"
-        return 2 * sum(local for local, _, _ in per_rank) / hbm * 1e3, "HBM copy floor of the local bytes"
+        return 2 * moved / hbm * 1e3, "HBM copy floor of the local bytes"
     if link is None:
         return None, "no floor: no link bandwidth measured"
     per_gpu = [max(2 * local / hbm, max(sent, received) / link) for local, sent, received in per_rank]

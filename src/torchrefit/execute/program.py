@@ -16,6 +16,7 @@ on the caller's stream, which the NCCL process group orders its own stream again
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping
@@ -23,10 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import LayoutError
+from ..errors import LayoutError, TransportError
 from ..layout._types import Box, dtype_from_name
 from ..plan.types import RankPlan, Transfer
 from ..transport.base import Transport
+from ..transport.ipc import Outgoing
 from .messages import ALIGN, Message, cut_messages, rows_of
 from .streams import SideStreams, host_wait_current
 
@@ -41,6 +43,7 @@ SMALL_COPY_BYTES = 1 << 20
 #: lengthening a branch (benchmarks/diagnose_megatron_copies.py).
 _BRANCHES = 2
 _SMALL_LANE = _BRANCHES
+_GENERATIONS = itertools.count(1)
 
 
 @dataclass
@@ -107,9 +110,17 @@ class Program:
     def _compile(self) -> None:
         self._bases: dict[tuple[str, str], torch.Tensor] = {}
         self._graph = None
+        # unique per compile of any program in this process: a peer-mapped transport's
+        # receivers re-map whenever it changes (a refit and a verify program alternate)
+        self._generation = next(_GENERATIONS)
+        self._outgoing: dict[int, Outgoing] = {}
+        self._incoming: dict[int, tuple[list[torch.Tensor], list[str]]] = {}
         self._compile_local()
         self._branch_of = self._balance_branches()
-        self._compile_rounds()
+        if getattr(self.transport, "peer_mapped", False):
+            self._compile_mapped()
+        else:
+            self._compile_rounds()
         if self.cuda_graph and self.device.type == "cuda" and (self._big or self._small):
             self._graph = self._capture_local()
         # after aliasing, which moves destination storage
@@ -221,6 +232,42 @@ class Program:
             load[b] += self._big[i][0].numel() * self._big[i][0].element_size()
         return branch
 
+    def _compile_mapped(self) -> None:
+        """Peer-mapped transport (CUDA IPC): what this rank exports to each receiver (its
+        source tensors and regions, in plan order) and, per sender, the destination
+        views its mapped regions are copied into. No rounds, no staging."""
+        for t in self.plan.sends:
+            out = self._outgoing.setdefault(t.peer, Outgoing())
+            base = self._tensor("src", t.key)
+            index = next((i for i, x in enumerate(out.tensors) if x is base), None)
+            if index is None:
+                index = len(out.tensors)
+                out.tensors.append(base)
+            out.regions.append((index, t.local_box))
+        for t in self.plan.recvs:
+            views, names = self._incoming.setdefault(t.peer, ([], []))
+            views.append(self._view("dst", t.key, t.local_box))
+            names.append(f"{t.name}{t.region} from rank {t.peer}")
+        self._rounds, self._pools, self.staging_bytes = [], [], 0
+        self.messages_sent = len(self.plan.sends)
+        self.messages_received = len(self.plan.recvs)
+
+    def _run_mapped(self, each) -> None:
+        """One handshake per peer pair (see ``transport.ipc``); ``each(dst views, mapped
+        source views, names)`` copies or compares on the caller's stream, which the
+        transport has made wait for the sender's producer."""
+        transport = self.transport
+        transport.post(self._outgoing, self._generation, sorted(self._incoming))
+        for peer in sorted(self._incoming):
+            views, names = self._incoming[peer]
+            mapped = transport.incoming(peer)
+            if [v.shape for v in mapped] != [v.shape for v in views]:
+                raise TransportError(f"rank {peer}'s mapped regions do not match what this rank "
+                                     f"receives from it (first: {names[0]}); the plans disagree")
+            each(views, mapped, names)
+            transport.read(peer)
+        transport.complete()
+
     def _compile_rounds(self) -> None:
         limit = self.message_limit
         sends = _by_peer(self.plan.sends)
@@ -316,7 +363,7 @@ class Program:
         # that swaps weight buffers), so even one replay into it would corrupt.
         self._check_storage()
         with torch.no_grad():
-            if not self._rounds and self._graph is not None:
+            if not self._rounds and not self._mapped_peers() and self._graph is not None:
                 # Nothing to overlap: replay on the caller's stream (ordered after the
                 # producer and before the consumer by stream order; the branches inside
                 # are the fork and join captured through SideStreams). A side stream
@@ -324,8 +371,11 @@ class Program:
                 self._graph.replay()
             else:
                 with self.side.session(1 if self._graph is not None else None):
-                    self._local_copies()  # on side streams: overlaps the rounds below
-                    self._run_rounds(self._unpack)
+                    self._local_copies()  # on side streams: overlaps the exchange below
+                    if self._mapped_peers():
+                        self._run_mapped(_copy_mapped)
+                    else:
+                        self._run_rounds(self._unpack)
         return RunStats(len(self._rounds), self.messages_sent, self.messages_received,
                         self.staging_bytes)
 
@@ -342,8 +392,15 @@ class Program:
                 for dst, src, name in zip(g.dst, g.src, g.names):
                     if not torch.equal(dst, src.to(dst.dtype)):
                         bad.append(f"{name} (local copy)")
-            self._run_rounds(lambda r: bad.extend(_compare(r)))
+            if self._mapped_peers():
+                self._run_mapped(lambda dsts, srcs, names: bad.extend(
+                    n for d, s, n in zip(dsts, srcs, names) if not torch.equal(d, s.to(d.dtype))))
+            else:
+                self._run_rounds(lambda r: bad.extend(_compare(r)))
         return bad
+
+    def _mapped_peers(self) -> bool:
+        return bool(self._outgoing or self._incoming)
 
     def _local_copies(self) -> None:
         """Inside ``side.session()``: replay the captured graph on side stream 0, or copy."""
@@ -395,6 +452,10 @@ class Program:
     def _unpack(r: _Round) -> None:
         if r.unpack_dst:
             torch._foreach_copy_(r.unpack_dst, r.unpack_src, non_blocking=True)
+
+
+def _copy_mapped(dsts: list[torch.Tensor], srcs: list[torch.Tensor], names: list[str]) -> None:
+    torch._foreach_copy_(dsts, srcs)
 
 
 def _compare(r: _Round) -> list[str]:

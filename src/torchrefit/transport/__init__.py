@@ -2,7 +2,8 @@
 
 from .base import Transport, get_transport, register_transport, transport_names
 from .gloo import GlooTransport
+from .ipc import IpcTransport
 from .nccl import NcclTransport
 
 __all__ = ["Transport", "get_transport", "register_transport", "transport_names",
-           "GlooTransport", "NcclTransport"]
+           "GlooTransport", "IpcTransport", "NcclTransport"]
