@@ -68,9 +68,13 @@ def _bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
     import torchrefit as tr
 
     device = _device(rank)
-    bandwidth = copy_bandwidth(device) if rank == 0 else None
-    link = link_bandwidth(device) if _one_gpu_each(cfg) else None
     src, dst = _models(cfg, rank, device)
+    # measured once every rank is idle: processes sharing a GPU would otherwise build
+    # models during the measurement and lower the floor's bandwidth
+    dist.barrier()
+    bandwidth = copy_bandwidth(device) if rank == 0 else None
+    dist.barrier()
+    link = link_bandwidth(device) if _one_gpu_each(cfg) else None
     out = {"rows": [], "bandwidth": bandwidth, "link": link, **_model_size(cfg, src)}
     order = [v for v in cfg.variants if v != "share"]
     for variant in order:
