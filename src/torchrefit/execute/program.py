@@ -117,7 +117,7 @@ class Program:
         self._incoming: dict[int, tuple[list[torch.Tensor], list[str]]] = {}
         self._compile_local()
         self._branch_of = self._balance_branches()
-        if getattr(self.transport, "peer_mapped", False):
+        if self.transport is not None and self.transport.peer_mapped:
             self._compile_mapped()
         else:
             self._compile_rounds()

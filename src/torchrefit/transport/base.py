@@ -33,6 +33,9 @@ class Transport(ABC):
     name: ClassVar[str]
     #: bytes handed to ``start`` must be complete on the host (a CPU transport fed from GPU)
     host_staged: ClassVar[bool] = False
+    #: no message rounds: receivers read regions of the senders' tensors mapped into
+    #: their process, through ``post`` / ``incoming`` / ``read`` / ``complete`` (ipc)
+    peer_mapped: ClassVar[bool] = False
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         self.group = group

@@ -57,7 +57,6 @@ class _Mapped:
 @register_transport
 class IpcTransport(Transport):
     name = "ipc"
-    #: receives are regions of peers' tensors mapped into this process (see module doc)
     peer_mapped = True
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
