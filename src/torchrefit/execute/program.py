@@ -12,6 +12,11 @@ that first wait for the caller's stream and that the caller's stream waits for
 before ``run`` returns (large copies on two parallel streams; with ``cuda_graph``
 the same fork and join are captured once and replayed); packing and unpacking run
 on the caller's stream, which the NCCL process group orders its own stream against.
+
+A peer-mapped transport (CUDA IPC) has no rounds: the receiver copies its regions
+out of the senders' mapped tensors on the caller's stream, after the transport made
+that stream wait for each sender's interprocess "sources ready" event; the sender's
+stream in turn waits for the receivers' "read" events (``transport.ipc``).
 """
 
 from __future__ import annotations
