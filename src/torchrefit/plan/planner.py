@@ -97,7 +97,11 @@ class Planner:
         problems: list[str] = []
         for name in sorted(self.dst.tensors):
             info = self.dst.tensors[name]
-            segs = self.segments(name)
+            try:
+                segs = self.segments(name)
+            except PlanError as e:  # a name map that finds the shapes do not fit its rule
+                problems.append(f"{e} (dst ranks {self._dst_ranks(info)})")
+                continue
             if segs is None:
                 if not self._skipped(name):
                     problems.append(self._no_source(info))
@@ -119,8 +123,11 @@ class Planner:
     def _skipped(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, p) for p in self.skip)
 
+    def _dst_ranks(self, info: TensorInfo) -> str:
+        return _few(self.dst.ranks(sorted({c for cs in info.boxes.values() for c in cs})))
+
     def _no_source(self, info: TensorInfo) -> str:
-        ranks = _few(self.dst.ranks(sorted({c for cs in info.boxes.values() for c in cs})))
+        ranks = self._dst_ranks(info)
         return (
             f"{info.name}: destination tensor (dst ranks {ranks}) has no source tensor "
             f"(no source rank holds {info.name!r} or an alias of it; pass skip=[...] to leave "
