@@ -31,11 +31,18 @@ __all__ = ["Segment", "NameMap", "Identity", "Rename", "MegatronToHF", "megatron
 
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """Destination region ``dst_box`` comes from ``src_name`` at ``src_offset`` (same extents)."""
+    """Destination region ``dst_box`` comes from ``src_name`` at ``src_offset`` (same extents).
+
+    ``part``: the map means the destination to be a part of a larger source (a row
+    block of a fused tensor). Otherwise a segment covering the whole destination
+    requires equal global shapes, so a plain rename never silently takes a corner of
+    a bigger tensor.
+    """
 
     dst_box: Box
     src_name: str
     src_offset: tuple[int, ...]
+    part: bool = False
 
 
 class NameMap:
@@ -43,6 +50,11 @@ class NameMap:
 
     def source_name(self, dst_name: str) -> str | None:
         return dst_name
+
+    def wanted(self, dst_name: str) -> tuple[str, ...]:
+        """The source names this map would read for ``dst_name`` (for error messages)."""
+        name = self.source_name(dst_name)
+        return (name,) if name is not None else ()
 
     def segments(
         self,

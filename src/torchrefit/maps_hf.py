@@ -79,6 +79,7 @@ HF_FROM_MEGATRON: dict[str, tuple[str, tuple[str, ...]]] = {
     "model.layers.{}.mlp.shared_expert_gate.{w}": ("whole", (_L + "mlp.shared_experts.gate_{w}",)),
 }
 
+_LINEAR_QKV = re.compile(r"linear_qkv\.(weight|bias)$")
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
 _LEAF = re.compile(r"\.(weight|bias)$")
 
@@ -124,14 +125,26 @@ class MegatronToHF(NameMap):
         if part == "whole":
             return [Segment(Box.whole(dst_shape), src, (0,) * len(dst_shape))]
         src_shape = _shape(src_names, src)
+        proj = _LINEAR_QKV.sub("linear_proj.weight", src) if part in _HEADS_IN else None
+        proj_shape = _shape(src_names, proj) if proj is not None else None
         blocks, problem = _blocks(part, self.num_heads, self.num_query_groups, self.head_dim,
-                                  dst_shape, src_shape)
+                                  dst_shape, src_shape, proj_shape[1] if proj_shape else None)
         if problem:
-            raise PlanError(f"{dst_name}: {problem} (source {src} "
-                            f"{list(src_shape) if src_shape else '?'}, destination {list(dst_shape)})")
+            seen = f"source {src} {list(src_shape) if src_shape else '?'}"
+            if proj_shape:
+                seen += f", {proj} {list(proj_shape)}"
+            raise PlanError(f"{dst_name}: {problem} ({seen}, destination {list(dst_shape)})")
         rest = dst_shape[1:]
         zeros = (0,) * len(rest)
-        return [Segment(Box((d,) + zeros, (n,) + rest), src, (s,) + zeros) for d, s, n in blocks]
+        return [Segment(Box((d,) + zeros, (n,) + rest), src, (s,) + zeros, part=True)
+                for d, s, n in blocks]
+
+    def wanted(self, dst_name: str) -> tuple[str, ...]:
+        rule = _rule(dst_name)
+        if rule is None:
+            return (dst_name,)
+        _, templates, indices, leaf = rule
+        return tuple(t.format(*indices, w=leaf) for t in templates)
 
     def cache_key(self) -> object:
         return (type(self).__qualname__, self.num_heads, self.num_query_groups, self.head_dim)
@@ -200,7 +213,7 @@ def _source(templates, indices, leaf, src_names: Container[str],
 def _shape(src_names: Container[str], name: str) -> tuple[int, ...] | None:
     """The source tensor's global shape where the caller passes shapes (the planner does)."""
     if isinstance(src_names, Mapping):
-        shape = getattr(src_names[name], "shape", None)
+        shape = getattr(src_names.get(name), "shape", None)
         return tuple(shape) if shape is not None else None
     return None
 
@@ -208,7 +221,7 @@ def _shape(src_names: Container[str], name: str) -> tuple[int, ...] | None:
 @lru_cache(maxsize=1024)
 def _blocks(part: str, heads: int, groups: int, head_dim: int | None,
             dst_shape: tuple[int, ...], src_shape: tuple[int, ...] | None,
-            ) -> tuple[tuple[tuple[int, int, int], ...], str | None]:
+            proj_cols: int | None = None) -> tuple[tuple[tuple[int, int, int], ...], str | None]:
     """Row blocks ``(dst row, src row, rows)`` of a split or fused tensor, or a problem.
 
     Layers repeat the same shapes, so each geometry is worked out once.
@@ -223,7 +236,7 @@ def _blocks(part: str, heads: int, groups: int, head_dim: int | None,
             return (), (f"a gated linear_fc1 is [gate; up]: its {src_shape[0]} rows must be twice "
                         f"the destination's {rows}")
         return ((0, rows if part == "up" else 0, rows),), None
-    d, problem = _head_dim(part, heads, groups, head_dim, rows, src_shape)
+    d, problem = _head_dim(part, heads, groups, head_dim, rows, src_shape, proj_cols)
     if problem:
         return (), problem
     return _qkv_blocks(part, heads, groups, d), None
@@ -234,18 +247,26 @@ _HEADS_IN = {"q": lambda h, g: h, "k": lambda h, g: g, "v": lambda h, g: g,
 
 
 def _head_dim(part: str, heads: int, groups: int, head_dim: int | None, rows: int,
-              src_shape: tuple[int, ...] | None) -> tuple[int, str | None]:
-    """The head dim that the destination's rows, the source's rows and ``head_dim`` agree on."""
+              src_shape: tuple[int, ...] | None, proj_cols: int | None) -> tuple[int, str | None]:
+    """The head dim that the destination's rows, ``linear_qkv``'s rows, ``linear_proj``'s
+    columns and ``head_dim`` all agree on.
+
+    Shapes alone cannot tell 4 heads in 2 groups from 2 heads in 1 group of twice the
+    head dim; ``head_dim`` (Megatron's ``kv_channels``) settles that.
+    """
     n = _HEADS_IN[part](heads, groups)
     d = head_dim if head_dim is not None else rows // n
     fits = d > 0 and rows == n * d
     if fits and src_shape is not None:
         fits = src_shape[0] == (heads + 2 * groups) * d
+    if fits and proj_cols is not None:
+        fits = proj_cols == heads * d
     if fits:
         return d, None
     return 0, (f"shapes do not fit num_heads={heads}, num_query_groups={groups}, "
-               f"head_dim={head_dim}: {part}_proj rows must be {_rows_rule(part)} * head_dim "
-               f"and linear_qkv rows (num_heads + 2 * num_query_groups) * head_dim")
+               f"head_dim={head_dim}: {part}_proj rows must be {_rows_rule(part)} * head_dim, "
+               "linear_qkv rows (num_heads + 2 * num_query_groups) * head_dim and linear_proj "
+               "columns num_heads * head_dim")
 
 
 def _rows_rule(part: str) -> str:

@@ -128,9 +128,10 @@ class Planner:
 
     def _no_source(self, info: TensorInfo) -> str:
         ranks = self._dst_ranks(info)
+        wanted = " or ".join(repr(n) for n in self.name_map.wanted(info.name)) or repr(info.name)
         return (
             f"{info.name}: destination tensor (dst ranks {ranks}) has no source tensor "
-            f"(no source rank holds {info.name!r} or an alias of it; pass skip=[...] to leave "
+            f"(no source rank holds {wanted} or an alias of it; pass skip=[...] to leave "
             "it untouched)"
         )
 
@@ -139,14 +140,15 @@ class Planner:
         boxes (not names, not which ranks hold them), and where the segments sit."""
         src = self.src
         return (self.dst.geometry(info), tuple(
-            (seg.dst_box.offset, seg.dst_box.size, seg.src_offset, src.geometry(src.tensors[seg.src_name]))
+            (seg.dst_box.offset, seg.dst_box.size, seg.src_offset, seg.part,
+             src.geometry(src.tensors[seg.src_name]))
             for seg in segs))
 
     def _check_segments(self, info: TensorInfo, segs: list[Segment]) -> str | None:
         for seg in segs:
             sinfo = self.src.tensors[seg.src_name]
             src_box = Box(seg.src_offset, seg.dst_box.size)
-            if seg.dst_box == Box.whole(info.shape) and sinfo.shape != info.shape:
+            if not seg.part and seg.dst_box == Box.whole(info.shape) and sinfo.shape != info.shape:
                 return _shape_problem(info, sinfo)
             if not seg.dst_box.within(info.shape) or not src_box.within(sinfo.shape):
                 return (
