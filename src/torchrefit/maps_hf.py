@@ -88,10 +88,13 @@ _LEAF = re.compile(r"\.(weight|bias)$")
 class MegatronToHF(NameMap):
     """Hugging Face / vLLM destination names from Megatron-core source names.
 
-    ``head_dim`` None: read from the tensors' shapes (every q/k/v tensor is checked
-    against the source's ``linear_qkv`` either way). ``segments`` raises
-    :class:`PlanError` naming the tensor where the shapes do not fit the head counts;
-    the planner runs it on every rank over the same rosters, so every rank raises.
+    ``head_dim`` None: read from the tensors' shapes. Either way every q/k/v tensor
+    is checked against the source's ``linear_qkv`` rows and ``linear_proj`` columns,
+    and ``segments`` raises :class:`PlanError` naming the tensor where they do not fit
+    the head counts; the planner runs it on every rank over the same rosters, so
+    every rank raises. Shapes cannot tell 4 heads in 2 groups from 2 heads in 1 group
+    of twice the head dim: give ``head_dim`` (Megatron's ``kv_channels``) to rule
+    that out.
     """
 
     num_heads: int
@@ -124,6 +127,11 @@ class MegatronToHF(NameMap):
         dst_shape = tuple(dst_shape)
         if part == "whole":
             return [Segment(Box.whole(dst_shape), src, (0,) * len(dst_shape))]
+        return self._row_blocks(dst_name, dst_shape, part, src, src_names)
+
+    def _row_blocks(self, dst_name: str, dst_shape: tuple[int, ...], part: str, src: str,
+                    src_names: Container[str]) -> list[Segment]:
+        """Segments of a destination that is some rows of ``src`` (q/k/v, gate/up)."""
         src_shape = _shape(src_names, src)
         proj = _LINEAR_QKV.sub("linear_proj.weight", src) if part in _HEADS_IN else None
         proj_shape = _shape(src_names, proj) if proj is not None else None
