@@ -97,7 +97,11 @@ class Planner:
         problems: list[str] = []
         for name in sorted(self.dst.tensors):
             info = self.dst.tensors[name]
-            segs = self.segments(name)
+            try:
+                segs = self.segments(name)
+            except PlanError as e:  # a name map that finds the shapes do not fit its rule
+                problems.append(f"{e} (dst ranks {self._dst_ranks(info)})")
+                continue
             if segs is None:
                 if not self._skipped(name):
                     problems.append(self._no_source(info))
@@ -119,11 +123,15 @@ class Planner:
     def _skipped(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, p) for p in self.skip)
 
+    def _dst_ranks(self, info: TensorInfo) -> str:
+        return _few(self.dst.ranks(sorted({c for cs in info.boxes.values() for c in cs})))
+
     def _no_source(self, info: TensorInfo) -> str:
-        ranks = _few(self.dst.ranks(sorted({c for cs in info.boxes.values() for c in cs})))
+        ranks = self._dst_ranks(info)
+        wanted = " or ".join(repr(n) for n in self.name_map.wanted(info.name)) or repr(info.name)
         return (
             f"{info.name}: destination tensor (dst ranks {ranks}) has no source tensor "
-            f"(no source rank holds {info.name!r} or an alias of it; pass skip=[...] to leave "
+            f"(no source rank holds {wanted} or an alias of it; pass skip=[...] to leave "
             "it untouched)"
         )
 
@@ -132,14 +140,15 @@ class Planner:
         boxes (not names, not which ranks hold them), and where the segments sit."""
         src = self.src
         return (self.dst.geometry(info), tuple(
-            (seg.dst_box.offset, seg.dst_box.size, seg.src_offset, src.geometry(src.tensors[seg.src_name]))
+            (seg.dst_box.offset, seg.dst_box.size, seg.src_offset, seg.part,
+             src.geometry(src.tensors[seg.src_name]))
             for seg in segs))
 
     def _check_segments(self, info: TensorInfo, segs: list[Segment]) -> str | None:
         for seg in segs:
             sinfo = self.src.tensors[seg.src_name]
             src_box = Box(seg.src_offset, seg.dst_box.size)
-            if seg.dst_box == Box.whole(info.shape) and sinfo.shape != info.shape:
+            if not seg.part and seg.dst_box == Box.whole(info.shape) and sinfo.shape != info.shape:
                 return _shape_problem(info, sinfo)
             if not seg.dst_box.within(info.shape) or not src_box.within(sinfo.shape):
                 return (

@@ -1,0 +1,129 @@
+"""Explicit layout of a Hugging Face-named model sharded the way vLLM shards it.
+
+An engine rank passes ``dst_layout=vllm_tp_layout(tp_rank, tp_size, num_heads=...,
+num_kv_heads=...)`` to its ``Refitter`` (or the table ``vllm_tp_specs`` returns). Tensor parallel cuts, by
+module (the name's second-last part):
+
+* column parallel, rows cut plainly: ``q_proj``, ``gate_proj``, ``up_proj``,
+  ``embed_tokens``, ``lm_head`` (weights and biases);
+* ``k_proj`` / ``v_proj``: rows cut by key-value head; where the TP size exceeds the
+  number of kv heads, rank r holds head ``r * kv_heads // tp_size`` (replicated, as
+  vLLM does);
+* fused ``qkv_proj``: rank r holds ``[its q heads; its k heads; its v heads]`` of the
+  global ``[all q; all k; all v]``; fused ``gate_up_proj``: ``[its gate; its up]``;
+* row parallel, columns cut: ``o_proj.weight``, ``down_proj.weight``;
+* everything else (norms, router, row-parallel biases) whole on every rank.
+
+Per-expert names (``mlp.experts.{e}.gate_proj``) follow the same rules. Not
+described: vLLM's vocabulary padding (the embedding's rows must divide evenly) and
+its stacked ``w13_weight`` / ``w2_weight`` experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+
+from ..errors import LayoutError
+from ._described import Described, named_refit_tensors
+from ._types import Box, Piece
+from .explicit import Explicit, TensorSpec
+from .sharding import shard_pieces
+
+__all__ = ["vllm_tp_specs", "vllm_tp_layout"]
+
+_COLUMN = frozenset({"q_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head"})
+_ROW = frozenset({"o_proj", "down_proj"})
+
+
+def vllm_tp_specs(
+    model: nn.Module | Mapping[str, torch.Tensor],
+    tp_rank: int,
+    tp_size: int,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+) -> dict[str, TensorSpec]:
+    """``{local name: TensorSpec}`` for the sharded tensors this rank holds (pass as
+    ``dst_layout``; tensors left out are whole on every rank)."""
+    if num_heads % tp_size or (num_kv_heads % tp_size and tp_size % num_kv_heads):
+        raise LayoutError(
+            f"vLLM-style TP {tp_size} needs it to divide num_heads {num_heads} and to divide "
+            f"or be a multiple of num_kv_heads {num_kv_heads}")
+    specs = {}
+    for name, t in named_refit_tensors(model):
+        spec = _spec(name, tuple(t.shape), tp_rank, tp_size, num_heads, num_kv_heads)
+        if spec is not None:
+            specs[name] = spec
+    return specs
+
+
+def _spec(name: str, shape: tuple[int, ...], rank: int, size: int, heads: int,
+          kv: int) -> TensorSpec | None:
+    parts = name.split(".")
+    module, leaf = (parts[-2], parts[-1]) if len(parts) > 1 else ("", name)
+    if size == 1 or not shape:
+        return None
+    if module in _COLUMN:
+        return TensorSpec(name, *shard_pieces(shape, 0, rank, size, name=name))
+    if module in _ROW and leaf == "weight":
+        return TensorSpec(name, *shard_pieces(shape, 1, rank, size, name=name))
+    if module == "gate_up_proj":
+        half = _divide(shape[0], 2, name, "rows of [gate; up]")
+        return TensorSpec(name, *shard_pieces(shape, 0, rank, size, sizes=[half, half], name=name))
+    if module in ("k_proj", "v_proj"):
+        return _kv_spec(name, shape, rank, size, kv)
+    if module == "qkv_proj":
+        return _qkv_spec(name, shape, rank, size, heads, kv)
+    return None
+
+
+def _kv_heads_held(rank: int, size: int, kv: int) -> tuple[int, int]:
+    """(first kv head, kv heads) rank ``rank`` holds; one replicated head when TP > kv."""
+    if size >= kv:
+        return rank * kv // size, 1
+    return rank * (kv // size), kv // size
+
+
+def _kv_spec(name: str, shape: tuple[int, ...], rank: int, size: int, kv: int) -> TensorSpec:
+    first, n = _kv_heads_held(rank, size, kv)
+    d = _divide(shape[0], n, name, f"rows over {n} local kv heads")
+    rest = shape[1:]
+    zeros = (0,) * len(rest)
+    piece = Piece(Box((first * d,) + zeros, (n * d,) + rest), (0,) * len(shape))
+    return TensorSpec(name, (kv * d,) + rest, (piece,))
+
+
+def _qkv_spec(name: str, shape: tuple[int, ...], rank: int, size: int, heads: int,
+              kv: int) -> TensorSpec:
+    q_n = heads // size
+    first, kv_n = _kv_heads_held(rank, size, kv)
+    d = _divide(shape[0], q_n + 2 * kv_n, name, f"rows over {q_n} q + 2 x {kv_n} kv local heads")
+    rest = shape[1:]
+    zeros = (0,) * len(rest)
+    blocks = [  # (global row, local row, rows)
+        (rank * q_n * d, 0, q_n * d),
+        ((heads + first) * d, q_n * d, kv_n * d),
+        ((heads + kv + first) * d, (q_n + kv_n) * d, kv_n * d),
+    ]
+    pieces = tuple(Piece(Box((g,) + zeros, (n,) + rest), (lo,) + zeros) for g, lo, n in blocks)
+    return TensorSpec(name, ((heads + 2 * kv) * d,) + rest, pieces)
+
+
+def _divide(n: int, k: int, name: str, what: str) -> int:
+    if n % k:
+        raise LayoutError(f"{name}: local extent {n} does not divide into {k} ({what})")
+    return n // k
+
+
+def vllm_tp_layout(tp_rank: int, tp_size: int, *, num_heads: int,
+                   num_kv_heads: int) -> Callable[[nn.Module], Described]:
+    """A ``dst_layout`` adapter built on :func:`vllm_tp_specs`: the ``Refitter`` calls it
+    while describing, so a layout error in it reaches every rank of the refit."""
+    def describe(model: nn.Module) -> Described:
+        specs = vllm_tp_specs(model, tp_rank, tp_size, num_heads=num_heads,
+                              num_kv_heads=num_kv_heads)
+        return Explicit(specs)(model)
+    return describe
