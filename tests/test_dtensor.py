@@ -7,19 +7,19 @@ tensor is several pieces), ``Partial`` rejected, wrapper names stripped.
 
 On 4 real processes joined by gloo, in one world: DTensor ``Shard(0)`` (via
 ``distribute_module``, with a replicated DTensor buffer) -> replicated; real FSDP2
-(``fully_shard`` per block and root; uneven rows, one rank empty; a training step
-between planning and the refit) -> replicated; FSDP2 + TP on a 2x2 mesh
-(``_StridedShard``) -> Megatron-style TP2 and -> replicated; DTensor ``Shard(0)`` on
-4 ranks -> DTensor ``(Replicate, Shard(-1))`` on 2x2; replicated -> FSDP2, whose
-forward must then see the new weights; fp32 FSDP2 (bf16 mixed precision) -> bf16
-with ``cast=True``; a refit group that is a sub-group and a mesh on 2 of its ranks.
-Every case checks, for each destination tensor, that it differed from the source's
-full tensor before the refit and equals it exactly after (DTensors through
-``full_tensor()``), that non-persistent buffers stayed, that every piece the
-adapter claims equals the same box of ``full_tensor()`` on both sides, and that
-``verify()`` passes. Bad input (a ``Partial`` placement, FSDP2 parameters left
-unsharded, a dtype change without ``cast``) raises the same error on every rank
-within seconds and writes nothing.
+(``fully_shard`` per block and root; uneven rows, one rank empty; planned while an
+inference forward left the root unsharded, then a training step before the refit)
+-> replicated; FSDP2 + TP on a 2x2 mesh (``_StridedShard``) -> Megatron-style TP2 and
+-> replicated; DTensor ``Shard(0)`` on 4 ranks -> DTensor ``(Replicate, Shard(-1))``
+on 2x2; replicated -> FSDP2 after an inference forward, whose next forward must see
+the new weights; fp32 FSDP2 (bf16 mixed precision) -> bf16 with ``cast=True``; a
+refit group that is a sub-group, with a mesh on 2 of its ranks. Every case checks,
+for each destination tensor, that it differed from the source's full tensor before
+the refit and equals it exactly after (DTensors through ``full_tensor()``), that
+non-persistent buffers stayed, that every piece the adapter claims equals the same
+box of ``full_tensor()`` and shares the DTensor's storage, and that ``verify()``
+passes. Bad input (a ``Partial`` placement, a dtype change without ``cast``) raises
+the same error on every rank within seconds and writes nothing.
 """
 
 from __future__ import annotations
@@ -201,6 +201,7 @@ class _Setup:
     dst: object
     kwargs: dict = field(default_factory=dict)
     group: object = None
+    before_plan: Callable | None = None  # (src, dst) -> None, before the Refitter is built
     train: Callable | None = None  # a training step on the source, between plan and refit
     forward: bool = False  # the destination's forward must match the source's values
     idle: bool = False  # this rank takes no part
@@ -247,6 +248,12 @@ def _fsdp(seed: int, ctx: _Ctx, *, tp: bool = False, mp=None) -> _Net:
     return fully_shard(net, **kw)
 
 
+def _rollout(net: nn.Module) -> None:
+    """An inference forward: FSDP2 keeps the root's parameters unsharded after it."""
+    with torch.no_grad():
+        net(TOKENS)
+
+
 def _sgd_step(net: nn.Module) -> None:
     opt = torch.optim.SGD(net.parameters(), lr=0.5)
     net(TOKENS).square().mean().backward()
@@ -282,14 +289,15 @@ CASES: dict[str, Callable[[_Ctx], _Setup]] = {
     "shard0-4->replicated": lambda c: _Setup(
         _distributed(SRC_SEED, c.mesh4, lambda p: [Shard(0)]), _net(DST_SEED)),
     "fsdp2-uneven-trained->replicated": lambda c: _Setup(
-        _fsdp(SRC_SEED, c), _net(DST_SEED), train=_sgd_step),
+        _fsdp(SRC_SEED, c), _net(DST_SEED), before_plan=lambda s, d: _rollout(s), train=_sgd_step),
     "fsdp2-tp-2x2->megatron-tp2": lambda c: _Setup(
         _fsdp(SRC_SEED, c, tp=True), _megatron_tp2(DST_SEED, c.rank)),
     "fsdp2-tp-2x2->replicated": lambda c: _Setup(_fsdp(SRC_SEED, c, tp=True), _net(DST_SEED)),
     "shard0-4->dtensor-shard-last-2x2": lambda c: _Setup(
         _distributed(SRC_SEED, c.mesh4, lambda p: [Shard(0)]),
         _distributed(DST_SEED, c.mesh22, _last_dim)),
-    "replicated->fsdp2-forward": lambda c: _Setup(_net(SRC_SEED), _fsdp(DST_SEED, c), forward=True),
+    "replicated->fsdp2-forward": lambda c: _Setup(
+        _net(SRC_SEED), _fsdp(DST_SEED, c), before_plan=lambda s, d: _rollout(d), forward=True),
     "fsdp2-fp32-mp-bf16->bf16-cast": lambda c: _Setup(
         _fsdp(SRC_SEED, c, mp=_bf16_policy()), _net(DST_SEED, torch.bfloat16), {"cast": True}),
     "subgroup-1..3-mesh-2,3->rank1": lambda c: _subgroup(c),
@@ -362,7 +370,6 @@ def _forward_matches(dst, expected: dict[str, torch.Tensor]) -> bool:
         for name, t in named_refit_tensors(ref):
             t.copy_(expected[name])
         got = dst(TOKENS)
-        dst.reshard()
         return torch.equal(got, ref(TOKENS))
 
 
@@ -370,6 +377,8 @@ def _run_case(s: _Setup) -> dict:
     if s.idle:
         return {"idle": True}
     bad_pieces = _pieces_wrong(s.src) + _pieces_wrong(s.dst)
+    if s.before_plan is not None:
+        s.before_plan(s.src, s.dst)
     r = tr.Refitter(s.src, s.dst, group=s.group, **s.kwargs)
     if s.train is not None:
         s.train(s.src)  # after planning: the plan must stay valid across optimizer steps
@@ -399,19 +408,12 @@ def _partial(c: _Ctx):
     return src, _net(DST_SEED), {}
 
 
-def _unsharded(c: _Ctx):
-    src = _fsdp(SRC_SEED, c)
-    src.unshard()  # the root's parameters stay unsharded, as between forward and backward
-    return src, _net(DST_SEED), {}
-
-
 def _no_cast(c: _Ctx):
     return _fsdp(SRC_SEED, c), _net(DST_SEED, torch.bfloat16), {}
 
 
 BAD = {
     "partial": (_partial, tr.LayoutError, "layers.0.attn.out.bias: placement Partial"),
-    "fsdp2-unsharded": (_unsharded, tr.LayoutError, "call model.reshard()"),
     "fp32->bf16-without-cast": (_no_cast, tr.PlanError, "pass cast=True"),
 }
 

@@ -19,6 +19,7 @@ the refit group may order or subset its ranks as it likes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import torch
@@ -55,32 +56,36 @@ def _chunks(model) -> list:
 
 
 def is_dtensor_model(model) -> bool:
-    """Whether any parameter or persistent buffer of ``model`` is a DTensor."""
+    """Whether any parameter or persistent buffer of ``model`` is a DTensor, or any of
+    its modules is FSDP2's (which may hold only unsharded copies right now)."""
     cls = _dtensor_type()
-    return cls is not None and any(
-        isinstance(t, cls) for chunk in _chunks(model) for _, t in named_refit_tensors(chunk)
-    )
+    chunks = _chunks(model)
+    return cls is not None and (bool(_fsdp_modules(chunks)) or any(
+        isinstance(t, cls) for chunk in chunks for _, t in named_refit_tensors(chunk)
+    ))
 
 
 def dtensor(model: nn.Module | list[nn.Module] | Mapping[str, torch.Tensor]) -> Described:
     """Describe a model whose parameters (some or all) are DTensors, on this rank."""
     cls = _dtensor_type()
     chunks = _chunks(model)
+    fsdp = _fsdp_modules(chunks)
+    sharded = _fsdp_sharded(fsdp)
     entries, tensors = [], {}
     for i, chunk in enumerate(chunks):
-        if isinstance(chunk, nn.Module):
-            _check_fsdp_sharded(chunk)
         for qualified, t in named_refit_tensors(chunk):
             key = chunk_key(i, len(chunks), qualified)
             name = global_name(qualified)
             is_buffer = not isinstance(t, nn.Parameter)
+            t = sharded.get(id(t), t)
             if cls is not None and isinstance(t, cls):
                 layout, local = _describe_one(name, t, is_buffer)
             else:
                 layout, local = whole_tensor_layout(name, t, is_buffer=is_buffer), t
             entries.append((key, layout))
             tensors[key] = local
-    return Described(ModelLayout(tuple(entries)), tensors)
+    after = functools.partial(_reshard, fsdp) if fsdp else None
+    return Described(ModelLayout(tuple(entries)), tensors, after)
 
 
 def _describe_one(name: str, t, is_buffer: bool) -> tuple[TensorLayout, torch.Tensor]:
@@ -120,22 +125,48 @@ def _order(t) -> list[int] | None:
     return order + [m for m in range(len(t.placements)) if m not in order]
 
 
-def _check_fsdp_sharded(model: nn.Module) -> None:
-    """FSDP2 swaps a module's parameters for unsharded ones between its forward and
-    backward (and keeps them after a forward with ``reshard_after_forward=False``);
-    those are freed later, so describing them would refit into dead storage."""
-    names = None
-    for mod in model.modules():
-        state = getattr(mod, "_get_fsdp_state", None)
-        group = getattr(state(), "_fsdp_param_group", None) if callable(state) else None
-        for fp in getattr(group, "fsdp_params", ()):
+def _fsdp_modules(chunks: list) -> tuple[nn.Module, ...]:
+    """The FSDP2 modules (``fully_shard``) of a model's chunks."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return ()
+    return tuple(m for c in chunks if isinstance(c, nn.Module) for m in c.modules()
+                 if isinstance(m, FSDPModule))
+
+
+def _fsdp_sharded(modules: tuple[nn.Module, ...]) -> dict[int, torch.Tensor]:
+    """id of each parameter an FSDP2 module holds now -> FSDP2's sharded DTensor for it.
+
+    FSDP2 swaps a module's parameters for unsharded copies between forward and
+    backward, and keeps the root's after a forward without backward (inference);
+    those copies are freed or go stale, while the sharded parameters are what the
+    optimizer steps and what the next all-gather reads. So the sharded ones are
+    described, in whichever state the model is. FSDP2 keeps this map in private
+    attributes (torch 2.13); where they are missing the registered parameters are
+    described, which are the sharded ones whenever the model is resharded.
+    """
+    out = {}
+    for mod in modules:
+        for fp in _fsdp_params(mod):
             info, sharded = getattr(fp, "_module_info", None), getattr(fp, "sharded_param", None)
             held = getattr(info.module, info.param_name, None) if info is not None else None
-            if sharded is None or held is None or held is sharded:
-                continue
-            names = names or {id(p): n for n, p in model.named_parameters()}
-            raise LayoutError(
-                f"{names.get(id(held), info.param_name)}: FSDP2 holds this parameter unsharded "
-                "(between forward and backward, or after a forward with "
-                "reshard_after_forward=False); call model.reshard() before building the Refitter"
-            )
+            if held is not None and sharded is not None:
+                out[id(held)] = sharded
+    return out
+
+
+def _fsdp_params(mod: nn.Module) -> list:
+    state = mod._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch versions with one group per module
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return [fp for g in groups for fp in getattr(g, "fsdp_params", ())]
+
+
+def _reshard(modules: tuple[nn.Module, ...]) -> None:
+    """After a refit into an FSDP2 model: drop unsharded copies of the old weights, so
+    the next forward all-gathers the new ones (a no-op for modules already sharded)."""
+    for m in modules:
+        m.reshard()
