@@ -4,14 +4,19 @@ Per parameter and persistent buffer that is a ``DTensor``: the global shape and
 dtype are the DTensor's, and the pieces its local tensor holds follow from this
 rank's mesh coordinate and the placements (``layout.placements``). Tensors that are
 not DTensors (the buffers FSDP2 leaves alone) are held whole, as ``replicated``
-describes them. Called once per rank while a ``Refitter`` is built, never on the
-hot path.
+describes them. Called once per rank while a ``Refitter`` is built; only the
+``after_refit`` hook of an FSDP2 destination runs on every refit.
 
 Global names are the qualified names without the wrapper modules torchtitan and
 ``torch.compile`` insert (``_checkpoint_wrapped_module``, ``_orig_mod``, FSDP1's
 ``_fsdp_wrapped_module``), so a compiled, checkpointed trainer's names match a plain
 engine's. The tensor torchrefit reads and writes is the DTensor's local tensor (for
 FSDP2 a view into its padded shard), so a refit writes the parameter itself.
+
+FSDP2 models are described by their sharded parameters even while FSDP2 holds
+unsharded copies (the root's stay after an inference forward), and a refit into an
+FSDP2 model reshards it afterwards (``Described.after_refit``), so its next forward
+all-gathers the new weights instead of using stale copies.
 
 Only this rank's mesh coordinate is read: each rank describes what it holds, and
 the refit group may order or subset its ranks as it likes.
