@@ -236,6 +236,8 @@ class Refitter:
         if compiled:
             self._program = self._compile(compare=False)
         stats = self._program.run()
+        if self._dst is not None and self._dst.after_refit is not None:
+            self._dst.after_refit()  # e.g. FSDP2 drops unsharded copies of the old weights
         self.version += 1
         return RefitReport(
             self.version, perf_counter() - t0, self.plan.bytes_local, self.plan.bytes_sent,

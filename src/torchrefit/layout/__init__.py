@@ -2,9 +2,11 @@
 
 ``describe(model, layout)`` returns a :class:`Described` (the rank's
 :class:`ModelLayout` and the tensors its keys name). ``layout`` is None (detect:
-Megatron-style attributes, else replicated), ``"megatron"``, ``"replicated"``, a
-mapping ``{local name: TensorSpec}`` (explicit), or any callable
-``model -> Described``.
+DTensor parameters or buffers, then Megatron-style attributes, else replicated),
+``"dtensor"`` (FSDP2, torchtitan TP, any ``DeviceMesh``; see ``dtensor``),
+``"megatron"``, ``"replicated"``, a mapping ``{local name: TensorSpec}`` (explicit),
+or any callable ``model -> Described``. ``placement_pieces`` and ``shard_pieces``
+compute pieces of DTensor placements and of Megatron's cuts for explicit layouts.
 """
 
 from __future__ import annotations
@@ -14,19 +16,22 @@ from collections.abc import Callable, Mapping
 from ..errors import LayoutError
 from ._described import Described, named_refit_tensors
 from ._types import Box, ModelLayout, Piece, TensorLayout
+from .dtensor import dtensor, global_name, is_dtensor_model
 from .explicit import Explicit, TensorSpec
 from .megatron import is_megatron_model, megatron
+from .placements import placement_pieces
 from .replicated import replicated
 from .sharding import shard_pieces, whole_piece
 
 __all__ = [
     "Box", "Piece", "TensorLayout", "ModelLayout", "Described", "TensorSpec", "Explicit",
-    "describe", "megatron", "replicated", "shard_pieces", "whole_piece", "named_refit_tensors",
+    "describe", "dtensor", "megatron", "replicated", "shard_pieces", "whole_piece",
+    "placement_pieces", "named_refit_tensors", "is_dtensor_model", "global_name",
 ]
 
 LayoutArg = str | Mapping[str, TensorSpec] | Callable[..., Described] | None
 
-_NAMED = {"megatron": megatron, "replicated": replicated}
+_NAMED = {"dtensor": dtensor, "megatron": megatron, "replicated": replicated}
 
 
 def describe(model, layout: LayoutArg = None) -> Described | None:
@@ -34,7 +39,11 @@ def describe(model, layout: LayoutArg = None) -> Described | None:
     if model is None:
         return None
     if layout is None:
-        layout = megatron if is_megatron_model(model) else replicated
+        # DTensor first: a DTensor's shape is global, so no other adapter reads it right.
+        if is_dtensor_model(model):
+            layout = dtensor
+        else:
+            layout = megatron if is_megatron_model(model) else replicated
     elif isinstance(layout, str):
         try:
             layout = _NAMED[layout]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -15,10 +15,17 @@ __all__ = ["Described", "named_refit_tensors", "unwrap_chunks"]
 
 @dataclass(frozen=True)
 class Described:
-    """A rank's layout of one model and the local tensors its keys name."""
+    """A rank's layout of one model and the local tensors its keys name.
+
+    ``after_refit``, where set, is called by ``Refitter.refit()`` on this rank after
+    every refit into this model (as destination): for an adapter whose model keeps
+    derived copies of the tensors it was described by (FSDP2's unsharded parameters),
+    so that the model's next use sees the new weights.
+    """
 
     layout: ModelLayout
     tensors: Mapping[str, torch.Tensor]
+    after_refit: Callable[[], None] | None = None
 
 
 def named_refit_tensors(module: nn.Module | Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
