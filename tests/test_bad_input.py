@@ -10,7 +10,6 @@ whether its destination changed.
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import pytest
@@ -18,7 +17,14 @@ import torch
 from torch import nn
 
 import torchrefit as tr
-from torchrefit.testing import Mesh, ModelSpec, build_toy, run_world
+from torchrefit.testing import (
+    Mesh,
+    ModelSpec,
+    attempt_refit,
+    build_toy,
+    check_failed_everywhere,
+    run_world,
+)
 
 WORLD = 4
 DENSE = ModelSpec(layers=2)
@@ -101,7 +107,7 @@ CASES = {
 
 
 def _snapshot(model) -> dict[str, torch.Tensor]:
-    return {} if model is None else {k: v.clone() for k, v in model.state_dict().items()}
+    return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def _world(rank: int, world: int, names: list[str]) -> dict[str, dict]:
@@ -109,16 +115,7 @@ def _world(rank: int, world: int, names: list[str]) -> dict[str, dict]:
     for name in names:
         make, _, _ = CASES[name]
         src, dst, kwargs = make(rank)
-        before = _snapshot(dst)
-        t0 = time.perf_counter()
-        try:
-            tr.Refitter(src, dst, **kwargs).refit()
-            out[name] = {"raised": None}
-        except tr.RefitError as e:
-            out[name] = {"raised": type(e).__name__, "msg": str(e)}
-        out[name]["seconds"] = time.perf_counter() - t0
-        after = _snapshot(dst)
-        out[name]["written"] = [k for k in before if not torch.equal(before[k], after[k])]
+        out[name] = attempt_refit(src, dst, **kwargs)
     return out
 
 
@@ -130,12 +127,7 @@ def results():
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input_raises_everywhere(name, results) -> None:
     _, error, text = CASES[name]
-    for rank, per_rank in enumerate(results):
-        got = per_rank[name]
-        assert got["raised"] == error.__name__, f"rank {rank}: raised {got['raised']}: {got.get('msg')}"
-        assert text in got["msg"], f"rank {rank}: {got['msg']}"
-        assert got["written"] == [], f"rank {rank} wrote {got['written']}"
-        assert got["seconds"] < 10, f"rank {rank} took {got['seconds']:.1f} s to raise"
+    check_failed_everywhere([per_rank[name] for per_rank in results], error, text)
 
 
 def _skip_world(rank: int, world: int) -> tuple[list[str], list[str]]:

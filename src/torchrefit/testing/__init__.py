@@ -4,8 +4,9 @@ Used by torchrefit's own tests, by ``torchrefit demo`` and by the benchmarks; us
 can use them to test their own refits the same way.
 """
 
+from .failures import attempt_refit, check_failed_everywhere
 from .toy import Coords, Mesh, ModelSpec, build_toy, expected_local, global_value
 from .world import WorldError, run_world
 
 __all__ = ["run_world", "WorldError", "Mesh", "Coords", "ModelSpec", "build_toy",
-           "expected_local", "global_value"]
+           "expected_local", "global_value", "attempt_refit", "check_failed_everywhere"]
