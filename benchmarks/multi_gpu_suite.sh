@@ -12,7 +12,7 @@ exec > >(tee "$R/multi_gpu_${N}.log") 2>&1
 B="python -m torchrefit bench --model gpt-4b --variant graph"
 run() { echo; echo "=== $* ($(date +%T))"; $B "$@"; }
 
-for t in nccl gloo; do
+for t in nccl gloo ipc; do
   run --nproc 2 --src tp2 --dst tp1 --transport $t --label "tp2->tp1 $t" --json "$R/gpu${N}_tp2_tp1_$t.json"
   run --nproc 2 --src tp1 --dst tp2 --transport $t --label "tp1->tp2 $t" --json "$R/gpu${N}_tp1_tp2_$t.json"
 done
@@ -24,5 +24,5 @@ fi
 if [ "$N" -ge 8 ]; then
   run --nproc 8 --src tp8 --dst tp4 --transport nccl --label "tp8->tp4xdp2" --json "$R/gpu${N}_tp8_tp4dp2.json"
 fi
-echo; echo "=== correctness on the GPUs with nccl"
-python -m pytest -q -p no:cacheprovider tests/test_gpu_stale_read.py tests/test_gpu_layouts.py
+echo; echo "=== correctness on the GPUs (nccl, gloo, ipc)"
+python -m pytest -q -p no:cacheprovider tests/test_gpu_stale_read.py tests/test_gpu_layouts.py tests/test_gpu_ipc.py tests/test_gpu_refit.py
