@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from ..errors import TransportError
 
-__all__ = ["Transport", "register_transport", "get_transport", "transport_names", "Exchange"]
+__all__ = ["Transport", "register_transport", "get_transport", "transport_names", "Exchange",
+           "require_backend"]
 
 Exchange = list[tuple[int, torch.Tensor]]
 
@@ -62,6 +63,16 @@ class Transport(ABC):
 
     def close(self) -> None:
         """Release what the transport holds (nothing by default)."""
+
+
+def require_backend(group: dist.ProcessGroup, backend: str, transport: str, use: str) -> None:
+    """Raise unless ``group`` has ``backend`` (alone or in a mixed ``cpu:...,cuda:...``)."""
+    have = str(dist.get_backend(group))
+    if backend not in have:
+        raise TransportError(
+            f"the {transport} transport {use} over {backend}; the refit group's backend is "
+            f"{have!r} (create it with backend='cpu:gloo,cuda:nccl' or pass a {backend} group)"
+        )
 
 
 _REGISTRY: dict[str, type[Transport]] = {}

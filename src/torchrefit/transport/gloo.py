@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..errors import TransportError
-from .base import Exchange, Transport, register_transport
+from .base import Exchange, Transport, register_transport, require_backend
 
 __all__ = ["GlooTransport"]
 
@@ -18,13 +17,7 @@ class GlooTransport(Transport):
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         super().__init__(group, device)
-        backend = str(dist.get_backend(group))
-        if "gloo" not in backend:
-            raise TransportError(
-                f"the gloo transport needs a process group with a gloo backend; the refit "
-                f"group's backend is {backend!r} (create it with backend='cpu:gloo,cuda:nccl' "
-                "or pass a gloo group)"
-            )
+        require_backend(group, "gloo", "gloo", "sends its messages")
 
     @classmethod
     def available(cls) -> bool:

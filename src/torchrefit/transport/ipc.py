@@ -28,7 +28,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 
 from ..errors import TransportError
 from ..layout._types import Box
-from .base import Exchange, Transport, register_transport
+from .base import Exchange, Transport, register_transport, require_backend
 
 __all__ = ["IpcTransport", "Outgoing"]
 
@@ -63,13 +63,7 @@ class IpcTransport(Transport):
         super().__init__(group, device)
         if device.type != "cuda":
             raise TransportError("the ipc transport needs CUDA tensors on every rank that holds a model")
-        backend = str(dist.get_backend(group))
-        if "gloo" not in backend:
-            raise TransportError(
-                f"the ipc transport exchanges small handshakes over Gloo; the refit group's "
-                f"backend is {backend!r} (create it with backend='cpu:gloo,cuda:nccl' or pass "
-                "a gloo group)"
-            )
+        require_backend(group, "gloo", "ipc", "exchanges its small handshakes")
         # two events, one per role, so a rank that both sends and receives never makes
         # its readers wait for its own reads
         self._ready = torch.cuda.Event(interprocess=True)  # sender: sources are final

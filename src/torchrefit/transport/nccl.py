@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import TransportError
-from .base import Exchange, Transport, register_transport
+from .base import Exchange, Transport, register_transport, require_backend
 
 __all__ = ["NcclTransport"]
 
@@ -24,9 +24,7 @@ class NcclTransport(Transport):
         super().__init__(group, device)
         if device.type != "cuda":
             raise TransportError("the nccl transport needs CUDA tensors on every rank that holds a model")
-        backend = str(dist.get_backend(group))
-        if "nccl" not in backend:
-            raise TransportError(f"the nccl transport needs an NCCL process group, not {backend!r}")
+        require_backend(group, "nccl", "nccl", "sends its messages")
         # Batched P2P needs the group's communicator to exist on every rank before the
         # first batch, which idle ranks never post: create it now, collectively.
         dist.all_reduce(torch.zeros(1, device=device), group=group)
