@@ -34,6 +34,7 @@ import torchrefit as tr
 from torchrefit.bench.config import spec_from_preset
 from torchrefit.bench.megatron_models import build_megatron_gpt
 from torchrefit.bench.timing import copy_bandwidth, median_host_ms, time_calls
+from torchrefit.execute.program import balance_by_bytes
 from torchrefit.testing.toy import Mesh, build_toy
 
 DEV = torch.device("cuda", 0)
@@ -69,12 +70,9 @@ def capture(big, groups, branches: int, small: str) -> torch.cuda.CUDAGraph:
     small ``groups`` (lists of (dst, src) lists, one foreach each) on branch 0 after the
     large ones (``small="after"``), on a stream of their own (``"own"``) or left out."""
     streams = [torch.cuda.Stream() for _ in range(branches + 1)]
-    load = [0] * branches
     lanes: list[list] = [[] for _ in range(branches)]
-    for d, s in sorted(big, key=lambda p: -p[0].nbytes):
-        b = load.index(min(load))
-        lanes[b].append((d, s))
-        load[b] += d.nbytes
+    for (d, s), b in zip(big, balance_by_bytes([d.nbytes for d, _ in big], branches)):
+        lanes[b].append((d, s))  # the executor's balancing
     graph = torch.cuda.CUDAGraph()
     cap = torch.cuda.Stream()
     cap.wait_stream(torch.cuda.current_stream())

@@ -37,7 +37,7 @@ from ..transport.ipc import Outgoing
 from .messages import ALIGN, Message, cut_messages, rows_of
 from .streams import SideStreams, host_wait_current
 
-__all__ = ["Program", "RunStats", "SMALL_COPY_BYTES"]
+__all__ = ["Program", "RunStats", "SMALL_COPY_BYTES", "balance_by_bytes"]
 
 #: local copies below this size go through ``torch._foreach_copy_`` (one per dtype pair)
 SMALL_COPY_BYTES = 1 << 20
@@ -226,29 +226,20 @@ class Program:
         return graph
 
     def _balance_branches(self) -> list[int]:
-        """Side stream of each large copy: largest first onto the least loaded stream,
-        so the branches carry about the same bytes and end together."""
-        n = _BRANCHES
-        load = [0] * n
-        branch = [0] * len(self._big)
-        for i in sorted(range(len(self._big)), key=lambda i: -self._big[i][0].numel() * self._big[i][0].element_size()):
-            b = load.index(min(load))
-            branch[i] = b
-            load[b] += self._big[i][0].numel() * self._big[i][0].element_size()
-        return branch
+        return balance_by_bytes([dst.nbytes for dst, _, _ in self._big], _BRANCHES)
 
     def _compile_mapped(self) -> None:
         """Peer-mapped transport (CUDA IPC): what this rank exports to each receiver (its
         source tensors and regions, in plan order) and, per sender, the destination
         views its mapped regions are copied into. No rounds, no staging."""
+        index: dict[tuple[int, str], int] = {}  # (peer, source key) -> its place in out.tensors
         for t in self.plan.sends:
             out = self._outgoing.setdefault(t.peer, Outgoing())
-            base = self._tensor("src", t.key)
-            index = next((i for i, x in enumerate(out.tensors) if x is base), None)
-            if index is None:
-                index = len(out.tensors)
-                out.tensors.append(base)
-            out.regions.append((index, t.local_box))
+            i = index.get((t.peer, t.key))
+            if i is None:
+                i = index[(t.peer, t.key)] = len(out.tensors)
+                out.tensors.append(self._tensor("src", t.key))
+            out.regions.append((i, t.local_box))
         for t in self.plan.recvs:
             views, names = self._incoming.setdefault(t.peer, ([], []))
             views.append(self._view("dst", t.key, t.local_box))
@@ -390,18 +381,12 @@ class Program:
         self._check_storage()
         bad: list[str] = []
         with torch.no_grad():
-            for dst, src, name in self._big:
-                if not torch.equal(dst, src.to(dst.dtype)):
-                    bad.append(f"{name} (local copy)")
-            for g in self._small:
-                for dst, src, name in zip(g.dst, g.src, g.names):
-                    if not torch.equal(dst, src.to(dst.dtype)):
-                        bad.append(f"{name} (local copy)")
+            local = [*self._big, *(c for g in self._small for c in zip(g.dst, g.src, g.names))]
+            bad += [f"{name} (local copy)" for dst, src, name in local if not _same(dst, src)]
             if self._mapped_peers():
-                self._run_mapped(lambda dsts, srcs, names: bad.extend(
-                    n for d, s, n in zip(dsts, srcs, names) if not torch.equal(d, s.to(d.dtype))))
+                self._run_mapped(lambda dsts, srcs, names: bad.extend(_differing(dsts, srcs, names)))
             else:
-                self._run_rounds(lambda r: bad.extend(_compare(r)))
+                self._run_rounds(lambda r: bad.extend(_differing(r.unpack_dst, r.unpack_src, r.unpack_names)))
         return bad
 
     def _mapped_peers(self) -> bool:
@@ -463,9 +448,25 @@ def _copy_mapped(dsts: list[torch.Tensor], srcs: list[torch.Tensor], names: list
     torch._foreach_copy_(dsts, srcs)
 
 
-def _compare(r: _Round) -> list[str]:
-    return [name for dst, src, name in zip(r.unpack_dst, r.unpack_src, r.unpack_names)
-            if not torch.equal(dst, src.to(device=dst.device, dtype=dst.dtype))]
+def balance_by_bytes(sizes: list[int], lanes: int) -> list[int]:
+    """Lane of each copy: largest first onto the least loaded lane, so the lanes carry
+    about the same bytes and end together."""
+    load = [0] * lanes
+    lane = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        b = load.index(min(load))
+        lane[i] = b
+        load[b] += sizes[i]
+    return lane
+
+
+def _same(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether ``dst`` holds what a refit would copy from ``src`` (cast and moved as it)."""
+    return torch.equal(dst, src.to(device=dst.device, dtype=dst.dtype))
+
+
+def _differing(dsts: list[torch.Tensor], srcs: list[torch.Tensor], names: list[str]) -> list[str]:
+    return [name for dst, src, name in zip(dsts, srcs, names) if not _same(dst, src)]
 
 
 def _by_peer(transfers) -> dict[int, list[Transfer]]:
