@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ..errors import TransportError
 
 __all__ = ["Transport", "register_transport", "get_transport", "transport_names", "Exchange",
-           "require_backend"]
+           "require_backend", "require_cuda"]
 
 Exchange = list[tuple[int, torch.Tensor]]
 
@@ -73,6 +73,11 @@ def require_backend(group: dist.ProcessGroup, backend: str, transport: str, use:
             f"the {transport} transport {use} over {backend}; the refit group's backend is "
             f"{have!r} (create it with backend='cpu:gloo,cuda:nccl' or pass a {backend} group)"
         )
+
+
+def require_cuda(device: torch.device, transport: str) -> None:
+    if device.type != "cuda":
+        raise TransportError(f"the {transport} transport needs CUDA tensors on every rank that holds a model")
 
 
 _REGISTRY: dict[str, type[Transport]] = {}

@@ -28,7 +28,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 
 from ..errors import TransportError
 from ..layout._types import Box
-from .base import Exchange, Transport, register_transport, require_backend
+from .base import Exchange, Transport, register_transport, require_backend, require_cuda
 
 __all__ = ["IpcTransport", "Outgoing"]
 
@@ -61,8 +61,7 @@ class IpcTransport(Transport):
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         super().__init__(group, device)
-        if device.type != "cuda":
-            raise TransportError("the ipc transport needs CUDA tensors on every rank that holds a model")
+        require_cuda(device, "ipc")
         require_backend(group, "gloo", "ipc", "exchanges its small handshakes")
         # two events, one per role, so a rank that both sends and receives never makes
         # its readers wait for its own reads

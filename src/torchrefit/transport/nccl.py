@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..errors import TransportError
-from .base import Exchange, Transport, register_transport, require_backend
+from .base import Exchange, Transport, register_transport, require_backend, require_cuda
 
 __all__ = ["NcclTransport"]
 
@@ -22,8 +21,7 @@ class NcclTransport(Transport):
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         super().__init__(group, device)
-        if device.type != "cuda":
-            raise TransportError("the nccl transport needs CUDA tensors on every rank that holds a model")
+        require_cuda(device, "nccl")
         require_backend(group, "nccl", "nccl", "sends its messages")
         # Batched P2P needs the group's communicator to exist on every rank before the
         # first batch, which idle ranks never post: create it now, collectively.
