@@ -26,12 +26,19 @@ from functools import lru_cache
 
 from .layout._types import Box
 
-__all__ = ["Segment", "NameMap", "Identity", "Rename", "MegatronToHF", "megatron_to_hf"]
+__all__ = ["Segment", "NameMap", "Identity", "Rename", "Compose", "relocate", "MegatronToHF",
+           "megatron_to_hf", "hf_to_megatron", "HfToVllm", "hf_to_vllm", "megatron_to_vllm",
+           "torchtitan_to_hf"]
 
 
 @dataclass(frozen=True, slots=True)
 class Segment:
     """Destination region ``dst_box`` comes from ``src_name`` at ``src_offset`` (same extents).
+
+    ``src_offset`` has the source's number of dims. Where the two tensors differ in
+    number of dims, the longer one's leading dims are unit dims of the region: one
+    expert ``[2I, H]`` is ``dst_box`` ``[e:e+1, 0:2I, 0:H]`` of a stacked ``[E, 2I, H]``
+    (see :func:`relocate`).
 
     ``part``: the map means the destination to be a part of a larger source (a row
     block of a fused tensor). Otherwise a segment covering the whole destination
@@ -50,6 +57,15 @@ class NameMap:
 
     def source_name(self, dst_name: str) -> str | None:
         return dst_name
+
+    def source_shape(self, dst_name: str, src_names: Container[str],
+                     src_aliases: Mapping[str, str]) -> tuple[int, ...] | None:
+        """The shape ``dst_name`` has where this map takes it whole from one source
+        tensor whose shape ``src_names`` gives (else None); :class:`Compose` asks."""
+        name = self.source_name(dst_name)
+        if name is not None and name not in src_names:
+            name = src_aliases.get(name)
+        return _shape_of(src_names, name)
 
     def wanted(self, dst_name: str) -> tuple[str, ...]:
         """The source names this map would read for ``dst_name`` (for error messages)."""
@@ -76,6 +92,12 @@ class NameMap:
             if name is None or name not in src_names:
                 return None
         return [Segment(_whole(tuple(dst_shape)), name, (0,) * len(dst_shape))]
+
+    def padding(self, dst_name: str, dst_shape: tuple[int, ...], src_names: Container[str],
+                src_aliases: Mapping[str, str]) -> tuple[Box, ...]:
+        """Regions of the destination that no source feeds and a refit leaves untouched
+        (an engine's vocabulary padding rows); everything else must be covered."""
+        return ()
 
     def cache_key(self) -> object:
         """What identifies this map's behaviour, for plan caches."""
@@ -108,9 +130,114 @@ class Rename(NameMap):
         return (type(self).__qualname__, tuple(sorted(self.table.items())))
 
 
+class Compose(NameMap):
+    """``outer`` after ``inner``: the destination is named as ``outer``'s destination,
+    the source as ``inner``'s source, and ``outer``'s source names are an intermediate
+    naming no rank holds (Megatron -> Hugging Face -> vLLM).
+
+    ``outer`` sees the intermediate names ``inner`` can serve (:class:`_Through`), with
+    their shapes where ``inner`` knows them; each of its segments must cover a whole
+    intermediate tensor, whose own segments ``inner`` then gives. Called like any map,
+    on every rank by the planner.
+    """
+
+    def __init__(self, outer: NameMap, inner: NameMap) -> None:
+        self.outer = outer
+        self.inner = inner
+
+    def segments(self, dst_name, dst_shape, src_names, src_aliases):
+        through = _Through(self.inner, src_names, src_aliases)
+        outer = self.outer.segments(dst_name, dst_shape, through, {})
+        if outer is None:
+            return None
+        out: list[Segment] = []
+        for seg in outer:
+            box = relocate(seg.dst_box, seg.dst_box.offset, seg.src_offset)
+            if any(box.offset):
+                raise AssertionError(f"{dst_name}: Compose needs whole intermediate tensors")
+            inner = self.inner.segments(seg.src_name, box.size, src_names, src_aliases)
+            if inner is None:
+                return None
+            out.extend(Segment(relocate(s.dst_box, box.offset, seg.dst_box.offset), s.src_name,
+                               s.src_offset, part=True) for s in inner)
+        return out
+
+    def padding(self, dst_name, dst_shape, src_names, src_aliases):
+        through = _Through(self.inner, src_names, src_aliases)
+        return self.outer.padding(dst_name, dst_shape, through, {})
+
+    def wanted(self, dst_name: str) -> tuple[str, ...]:
+        return tuple(w for name in self.outer.wanted(dst_name) for w in self.inner.wanted(name))
+
+    def cache_key(self) -> object:
+        return (type(self).__qualname__, self.outer.cache_key(), self.inner.cache_key())
+
+
+class _Through(Mapping):
+    """The intermediate names of a :class:`Compose`: a name is there where the inner
+    map finds a source for it; its value has a ``shape`` where the inner map renames a
+    whole tensor (else None: the outer map works the shape out from its config)."""
+
+    def __init__(self, inner: NameMap, src_names: Container[str], src_aliases: Mapping[str, str]):
+        self.inner, self.src_names, self.src_aliases = inner, src_names, src_aliases
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and any(
+            w in self.src_names or self.src_aliases.get(w) in self.src_names
+            for w in self.inner.wanted(name))
+
+    def get(self, name, default=None):
+        if name not in self:
+            return default
+        return _Shaped(self.inner.source_shape(name, self.src_names, self.src_aliases))
+
+    def __getitem__(self, name):
+        if name not in self:
+            raise KeyError(name)
+        return self.get(name)
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class _Shaped:
+    shape: tuple[int, ...] | None
+
+
+def relocate(box: Box, origin: tuple[int, ...], target: tuple[int, ...]) -> Box:
+    """``box``, given where ``origin`` is, moved to where ``target`` is.
+
+    Where ``origin`` and ``target`` differ in number of dims, the longer side's leading
+    dims are unit dims: dropped going to the shorter side, taken from ``target`` (size 1)
+    going to the longer one. The planner and the maps use this one rule both ways.
+    """
+    n, m = len(origin), len(target)
+    if n == m:
+        return box.moved(origin, target)
+    if n > m:
+        k = n - m
+        assert all(s == 1 for s in box.size[:k]), f"{box}: leading dims are not unit dims"
+        return Box(tuple(o - a + b for o, a, b in zip(box.offset[k:], origin[k:], target)),
+                   box.size[k:])
+    k = m - n
+    return Box(tuple(target[:k]) + tuple(o - a + b for o, a, b in zip(box.offset, origin, target[k:])),
+               (1,) * k + box.size)
+
+
 @lru_cache(maxsize=1024)
 def _whole(shape: tuple[int, ...]) -> Box:
     return Box.whole(shape)  # boxes are immutable: one per shape serves every layer
+
+
+def _shape_of(src_names: Container[str], name: str | None) -> tuple[int, ...] | None:
+    if name is None or not isinstance(src_names, Mapping):
+        return None
+    shape = getattr(src_names.get(name), "shape", None)
+    return tuple(shape) if shape is not None else None
 
 
 def _template_regex(template: str) -> re.Pattern[str]:
@@ -118,5 +245,7 @@ def _template_regex(template: str) -> re.Pattern[str]:
     return re.compile(r"(\d+)".join(re.escape(p) for p in parts))
 
 
-# After the base classes: the Megatron -> Hugging Face map builds on them.
-from .maps_hf import MegatronToHF, megatron_to_hf  # noqa: E402
+# After the base classes: the engine maps build on them.
+from .maps_hf import MegatronToHF, hf_to_megatron, megatron_to_hf  # noqa: E402
+from .maps_titan import torchtitan_to_hf  # noqa: E402
+from .maps_vllm import HfToVllm, hf_to_vllm, megatron_to_vllm  # noqa: E402

@@ -11,7 +11,13 @@ coordinates, so no rank ever gathers a full tensor:
 * ``gate_proj`` / ``up_proj`` are the two halves of a gated ``linear_fc1``
   (globally ``[gate; up]``), and vLLM's ``gate_up_proj`` is all of it;
 * norms, ``o_proj``, ``down_proj``, embeddings, the router and per-expert tensors
-  are renames (``{}`` in the table stands for a layer or expert index).
+  are renames (``{}`` in the table stands for a layer or expert index);
+* ``transformers`` 5 stacks a layer's experts: ``mlp.experts.gate_up_proj``
+  ``[E, 2I, H]`` (gate first, as Megatron's gated ``linear_fc1``) and
+  ``mlp.experts.down_proj`` ``[E, H, I]``; expert ``e`` is row ``e`` of dim 0.
+
+:func:`hf_to_megatron` is the inverse, derived from the same table: a Megatron
+tensor is made of the Hugging Face tensors whose rules read it.
 
 The destination name decides between split and fused forms, so one map serves
 Hugging Face models and vLLM / SGLang models alike. Names the table does not list
@@ -28,15 +34,17 @@ from typing import Any
 
 from .errors import PlanError
 from .layout._types import Box
-from .maps import NameMap, Segment
+from .maps import NameMap, Segment, relocate
 
-__all__ = ["MegatronToHF", "megatron_to_hf", "HF_FROM_MEGATRON"]
+__all__ = ["MegatronToHF", "HfToMegatron", "megatron_to_hf", "hf_to_megatron", "HF_FROM_MEGATRON"]
 
 _L = "decoder.layers.{}."
 _QKV = (_L + "self_attention.linear_qkv.{w}",)
 _FC1 = (_L + "mlp.linear_fc1.{w}",)
 _EXPERT_FC1 = (_L + "mlp.experts.local_experts.{}.linear_fc1.{w}", _L + "mlp.experts.linear_fc1.{w}{}")
 _EXPERT_FC2 = (_L + "mlp.experts.local_experts.{}.linear_fc2.{w}", _L + "mlp.experts.linear_fc2.{w}{}")
+_STACKED_FC1 = (_L + "mlp.experts.local_experts.{}.linear_fc1.weight", _L + "mlp.experts.linear_fc1.weight{}")
+_STACKED_FC2 = (_L + "mlp.experts.local_experts.{}.linear_fc2.weight", _L + "mlp.experts.linear_fc2.weight{}")
 _SHARED_FC1 = (_L + "mlp.shared_experts.linear_fc1.{w}",)
 _SHARED_FC2 = (_L + "mlp.shared_experts.linear_fc2.{w}",)
 
@@ -44,7 +52,8 @@ _SHARED_FC2 = (_L + "mlp.shared_experts.linear_fc2.{w}",)
 # ``{w}`` the leaf (``weight`` or ``bias``). Where Megatron names a tensor two ways
 # (Transformer Engine's fused layer norms or the local spec; ``local_experts.K`` or
 # grouped ``weightK``) the source names the first one present. ``part`` says which
-# rows of the source the destination is (see ``_blocks``).
+# rows of the source the destination is (see ``_blocks``); ``stack``: dim 0 of the
+# destination indexes experts, each a whole source tensor (the last ``{}``).
 HF_FROM_MEGATRON: dict[str, tuple[str, tuple[str, ...]]] = {
     "model.embed_tokens.{w}": ("whole", ("embedding.word_embeddings.{w}",)),
     "lm_head.{w}": ("whole", ("output_layer.{w}",)),
@@ -71,6 +80,9 @@ HF_FROM_MEGATRON: dict[str, tuple[str, tuple[str, ...]]] = {
     "model.layers.{}.mlp.experts.{}.up_proj.{w}": ("up", _EXPERT_FC1),
     "model.layers.{}.mlp.experts.{}.gate_up_proj.{w}": ("whole", _EXPERT_FC1),
     "model.layers.{}.mlp.experts.{}.down_proj.{w}": ("whole", _EXPERT_FC2),
+    # transformers 5 (Mixtral, Qwen2-MoE, Qwen3-MoE): a layer's experts stacked.
+    "model.layers.{}.mlp.experts.gate_up_proj": ("stack", _STACKED_FC1),
+    "model.layers.{}.mlp.experts.down_proj": ("stack", _STACKED_FC2),
     **{f"model.layers.{{}}.mlp.{shared}.{proj}.{{w}}": (part, srcs)
        for shared in ("shared_expert", "shared_experts")
        for proj, part, srcs in (("gate_proj", "gate", _SHARED_FC1), ("up_proj", "up", _SHARED_FC1),
@@ -121,10 +133,12 @@ class MegatronToHF(NameMap):
         if rule is None:
             return super().segments(dst_name, dst_shape, src_names, src_aliases)
         part, templates, indices, leaf = rule
+        dst_shape = tuple(dst_shape)
+        if part == "stack":
+            return _stacked(dst_name, dst_shape, templates, indices, src_names, src_aliases)
         src = _source(templates, indices, leaf, src_names, src_aliases)
         if src is None:
             return None
-        dst_shape = tuple(dst_shape)
         if part == "whole":
             return [Segment(Box.whole(dst_shape), src, (0,) * len(dst_shape))]
         return self._row_blocks(dst_name, dst_shape, part, src, src_names)
@@ -151,11 +165,111 @@ class MegatronToHF(NameMap):
         rule = _rule(dst_name)
         if rule is None:
             return (dst_name,)
-        _, templates, indices, leaf = rule
+        part, templates, indices, leaf = rule
+        if part == "stack":
+            indices = indices + ("0",)  # expert 0 stands for them all
         return tuple(t.format(*indices, w=leaf) for t in templates)
+
+    def source_shape(self, dst_name, src_names, src_aliases):
+        rule = _rule(dst_name)
+        if rule is None:
+            return super().source_shape(dst_name, src_names, src_aliases)
+        part, templates, indices, leaf = rule
+        if part != "whole":
+            return None
+        return _shape(src_names, _source(templates, indices, leaf, src_names, src_aliases) or "")
 
     def cache_key(self) -> object:
         return (type(self).__qualname__, self.num_heads, self.num_query_groups, self.head_dim)
+
+
+@dataclass(frozen=True)
+class HfToMegatron(NameMap):
+    """The inverse of :class:`MegatronToHF`: Megatron-core destination names from Hugging
+    Face (or vLLM-fused) source names, derived from the same table.
+
+    A Megatron tensor is made of the Hugging Face tensors whose rules read it, in table
+    order (split ``q_proj`` / ``k_proj`` / ``v_proj`` before a fused ``qkv_proj``),
+    each placed where the forward map would read it; a tensor that would cover rows
+    already covered is passed over, so whichever form the source holds fills it.
+    """
+
+    forward: MegatronToHF
+
+    def segments(self, dst_name, dst_shape, src_names, src_aliases):
+        readers = _readers(dst_name)
+        if not readers:
+            return super().segments(dst_name, dst_shape, src_names, src_aliases)
+        target = {dst_name: _Shape(tuple(dst_shape))}
+        covered: list[Box] = []
+        out: list[Segment] = []
+        for hf_name, expert in readers:
+            src = hf_name if hf_name in src_names else src_aliases.get(hf_name)
+            shape = _shape(src_names, src) if src is not None else None
+            if shape is None:
+                continue
+            if expert is not None:  # one expert of a stacked tensor: its row of dim 0
+                if shape[1:] != tuple(dst_shape):
+                    raise PlanError(f"{dst_name}: expert {expert} of {src} {list(shape)} is not "
+                                    f"{list(dst_shape)}")
+                box = Box.whole(tuple(dst_shape))
+                if any(box.intersect(c) is not None for c in covered):
+                    continue
+                covered.append(box)
+                out.append(Segment(box, src, (expert,) + box.offset, part=True))
+                continue
+            mine = [f for f in self.forward.segments(hf_name, shape, target, {}) or ()
+                    if f.src_name == dst_name]
+            boxes = [relocate(f.dst_box, f.dst_box.offset, f.src_offset) for f in mine]
+            if not boxes or any(b.intersect(c) is not None for b in boxes for c in covered):
+                continue
+            covered += boxes
+            out += [Segment(b, src, f.dst_box.offset, part=True) for b, f in zip(boxes, mine)]
+        return out or None
+
+    def wanted(self, dst_name: str) -> tuple[str, ...]:
+        return tuple(name for name, _ in _readers(dst_name)) or (dst_name,)
+
+    def cache_key(self) -> object:
+        return (type(self).__qualname__, self.forward.cache_key())
+
+
+@dataclass(frozen=True)
+class _Shape:
+    shape: tuple[int, ...]
+
+
+@lru_cache(maxsize=8192)
+def _readers(megatron_name: str) -> tuple[tuple[str, int | None], ...]:
+    """Hugging Face names whose rules in the table read ``megatron_name``, in table order,
+    with the expert index where the name stacks experts."""
+    out: list[tuple[str, int | None]] = []
+    for hf_template, (part, templates) in HF_FROM_MEGATRON.items():
+        for template in templates:
+            m = _source_regex(template).fullmatch(megatron_name)
+            if m is None:
+                continue
+            indices = [g for g in m.groups() if g not in ("weight", "bias")]
+            leaf = m.groupdict().get("w") or ""
+            expert = None
+            if part == "stack":  # the expert is a row of the stacked tensor
+                expert = int(indices.pop())
+            item = (hf_template.format(*indices, w=leaf), expert)
+            if item not in out:
+                out.append(item)
+    return tuple(out)
+
+
+@lru_cache(maxsize=256)
+def _source_regex(template: str) -> re.Pattern[str]:
+    pattern = re.escape(template).replace(re.escape("{w}"), "(?P<w>weight|bias)")
+    return re.compile(pattern.replace(re.escape("{}"), r"(\d+)"))
+
+
+def hf_to_megatron(config: Mapping[str, Any] | object | None = None, **kwargs) -> HfToMegatron:
+    """The name map from a Hugging Face-named trainer to a Megatron-core engine: the
+    inverse of :func:`megatron_to_hf` with the same arguments."""
+    return HfToMegatron(megatron_to_hf(config, **kwargs))
 
 
 def megatron_to_hf(
@@ -180,6 +294,26 @@ def megatron_to_hf(
     dim = head_dim if head_dim is not None else _field(config, "kv_channels", "head_dim")
     return MegatronToHF(int(heads), int(groups if groups is not None else heads),
                         int(dim) if dim is not None else None)
+
+
+def _stacked(dst_name: str, dst_shape: tuple[int, ...], templates, indices, src_names,
+             src_aliases) -> list[Segment] | None:
+    """Expert ``e`` of a stacked ``[E, ...]`` destination is source expert ``e`` whole."""
+    if len(dst_shape) < 2:
+        raise PlanError(f"{dst_name}: stacked experts need [experts, ...], not {list(dst_shape)}")
+    rest = dst_shape[1:]
+    zeros = (0,) * len(rest)
+    out = []
+    for e in range(dst_shape[0]):
+        src = _source(templates, indices + (str(e),), "weight", src_names, src_aliases)
+        if src is None:
+            return None
+        shape = _shape(src_names, src)
+        if shape is not None and shape != rest:
+            raise PlanError(f"{dst_name}: expert {e} is {src} {list(shape)}, but the stacked "
+                            f"destination {list(dst_shape)} holds experts of {list(rest)}")
+        out.append(Segment(Box((e,) + zeros, (1,) + rest), src, zeros, part=True))
+    return out
 
 
 def _field(config, *names: str):

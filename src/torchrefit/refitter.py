@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ._collectives import all_gather_pickled
 from .errors import LayoutError, PlanError, RefitError, TransportError, VerificationError
 from .execute.program import Program
-from .layout import Described, LayoutArg, describe
+from .layout import Described, LayoutArg, describe, layout_kind
 from .maps import Identity, NameMap
 from .plan.planner import CastPolicy, Planner
 from .plan.roster import encode_roster
@@ -74,6 +74,7 @@ class _RankInfo:
     nccl: bool
     gloo: bool
     host: str  # the machine, for transports that only work within one (ipc)
+    kinds: tuple[str, str] = ("", "")  # how the source and destination layouts were found
 
 
 class Refitter:
@@ -145,6 +146,7 @@ class Refitter:
         self.version = 0
         self._program: Program | None = None
         self._verifier: Program | None = None
+        self._kinds = (layout_kind(src_model, src_layout), layout_kind(dst_model, dst_layout))
         src, dst, error = self._describe(src_model, dst_model, src_layout, dst_layout)
         self._src, self._dst = src, dst
         infos = self._gather_infos(src, dst, error, staging_bytes)
@@ -181,12 +183,12 @@ class Refitter:
             error = error or f"{type(e).__name__}: {e}"
         info = _RankInfo(error, enc_src, enc_dst, int(staging_bytes), device,
                          dist.is_nccl_available() and torch.cuda.is_available(),
-                         dist.is_gloo_available(), socket.gethostname())
+                         dist.is_gloo_available(), socket.gethostname(), self._kinds)
         return all_gather_pickled(info, self.group)
 
     def _plan(self, infos, name_map: NameMap, cast, skip) -> RankPlan:
         planner = Planner.from_rosters([i.src for i in infos], [i.dst for i in infos], name_map,
-                                       cast=cast, skip=tuple(skip))
+                                       cast=cast, skip=tuple(skip), sides=_sides(infos))
         planner.validate()  # the same rosters on every rank: the same error everywhere
         self._planner = planner
         self._plan_error: str | None = None
@@ -278,6 +280,19 @@ class Refitter:
     def __repr__(self) -> str:
         return (f"Refitter(rank {self.rank}/{self.world}, transport={self.transport_name}, "
                 f"version={self.version})\n{self.plan}")
+
+
+def _sides(infos: list[_RankInfo]) -> str:
+    """"source detected as megatron (ranks [0, 1]), destination as replicated (ranks [2, 3])"."""
+    parts = []
+    for side, i in (("source", 0), ("destination", 1)):
+        kinds: dict[str, list[int]] = {}
+        for rank, info in enumerate(infos):
+            if info.kinds[i]:
+                kinds.setdefault(info.kinds[i], []).append(rank)
+        parts.append(f"{side} detected as " + " and ".join(
+            f"{k} (ranks {r if len(r) <= 8 else f'{r[:8]}...'})" for k, r in sorted(kinds.items())))
+    return ", ".join(parts)
 
 
 def _raise_layout_errors(infos: list[_RankInfo]) -> None:

@@ -26,12 +26,29 @@ from .sharding import shard_pieces, whole_piece
 __all__ = [
     "Box", "Piece", "TensorLayout", "ModelLayout", "Described", "TensorSpec", "Explicit",
     "describe", "dtensor", "megatron", "replicated", "shard_pieces", "whole_piece",
-    "placement_pieces", "named_refit_tensors", "is_dtensor_model", "global_name",
+    "placement_pieces", "named_refit_tensors", "is_dtensor_model", "global_name", "layout_kind",
 ]
 
 LayoutArg = str | Mapping[str, TensorSpec] | Callable[..., Described] | None
 
 _NAMED = {"dtensor": dtensor, "megatron": megatron, "replicated": replicated}
+
+
+def layout_kind(model, layout: LayoutArg = None) -> str:
+    """How ``describe`` reads ``model``: "dtensor", "megatron", "replicated", "explicit"
+    or "custom" ("" where the rank holds no such model), for error messages."""
+    if model is None:
+        return ""
+    if layout is None:
+        try:
+            if is_dtensor_model(model):
+                return "dtensor"
+            return "megatron" if is_megatron_model(model) else "replicated"
+        except Exception:
+            return "unknown"
+    if isinstance(layout, str):
+        return layout
+    return "explicit" if isinstance(layout, Mapping) else "custom"
 
 
 def describe(model, layout: LayoutArg = None) -> Described | None:

@@ -14,9 +14,12 @@ module (the name's second-last part):
 * row parallel, columns cut: ``o_proj.weight``, ``down_proj.weight``;
 * everything else (norms, router, row-parallel biases) whole on every rank.
 
-Per-expert names (``mlp.experts.{e}.gate_proj``) follow the same rules. Not
-described: vLLM's vocabulary padding (the embedding's rows must divide evenly) and
-its stacked ``w13_weight`` / ``w2_weight`` experts.
+Per-expert names (``mlp.experts.{e}.gate_proj``) follow the same rules; stacked
+experts as vLLM's fused MoE holds them under tensor parallelism: ``w13_weight``
+``[E, 2I, H]`` holds ``[its gate rows; its up rows]`` of every expert (dim 1),
+``w2_weight`` ``[E, H, I]`` its columns (dim 2). A padded vocabulary is cut like
+any column-parallel tensor (vLLM pads it to a multiple of the TP size); expert
+parallelism is not described.
 """
 
 from __future__ import annotations
@@ -70,6 +73,11 @@ def _spec(name: str, shape: tuple[int, ...], rank: int, size: int, heads: int,
         return TensorSpec(name, *shard_pieces(shape, 0, rank, size, name=name))
     if module in _ROW and leaf == "weight":
         return TensorSpec(name, *shard_pieces(shape, 1, rank, size, name=name))
+    if leaf == "w13_weight":
+        half = _divide(shape[1], 2, name, "rows of [gate; up] per expert")
+        return TensorSpec(name, *shard_pieces(shape, 1, rank, size, sizes=[half, half], name=name))
+    if leaf == "w2_weight":
+        return TensorSpec(name, *shard_pieces(shape, 2, rank, size, name=name))
     if module == "gate_up_proj":
         half = _divide(shape[0], 2, name, "rows of [gate; up]")
         return TensorSpec(name, *shard_pieces(shape, 0, rank, size, sizes=[half, half], name=name))

@@ -16,6 +16,7 @@ rosters alone.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 from bisect import bisect_left
 from collections.abc import Sequence
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 from ..errors import PlanError
 from ..layout._types import Box, ModelLayout, TensorLayout
-from ..maps import Identity, NameMap, Segment
+from ..maps import Identity, NameMap, Segment, relocate
 from .deal import Block, Line
 from .index import RoleIndex, TensorInfo
 from .types import LocalCopy, RankPlan, Transfer, itemsize
@@ -54,6 +55,7 @@ class Planner:
         *,
         cast: CastPolicy = "buffers",
         skip: Sequence[str] = (),
+        sides: str = "",
     ) -> None:
         if cast not in (True, False, "buffers"):
             raise ValueError(f"cast must be True, False or 'buffers', not {cast!r}")
@@ -62,6 +64,7 @@ class Planner:
         self.name_map = name_map or Identity()
         self.cast = cast
         self.skip = tuple(skip)
+        self.sides = sides  # how each side's layout was detected, for error messages
         self._segments: dict[str, list[Segment] | None] = {}
         self._regions: dict[tuple[str, Box], list[Region]] = {}
         self._remote: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
@@ -82,11 +85,12 @@ class Planner:
         *,
         cast: CastPolicy = "buffers",
         skip: Sequence[str] = (),
+        sides: str = "",
     ) -> Planner:
         """The planner over every rank's gathered roster bytes (None: the rank holds no
         such model), as each rank builds it after the gather."""
         return cls(RoleIndex("source", src), RoleIndex("destination", dst), name_map,
-                   cast=cast, skip=skip)
+                   cast=cast, skip=skip, sides=sides)
 
     # ----------------------------------------------------------------- validation
     def validate(self) -> None:
@@ -118,7 +122,9 @@ class Planner:
                 break
         if problems:
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-            raise PlanError("; ".join(problems[:3]) + more)
+            advice = self._no_source_advice() if any(
+                "has no source tensor" in p for p in problems) else ""
+            raise PlanError("; ".join(problems[:3]) + more + advice)
 
     def _skipped(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, p) for p in self.skip)
@@ -128,12 +134,20 @@ class Planner:
 
     def _no_source(self, info: TensorInfo) -> str:
         ranks = self._dst_ranks(info)
-        wanted = " or ".join(repr(n) for n in self.name_map.wanted(info.name)) or repr(info.name)
+        wanted = self.name_map.wanted(info.name) or (info.name,)
+        close = difflib.get_close_matches(wanted[0], sorted(self.src.tensors), n=3, cutoff=0.4)
+        hint = f"; closest source names: {', '.join(map(repr, close))}" if close else ""
         return (
             f"{info.name}: destination tensor (dst ranks {ranks}) has no source tensor "
-            f"(no source rank holds {wanted} or an alias of it; pass skip=[...] to leave "
-            "it untouched)"
+            f"(no source rank holds {' or '.join(map(repr, wanted))} or an alias of it{hint})"
         )
+
+    def _no_source_advice(self) -> str:
+        sides = f" ({self.sides})" if self.sides else ""
+        return (f". Tensors without a source{sides}: where the two sides name tensors "
+                "differently, pass a name map (name_map=tr.maps.megatron_to_hf(config), "
+                "hf_to_vllm(config), torchtitan_to_hf(config) or tr.maps.Rename({...})); "
+                "pass skip=[...] only for tensors a refit should leave untouched")
 
     def _geometry(self, info: TensorInfo, segs: list[Segment]) -> tuple:
         """All that validity depends on: both tensors' shapes, dtypes, kinds and held
@@ -147,7 +161,10 @@ class Planner:
     def _check_segments(self, info: TensorInfo, segs: list[Segment]) -> str | None:
         for seg in segs:
             sinfo = self.src.tensors[seg.src_name]
-            src_box = Box(seg.src_offset, seg.dst_box.size)
+            if len(seg.src_offset) != len(sinfo.shape):
+                return (f"{info.name}: the name map reads {seg.src_name} {list(sinfo.shape)} at "
+                        f"{list(seg.src_offset)}, which has another number of dims")
+            src_box = relocate(seg.dst_box, seg.dst_box.offset, seg.src_offset)
             if not seg.part and seg.dst_box == Box.whole(info.shape) and sinfo.shape != info.shape:
                 return _shape_problem(info, sinfo)
             if not seg.dst_box.within(info.shape) or not src_box.within(sinfo.shape):
@@ -167,8 +184,10 @@ class Planner:
         return self.cast is True or (self.cast == "buffers" and dinfo.is_buffer)
 
     def _check_coverage(self, info: TensorInfo) -> str | None:
+        pads = self.name_map.padding(info.name, info.shape, self.src.tensors, self.src.aliases)
         for box, cids in info.boxes.items():
             covered = sum(r.dst_box.numel for r in self.regions(info.name, box))
+            covered += sum(i.numel for p in pads if (i := box.intersect(p)) is not None)
             if covered != box.numel:
                 ranks = _few(self.dst.ranks(cids))
                 held = self._source_boxes(info.name)
@@ -225,7 +244,7 @@ class Planner:
         return got
 
     def _cover(self, dst_name: str, part: Box, seg: Segment) -> list[Region]:
-        src_part = part.moved(seg.dst_box.offset, seg.src_offset)
+        src_part = relocate(part, seg.dst_box.offset, seg.src_offset)
         sinfo = self.src.tensors[seg.src_name]
         hits = []
         for box, cids in sinfo.boxes.items():
@@ -235,7 +254,8 @@ class Planner:
         if not sinfo.disjoint and len(hits) > 1:
             hits = _grid_cells(src_part, hits)
         return [
-            Region(inter.moved(seg.src_offset, seg.dst_box.offset), seg.src_name, inter, tuple(cids))
+            Region(relocate(inter, seg.src_offset, seg.dst_box.offset), seg.src_name, inter,
+                   tuple(cids))
             for inter, cids in hits
         ]
 
@@ -380,7 +400,8 @@ class Planner:
                         if region.src_name != t.name:
                             continue
                         for peer, part in self.destinations(name, dst_box, i, dst_cids, rank):
-                            sbox = _box_in(t, part.moved(region.dst_box.offset, region.src_box.offset))
+                            sbox = _box_in(t, relocate(part, region.dst_box.offset,
+                                                       region.src_box.offset))
                             sends.append(Transfer(peer, name, part, key, sbox, t.dtype, t.dtype))
         return sends
 
