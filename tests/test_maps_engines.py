@@ -61,7 +61,8 @@ def vllm_reference(hf: dict[str, torch.Tensor], vocab: int) -> dict[str, torch.T
     embeddings padded to ``vocab`` rows (padding rows NaN: whatever the engine had)."""
     out = {}
     for n, t in hf.items():
-        m = re.fullmatch(r"(model\.layers\.\d+\.)(self_attn|mlp)\.(q_proj|gate_proj|experts\.\w+)(.*)", n)
+        m = re.fullmatch(r"(model\.layers\.\d+\.)(self_attn|mlp(?:\.shared_experts?)?)\."
+                         r"(q_proj|gate_proj|experts\.\w+)(.*)", n)
         if m is None:
             if re.search(r"\.(k|v|up)_proj\.", n):
                 continue
@@ -73,8 +74,8 @@ def vllm_reference(hf: dict[str, torch.Tensor], vocab: int) -> dict[str, torch.T
         if what == "q_proj":
             out[f"{p}self_attn.qkv_proj{leaf}"] = torch.cat(
                 [hf[f"{p}self_attn.{x}_proj{leaf}"] for x in "qkv"])
-        elif what == "gate_proj":
-            out[f"{p}mlp.gate_up_proj{leaf}"] = torch.cat([t, hf[f"{p}mlp.up_proj{leaf}"]])
+        elif what == "gate_proj":  # also a shared expert's
+            out[f"{p}{mod}.gate_up_proj{leaf}"] = torch.cat([t, hf[f"{p}{mod}.up_proj{leaf}"]])
         elif what == "experts.gate_up_proj":
             out[f"{p}mlp.experts.w13_weight"] = t
         elif what == "experts.down_proj":
@@ -363,13 +364,14 @@ def _vllm_engine(full: dict[str, torch.Tensor], r: int, spec: ModelSpec) -> dict
     and w13 = [its gate rows; its up rows] of every expert, w2 its columns."""
     out = {}
     for n, t in full.items():
-        if n.endswith("w13_weight"):
+        base = n.removesuffix("_scale_inv")  # an FP8 block grid is cut as its weight
+        if base.endswith("w13_weight"):
             gate, up = t.chunk(2, 1)
             out[n] = torch.cat([gate.chunk(2, 1)[r], up.chunk(2, 1)[r]], 1)
-        elif n.endswith("w2_weight"):
+        elif base.endswith("w2_weight"):
             out[n] = t.chunk(2, 2)[r]
         else:
-            out[n] = _vllm_shard(n, t, r, 2, spec.heads, spec.groups)
+            out[n] = _vllm_shard(base, t, r, 2, spec.heads, spec.groups)
     return {n: t.clone() for n, t in out.items()}
 
 
