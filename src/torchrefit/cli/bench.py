@@ -25,8 +25,9 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.flo
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="time refits against the copy floor (and megatron-core)")
-    p.add_argument("--model", help="shape preset (as torchrefit plan): gpt-4b (the seed's model), "
-                                   "llama-70b; default gpt-4b on a GPU, a small shape on CPU")
+    p.add_argument("--model", help=f"shape preset (as torchrefit plan): {', '.join(_toy_presets())}; "
+                                   "default gpt-4b (the seed's model) on a GPU, a small shape on "
+                                   "CPU; --layers scales a preset to fit one GPU")
     p.add_argument("--layers", help="number of layers; a comma list runs several sizes")
     for flag in ("hidden", "heads", "kv-heads", "ffn", "vocab", "experts", "expert-ffn"):
         p.add_argument(f"--{flag}", type=int)
@@ -49,6 +50,14 @@ def add_parser(sub) -> None:
     p.add_argument("--json", help="write every figure to this JSON file")
     p.add_argument("--plot", help="draw time against model size with the floor line (matplotlib)")
     p.set_defaults(run=run)
+
+
+def _toy_presets() -> list[str]:
+    """Presets a benchmark can build (toy and megatron-core local-spec models: no MLA,
+    no mixed dense and MoE layers, no shared experts)."""
+    from torchrefit.simulate.shapes import PRESETS
+
+    return [n for n, s in PRESETS.items() if not (s.mla or s.dense_layers or s.shared_expert_ffn)]
 
 
 def argparse_bool():

@@ -20,10 +20,12 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub) -> None:
+    from torchrefit.simulate.shapes import PRESETS
+
     p = sub.add_parser("plan", help="simulate and explain a refit plan at any world size, on CPU",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt-4b",
-                   help="shape preset: gpt-4b, llama-70b, deepseek-v3 (default gpt-4b); "
+                   help=f"shape preset: {', '.join(PRESETS)} (default gpt-4b); "
                         "the flags below override its fields")
     for flag in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "experts", "expert-ffn"):
         p.add_argument(f"--{flag}", type=int, default=None)

@@ -7,6 +7,10 @@ zero-copy: a message of one contiguous region, on the wire device and in the
 wire dtype, is sent from (or received into) the tensor itself. The hot path
 (:meth:`Program.run`) only replays: pack, post, complete, unpack, local copies.
 
+Local copies whose destinations and sources are both back to back (expert tensors
+the allocator placed in order on both models) are merged into one copy each while
+compiling (``runs.merge_local``); verify still compares tensor by tensor.
+
 Ordering, all through ``streams.SideStreams``: local copies run on side streams
 that first wait for the caller's stream and that the caller's stream waits for
 before ``run`` returns (large copies on two parallel streams; with ``cuda_graph``
@@ -35,6 +39,7 @@ from ..plan.types import RankPlan, Transfer
 from ..transport.base import Transport
 from ..transport.ipc import Outgoing
 from .messages import ALIGN, Message, cut_messages, rows_of
+from .runs import merge_local
 from .streams import SideStreams, host_wait_current
 
 __all__ = ["Program", "RunStats", "SMALL_COPY_BYTES", "balance_by_bytes"]
@@ -43,10 +48,12 @@ __all__ = ["Program", "RunStats", "SMALL_COPY_BYTES", "balance_by_bytes"]
 SMALL_COPY_BYTES = 1 << 20
 #: large local copies run on this many parallel side streams (graph branches): one
 #: copy's tail overlaps another's body (1.007x the flat-copy floor on an H200, against
-#: 1.035x on one stream; benchmarks/local_copy_lab.py). The small copies get one more
-#: stream of their own, so their many short kernels overlap the large copies instead of
-#: lengthening a branch (benchmarks/diagnose_megatron_copies.py).
-_BRANCHES = 2
+#: 1.035x on one stream; benchmarks/local_copy_lab.py). Eight, not two: models of many
+#: 2-20 MB tensors need more copies in flight (0.5 B dense: 1.17x with 2, 1.03x with 8;
+#: the seed's model 0.999x either way; benchmarks/diagnose_moe_copies.py). The small
+#: copies get one more stream of their own, so their many short kernels overlap the
+#: large copies instead of lengthening a branch (benchmarks/diagnose_megatron_copies.py).
+_BRANCHES = 8
 _SMALL_LANE = _BRANCHES
 _GENERATIONS = itertools.count(1)
 
@@ -151,10 +158,10 @@ class Program:
         return base[box.slices()] if box.ndim else base
 
     def _compile_local(self) -> None:
-        self._big: list[tuple[torch.Tensor, torch.Tensor, str]] = []
-        small: dict[tuple, _CopyGroup] = defaultdict(_CopyGroup)
         self.shared = self._alias_whole_tensors() if self.share_storage else []
         shared = set(self.shared)
+        #: every local copy as planned, for verify (which names the tensor that differs)
+        self._local: list[tuple[torch.Tensor, torch.Tensor, str]] = []
         for c in self.plan.local:
             if c.dst_key in shared:
                 continue
@@ -164,14 +171,18 @@ class Program:
                 src = src.view(dst.shape)
             if dst.data_ptr() == src.data_ptr() and dst.stride() == src.stride() and dst.dtype == src.dtype:
                 continue  # the destination is the source itself: nothing to copy
-            if c.nbytes >= SMALL_COPY_BYTES:
-                self._big.append((dst, src, c.name))
+            self._local.append((dst, src, c.name))
+        self._big: list[tuple[torch.Tensor, torch.Tensor, str]] = []
+        small: dict[tuple, _CopyGroup] = defaultdict(_CopyGroup)
+        for dst, src, name in merge_local(self._local):
+            if max(dst.nbytes, src.nbytes) >= SMALL_COPY_BYTES:
+                self._big.append((dst, src, name))
             else:
                 dense = dst.is_contiguous() and src.is_contiguous()
                 group = small[(dst.dtype, src.dtype, dense)]
                 group.dst.append(dst)
                 group.src.append(src)
-                group.names.append(c.name)
+                group.names.append(name)
         self._small = list(small.values())
 
     def _alias_whole_tensors(self) -> list[str]:
@@ -385,8 +396,7 @@ class Program:
         self._check_storage()
         bad: list[str] = []
         with torch.no_grad():
-            local = [*self._big, *(c for g in self._small for c in zip(g.dst, g.src, g.names))]
-            bad += [f"{name} (local copy)" for dst, src, name in local if not _same(dst, src)]
+            bad += [f"{name} (local copy)" for dst, src, name in self._local if not _same(dst, src)]
             if self._mapped_peers():
                 self._run_mapped(lambda dsts, srcs, names: bad.extend(_differing(dsts, srcs, names)))
             else:

@@ -70,6 +70,21 @@ PRESETS: dict[str, ModelShape] = {
     "gpt-4b": ModelShape(20, 4096, 32, 32, 16384, 50304, swiglu=False, bias=True, tie=False,
                          position_embeddings=4096),
     "llama-70b": ModelShape(80, 8192, 64, 8, 28672, 128256),
+    "llama-8b": ModelShape(32, 4096, 32, 8, 14336, 128256),
+    # Qwen2.5-0.5B-like: the small dense model RL recipes start from (tied, 0.49 B).
+    "dense-0.5b": ModelShape(24, 896, 14, 2, 4864, 151936, tie=True),
+    # Qwen3-30B-A3B-like: 128 experts of ffn 768 per layer, 6144 expert tensors in
+    # all. Head dim is hidden / heads here (128 with 16 heads), so attention has
+    # 16 query heads where Qwen3 has 32 of 128; the experts, which are 95% of the
+    # bytes, are exact. ``ffn`` is unused (no dense layers). 48 layers come to
+    # 58 GB in bf16: on one GPU, benchmarks scale layers down (``--layers``).
+    "qwen3-30b-a3b": ModelShape(48, 2048, 16, 4, 6144, 151936, experts=128, expert_ffn=768),
+    # DeepSeek-V3's MoE layer stack as a plain GQA GPT: hidden 7168, 256 experts of
+    # ffn 2048 in every layer (its 58 MoE layers), no MLA, dense layers or shared
+    # expert (what toy and megatron-core local-spec models can build): 11.5 B
+    # parameters and 512 expert tensors of 29-59 MB per layer, so benchmarks on one
+    # GPU take one or two layers (``--layers``).
+    "deepseek-v3-moe": ModelShape(58, 7168, 128, 128, 18432, 129280, experts=256, expert_ffn=2048),
     "deepseek-v3": ModelShape(61, 7168, 128, 128, 18432, 129280, experts=256, expert_ffn=2048,
                               shared_expert_ffn=2048, dense_layers=3, mla=True),
 }
