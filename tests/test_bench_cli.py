@@ -19,3 +19,30 @@ def test_bench_writes_the_figures(tmp_path) -> None:
             assert r[key] is not None, key
         assert r["bytes_local"] > 0 and r["bytes_remote"] == 0
     assert rows[0]["shared_tensors"] == 0 < rows[1]["shared_tensors"]
+
+
+def test_shape_presets_are_one_table_for_plan_and_bench() -> None:
+    """Every preset ``bench`` can build gives the toy model the same tensors and
+    parameter count ``plan`` simulates (gpt-4b aside: toy models have no learned
+    positions or norm biases); MLA and mixed dense/MoE presets are refused by name."""
+    import math
+
+    import pytest
+
+    from torchrefit.bench.config import spec_from_preset
+    from torchrefit.cli.bench import _toy_presets
+    from torchrefit.simulate.shapes import PRESETS, global_tensors
+    from torchrefit.testing.toy import global_table
+
+    names = _toy_presets()
+    assert {"llama-8b", "dense-0.5b", "qwen3-30b-a3b", "deepseek-v3-moe"} <= set(names)
+    for name in names:
+        if name == "gpt-4b":
+            continue
+        sim = global_tensors(PRESETS[name].with_overrides(layers=2))
+        toy = global_table(spec_from_preset(name, layers=2))
+        params = sum(math.prod(t.shape) for t in sim if not t.buffer)
+        assert params == sum(math.prod(d.shape) for d in toy.values() if not d.buffer), name
+    assert PRESETS["qwen3-30b-a3b"].experts == 128 and PRESETS["deepseek-v3-moe"].expert_ffn == 2048
+    with pytest.raises(ValueError, match="deepseek-v3"):
+        spec_from_preset("deepseek-v3")
