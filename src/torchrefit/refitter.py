@@ -27,6 +27,7 @@ from .maps import Identity, NameMap
 from .plan.planner import CastPolicy, Planner
 from .plan.roster import encode_roster
 from .plan.types import RankPlan
+from .transforms.fp8 import Quantizer
 from .transport.base import Transport, get_transport
 
 __all__ = ["Refitter", "RefitReport", "swap_model_weights", "clear_caches", "DEFAULT_STAGING_BYTES"]
@@ -56,6 +57,10 @@ class RefitReport:
     staging_bytes: int
     compiled: bool  # this call compiled the plan (the first refit)
     shared_tensors: int = 0  # destination tensors aliasing source storage (share_storage)
+    # FP8 destination tensors this rank quantized after receiving them in the source's
+    # dtype, and those quantized by their sender (FP8 on the wire; not done yet: 0)
+    fp8_on_receiver: int = 0
+    fp8_on_sender: int = 0
 
     @property
     def bytes_remote(self) -> int:
@@ -127,6 +132,7 @@ class Refitter:
         dst_rank_offset: int = 0,
         *,
         cast: CastPolicy = "buffers",
+        fp8_block: tuple[int, int] = (128, 128),
         skip: tuple[str, ...] | list[str] = (),
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         cuda_graph: bool = True,
@@ -153,7 +159,7 @@ class Refitter:
         _raise_layout_errors(infos)
         _check_offsets(infos, src_rank_offset, dst_rank_offset)
         self.transport_name = _choose_transport(transport, infos)
-        self.plan = self._plan(infos, name_map or Identity(), cast, skip)
+        self.plan = self._plan(infos, name_map or Identity(), cast, skip, fp8_block)
         max_peers = self._agree()
         self._transport = self._make_transport(transport)
         budget = min(i.staging_bytes for i in infos)
@@ -186,13 +192,15 @@ class Refitter:
                          dist.is_gloo_available(), socket.gethostname(), self._kinds)
         return all_gather_pickled(info, self.group)
 
-    def _plan(self, infos, name_map: NameMap, cast, skip) -> RankPlan:
+    def _plan(self, infos, name_map: NameMap, cast, skip, fp8_block) -> RankPlan:
         planner = Planner.from_rosters([i.src for i in infos], [i.dst for i in infos], name_map,
-                                       cast=cast, skip=tuple(skip), sides=_sides(infos))
+                                       cast=cast, skip=tuple(skip), sides=_sides(infos),
+                                       fp8_block=fp8_block)
         planner.validate()  # the same rosters on every rank: the same error everywhere
         self._planner = planner
         self._plan_error: str | None = None
         try:
+            self._quantizer = _quantizer(planner, self._dst)
             return planner.plan_rank(
                 self.rank, self.world,
                 self._src.layout if self._src else None, self._dst.layout if self._dst else None,
@@ -238,6 +246,7 @@ class Refitter:
         if compiled:
             self._program = self._compile(compare=False)
         stats = self._program.run()
+        self._quantizer.finish()  # FP8 destinations from the shadows the exchange filled
         if self._dst is not None and self._dst.after_refit is not None:
             self._dst.after_refit()  # e.g. FSDP2 drops unsharded copies of the old weights
         self.version += 1
@@ -245,13 +254,14 @@ class Refitter:
             self.version, perf_counter() - t0, self.plan.bytes_local, self.plan.bytes_sent,
             self.plan.bytes_received, self.transport_name, stats.rounds, stats.messages_sent,
             stats.messages_received, stats.staging_bytes, compiled, len(self._program.shared),
+            self._quantizer.count,
         )
 
     def _compile(self, compare: bool) -> Program:
         return Program(
             self.plan,
             self._src.tensors if self._src else {},
-            self._dst.tensors if self._dst else {},
+            self._quantizer.tensors(self._dst.tensors if self._dst else {}),
             self._transport, self.message_limit, compare=compare,
             cuda_graph=self.cuda_graph and not compare, share_storage=self.share_storage,
         )
@@ -280,6 +290,14 @@ class Refitter:
     def __repr__(self) -> str:
         return (f"Refitter(rank {self.rank}/{self.world}, transport={self.transport_name}, "
                 f"version={self.version})\n{self.plan}")
+
+
+def _quantizer(planner: Planner, dst: Described | None) -> Quantizer:
+    """This rank's FP8 targets, each shadowed in the dtype of its first source."""
+    dtypes = {name: planner.src.tensors[planner.segments(name)[0].src_name].dtype
+              for name in planner.fp8}
+    return Quantizer(planner.fp8, dst.layout if dst else None, dst.tensors if dst else {},
+                     dtypes, planner.fp8_block)
 
 
 def _sides(infos: list[_RankInfo]) -> str:

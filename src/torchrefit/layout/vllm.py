@@ -14,6 +14,9 @@ module (the name's second-last part):
 * row parallel, columns cut: ``o_proj.weight``, ``down_proj.weight``;
 * everything else (norms, router, row-parallel biases) whole on every rank.
 
+An FP8 block scale (``<weight>_scale_inv``) is cut as its weight, in grid units, so
+each rank holds the scales of its own blocks (the block size must divide the shards).
+
 Per-expert names (``mlp.experts.{e}.gate_proj``) follow the same rules; stacked
 experts as vLLM's fused MoE holds them under tensor parallelism: ``w13_weight``
 ``[E, 2I, H]`` holds ``[its gate rows; its up rows]`` of every expert (dim 1),
@@ -71,12 +74,12 @@ def _spec(name: str, shape: tuple[int, ...], rank: int, size: int, heads: int,
         return None
     if module in _COLUMN:
         return TensorSpec(name, *shard_pieces(shape, 0, rank, size, name=name))
-    if module in _ROW and leaf == "weight":
+    if module in _ROW and leaf in ("weight", "weight_scale_inv"):
         return TensorSpec(name, *shard_pieces(shape, 1, rank, size, name=name))
-    if leaf == "w13_weight":
+    if leaf in ("w13_weight", "w13_weight_scale_inv"):
         half = _divide(shape[1], 2, name, "rows of [gate; up] per expert")
         return TensorSpec(name, *shard_pieces(shape, 1, rank, size, sizes=[half, half], name=name))
-    if leaf == "w2_weight":
+    if leaf in ("w2_weight", "w2_weight_scale_inv"):
         return TensorSpec(name, *shard_pieces(shape, 2, rank, size, name=name))
     if module == "gate_up_proj":
         half = _divide(shape[0], 2, name, "rows of [gate; up]")

@@ -23,8 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import PlanError
-from ..layout._types import Box, ModelLayout, TensorLayout
+from ..layout._types import Box, ModelLayout, TensorLayout, dtype_from_name
 from ..maps import Identity, NameMap, Segment, relocate
+from ..transforms.fp8 import check_targets, fp8_targets
 from .deal import Block, Line
 from .index import RoleIndex, TensorInfo
 from .types import LocalCopy, RankPlan, Transfer, itemsize
@@ -56,6 +57,7 @@ class Planner:
         cast: CastPolicy = "buffers",
         skip: Sequence[str] = (),
         sides: str = "",
+        fp8_block: tuple[int, int] = (128, 128),
     ) -> None:
         if cast not in (True, False, "buffers"):
             raise ValueError(f"cast must be True, False or 'buffers', not {cast!r}")
@@ -65,6 +67,11 @@ class Planner:
         self.cast = cast
         self.skip = tuple(skip)
         self.sides = sides  # how each side's layout was detected, for error messages
+        self.fp8_block = _block(fp8_block)
+        # FP8 destinations are fed in their source's dtype and quantized on the receiver
+        # (transforms.fp8); their scale tensors are derived, never mapped from a source.
+        self.fp8 = fp8_targets(dst.tensors)
+        self._derived = frozenset(t.scale for t in self.fp8.values())
         self._segments: dict[str, list[Segment] | None] = {}
         self._regions: dict[tuple[str, Box], list[Region]] = {}
         self._remote: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
@@ -86,11 +93,12 @@ class Planner:
         cast: CastPolicy = "buffers",
         skip: Sequence[str] = (),
         sides: str = "",
+        fp8_block: tuple[int, int] = (128, 128),
     ) -> Planner:
         """The planner over every rank's gathered roster bytes (None: the rank holds no
         such model), as each rank builds it after the gather."""
         return cls(RoleIndex("source", src), RoleIndex("destination", dst), name_map,
-                   cast=cast, skip=skip, sides=sides)
+                   cast=cast, skip=skip, sides=sides, fp8_block=fp8_block)
 
     # ----------------------------------------------------------------- validation
     def validate(self) -> None:
@@ -98,8 +106,10 @@ class Planner:
 
         Deterministic: every rank checks the same rosters in the same order.
         """
-        problems: list[str] = []
+        problems: list[str] = check_targets(self.fp8, self.dst, self.fp8_block)
         for name in sorted(self.dst.tensors):
+            if name in self._derived:
+                continue  # an FP8 scale: written by the quantizer
             info = self.dst.tensors[name]
             try:
                 segs = self.segments(name)
@@ -172,7 +182,8 @@ class Planner:
                     f"{info.name}: the name map places {seg.dst_box} of it at {src_box} of "
                     f"{seg.src_name} {list(sinfo.shape)}, outside one of the two tensors"
                 )
-            if sinfo.dtype != info.dtype and not self._may_cast(sinfo, info):
+            if (sinfo.dtype != info.dtype and info.name not in self.fp8
+                    and not self._may_cast(sinfo, info)):
                 return (
                     f"{info.name}: dtype mismatch with no cast: source {seg.src_name} is "
                     f"{sinfo.dtype} (src rank {sinfo.first_rank}), destination is {info.dtype} "
@@ -210,6 +221,9 @@ class Planner:
     # --------------------------------------------------------------- name mapping
     def segments(self, dst_name: str) -> list[Segment] | None:
         if dst_name not in self._segments:
+            if dst_name in self._derived:
+                self._segments[dst_name] = None
+                return None
             info = self.dst.tensors[dst_name]
             self._segments[dst_name] = self.name_map.segments(
                 dst_name, info.shape, self.src.tensors, self.src.aliases
@@ -308,7 +322,7 @@ class Planner:
         region = self.regions(name, box)[i]
         holders = self.src.ranks(region.holders)
         remote = self._remote_ranks(dst_cids, region.holders)
-        size = self.wire_bytes(region)
+        size = self.wire_bytes(region, name)
         if len(holders) == 1 or not remote:
             return [(holders[0], d, size) for d in remote]
         line, key = self._line(region.holders), (name, box, i)
@@ -317,9 +331,22 @@ class Planner:
         return [(holders[h], d, (hi - lo) * row_bytes) for d in remote
                 for h, lo, hi in line.split(cls[d], d, key)]
 
-    def wire_bytes(self, region: Region) -> int:
-        """Bytes of one transfer of a whole region (in the source's dtype)."""
-        return region.dst_box.numel * itemsize(self.src.tensors[region.src_name].dtype)
+    def wire_bytes(self, region: Region, dst_name: str) -> int:
+        """Bytes of one transfer of a whole region (in the wire dtype)."""
+        return region.dst_box.numel * itemsize(self.wire_dtype(region.src_name, dst_name))
+
+    def local_dtype(self, dst_name: str, src_dtype: str) -> str:
+        """The dtype a destination rank writes: an FP8 target's shadow holds the source's."""
+        return src_dtype if dst_name in self.fp8 else self.dst.tensors[dst_name].dtype
+
+    def wire_dtype(self, src_name: str, dst_name: str) -> str:
+        """The narrower of the two where a cast narrows a floating dtype (the sender
+        converts, so the wire carries half the bytes of fp32 -> bf16), else the source's."""
+        src = self.src.tensors[src_name].dtype
+        dst = self.local_dtype(dst_name, src)
+        if src == dst or not _narrows(src, dst):
+            return src
+        return dst
 
     def _line(self, holders: tuple[int, ...]) -> Line:
         """The line of bytes a holder set deals (see :mod:`.deal`), built on first use.
@@ -346,7 +373,7 @@ class Planner:
                 b = blocks.get(c)
                 if b is None:
                     b = blocks[c] = Block([d for d in self.dst.members[c] if d not in held])
-                b.add(key, self.wire_bytes(r), rows)
+                b.add(key, self.wire_bytes(r, key[0]), rows)
         line = self._lines[holders] = Line(len(held), blocks)
         return line
 
@@ -379,15 +406,16 @@ class Planner:
                 dst_cids = tuple(boxes[piece.box])
                 for i, region in enumerate(self.regions(t.name, piece.box)):
                     src_dtype = self.src.tensors[region.src_name].dtype
+                    dtype = self.local_dtype(t.name, src_dtype)
+                    wire = self.wire_dtype(region.src_name, t.name)
                     for peer, part in self.sources(t.name, piece.box, i, dst_cids, rank):
                         local_box = part.moved(piece.box.offset, piece.local_offset)
                         if peer == rank:
                             skey, sbox = _local_source(src_by_name, region)
                             local.append(LocalCopy(t.name, part, skey, sbox, key, local_box,
-                                                   src_dtype, t.dtype))
+                                                   src_dtype, dtype))
                         else:
-                            recvs.append(Transfer(peer, t.name, part, key, local_box,
-                                                  src_dtype, t.dtype))
+                            recvs.append(Transfer(peer, t.name, part, key, local_box, wire, dtype))
         return local, recvs
 
     def _sending(self, rank: int, src: ModelLayout) -> list[Transfer]:
@@ -399,11 +427,24 @@ class Planner:
                     for i, region in enumerate(self.regions(name, dst_box)):
                         if region.src_name != t.name:
                             continue
+                        wire = self.wire_dtype(t.name, name)
                         for peer, part in self.destinations(name, dst_box, i, dst_cids, rank):
                             sbox = _box_in(t, relocate(part, region.dst_box.offset,
                                                        region.src_box.offset))
-                            sends.append(Transfer(peer, name, part, key, sbox, t.dtype, t.dtype))
+                            sends.append(Transfer(peer, name, part, key, sbox, wire, t.dtype))
         return sends
+
+
+def _narrows(src: str, dst: str) -> bool:
+    a, b = dtype_from_name(src), dtype_from_name(dst)
+    return a.is_floating_point and b.is_floating_point and b.itemsize < a.itemsize
+
+
+def _block(block) -> tuple[int, int]:
+    block = tuple(int(b) for b in block)
+    if len(block) != 2 or min(block) < 1:
+        raise ValueError(f"fp8_block must be two positive sizes (rows, columns), not {block}")
+    return block
 
 
 def _rows(box: Box, lo: int, hi: int) -> Box:
