@@ -1,4 +1,4 @@
-"""Gathering small Python objects over a process group without NumPy.
+"""Gathering small Python objects, and rosters deduplicated, over a process group.
 
 ``torch.distributed.all_gather_object`` needs NumPy in recent PyTorch releases;
 torchrefit depends on ``torch`` alone, so it pickles into a uint8 tensor itself.
@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import ctypes
 import pickle
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_pickled"]
+from .plan.metadata import Gathered, RosterRef, assemble, owners, read_record, record, ref_of, split
+
+__all__ = ["all_gather_pickled", "all_gather_rosters"]
 
 
 def _device(group: dist.ProcessGroup) -> torch.device:
@@ -43,3 +46,44 @@ def all_gather_pickled(obj: Any, group: dist.ProcessGroup) -> list[Any]:
     out = [torch.empty_like(buf) for _ in range(world)]
     dist.all_gather(out, buf, group=group)
     return [pickle.loads(_to_bytes(t[:n])) for t, n in zip(out, lengths)]
+
+
+def all_gather_rosters(
+    extra: Any, rosters: Sequence[bytes | None], group: dist.ProcessGroup
+) -> tuple[list[Any], list[list[bytes | None]], Gathered]:
+    """Every rank's ``extra`` and its rosters (one per role), by group rank, gathering
+    each distinct roster once (see :mod:`torchrefit.plan.metadata`).
+
+    Collective: every rank of ``group`` calls it with the same number of roles. First
+    an object gather of ``(extra, refs)``, then one broadcast per owner (the lowest
+    rank holding a roster nobody below it holds) of its distinct rosters, whose
+    sizes everyone knows from the refs. Returns the extras, one table per role
+    (``tables[role][rank]``; replicas share one ``bytes`` object) and the bytes this
+    rank received.
+    """
+    refs = tuple(ref_of(b) for b in rosters)
+    records = all_gather_pickled(record(extra, refs), group)
+    sizes = [len(pickle.dumps(r, protocol=5)) for r in records]
+    records = [read_record(r) for r in records]
+    all_refs = [r for _, r in records]
+    me = dist.get_rank(group)
+    device = _device(group)
+    distinct: dict[bytes, bytes] = {}
+    sent = owners(all_refs)
+    for owner, theirs in sent.items():
+        distinct.update(split(_broadcast(owner, me, theirs, rosters, refs, device, group), theirs))
+    tables = [assemble(all_refs, distinct, role) for role in range(len(rosters))]
+    return [e for e, _ in records], tables, Gathered.of(sizes, all_refs)
+
+
+def _broadcast(owner: int, me: int, theirs: list[RosterRef], rosters: Sequence[bytes | None],
+               refs: Sequence[RosterRef | None], device: torch.device,
+               group: dist.ProcessGroup) -> bytes:
+    """The owner's distinct rosters, concatenated, on every rank."""
+    buf = torch.empty(sum(r.size for r in theirs), dtype=torch.uint8, device=device)
+    if owner == me:
+        mine = {ref.digest: blob for ref, blob in zip(refs, rosters) if ref is not None}
+        data = b"".join(mine[r.digest] for r in theirs)
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buf, group=group, group_src=owner)
+    return _to_bytes(buf)

@@ -1,7 +1,8 @@
 """``Refitter`` and ``swap_model_weights``: the public entry points.
 
 Construction is collective over ``group``: every rank describes what it holds,
-the rosters are gathered in one object gather (sizes, then bytes), every rank validates the
+the rosters are gathered deduplicated (a digest per rank, then each distinct roster
+once: bytes that grow with the distinct layouts, not the world), every rank validates the
 whole refit and plans its own part, and one more small gather makes sure all
 ranks agree before any byte moves (a rank that failed makes every rank raise).
 ``refit()`` is collective too: the first call compiles the plan against the
@@ -13,13 +14,13 @@ from __future__ import annotations
 import socket
 import traceback
 import weakref
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, replace
 from time import perf_counter
 
 import torch
 import torch.distributed as dist
 
-from ._collectives import all_gather_pickled
+from ._collectives import all_gather_pickled, all_gather_rosters
 from .errors import LayoutError, PlanError, RefitError, TransportError, VerificationError
 from .execute.program import Program
 from .layout import Described, LayoutArg, describe, layout_kind
@@ -69,7 +70,7 @@ class RefitReport:
 
 @dataclass(frozen=True)
 class _RankInfo:
-    """What each rank contributes to the one metadata gather."""
+    """What each rank contributes to the metadata gather (its rosters travel deduplicated)."""
 
     error: str | None
     src: bytes | None
@@ -117,6 +118,10 @@ class Refitter:
             while the engine reads them (the engine would see weights change mid
             rollout), and must not free or offload either side separately.
             ``refit()`` reports them in ``shared_tensors``.
+
+    After construction, ``plan`` is this rank's :class:`RankPlan` and ``metadata`` the
+    bytes this rank received gathering the others' metadata (:class:`Gathered`:
+    records of every rank, then each distinct roster once).
     """
 
     def __init__(
@@ -187,10 +192,13 @@ class Refitter:
         except Exception as e:
             enc_src = enc_dst = None
             error = error or f"{type(e).__name__}: {e}"
-        info = _RankInfo(error, enc_src, enc_dst, int(staging_bytes), device,
+        info = _RankInfo(error, None, None, int(staging_bytes), device,
                          dist.is_nccl_available() and torch.cuda.is_available(),
                          dist.is_gloo_available(), socket.gethostname(), self._kinds)
-        return all_gather_pickled(info, self.group)
+        # The rosters travel deduplicated (each distinct one once); the rest as a plain tuple.
+        extras, (srcs, dsts), self.metadata = all_gather_rosters(
+            astuple(info), (enc_src, enc_dst), self.group)
+        return [replace(_RankInfo(*e), src=s, dst=d) for e, s, d in zip(extras, srcs, dsts)]
 
     def _plan(self, infos, name_map: NameMap, cast, skip, fp8_block) -> RankPlan:
         planner = Planner.from_rosters([i.src for i in infos], [i.dst for i in infos], name_map,
