@@ -3,11 +3,14 @@
 No processes, no GPUs, no tensors: the rosters every rank would gather are built
 from a model shape and two layouts, then planned as the ranks would plan them.
 Prints what moves (totals, per rank, per link, balance, local fraction), the
-metadata each rank gathers and what planning costs one rank; ``--json`` and
-``--heatmap`` write the same to files. Example::
+metadata each rank gathers, what planning costs one rank, and the refit's predicted
+time on the hardware the ``--gpus-per-node``, ``--nvlink-gbs``, ``--net-gbs`` and
+``--copy-gbs`` flags describe (see :mod:`torchrefit.simulate.predict`); ``--json``
+and ``--heatmap`` write the same to files. Example::
 
     torchrefit plan --model llama-70b --src tp8pp4 --dst tp4 --world 1024
-    torchrefit plan --model deepseek-v3 --src pp16ep64 --dst tp8ep8 --world 1024
+    torchrefit plan --model deepseek-v3 --src pp16ep64 --dst tp8ep8 --world 16384
+    torchrefit plan --model deepseek-v3 --src pp16ep16 --dst tp32 --world 256 --net-gbs 50
     torchrefit plan --layers 32 --hidden 4096 --src tp2@0:16 --dst tp1@16:32 --world 32
 """
 
@@ -36,6 +39,15 @@ def add_parser(sub) -> None:
     p.add_argument("--dst", default="tp4", help="destination layout, e.g. tp4, tp8ep8; default tp4")
     p.add_argument("--world", type=int, default=1024, help="world size (default 1024)")
     p.add_argument("--samples", type=int, default=8, help="ranks whose planning is timed (default 8)")
+    p.add_argument("--gpus-per-node", type=int, default=8,
+                   help="ranks per node for the predicted time: pairs on one node use NVLink, "
+                        "others the network (default 8)")
+    p.add_argument("--nvlink-gbs", type=float, default=450.0,
+                   help="NVLink GB/s per GPU each way (default 450: NVLink 4, H100/H200)")
+    p.add_argument("--net-gbs", type=float, default=50.0,
+                   help="network GB/s per GPU each way (default 50: one 400 Gb/s NIC per GPU)")
+    p.add_argument("--copy-gbs", type=float, default=4000.0,
+                   help="local copy GB/s, bytes read + written (default 4000: an H200 measures 4237)")
     p.add_argument("--rank", type=int, action="append", default=[],
                    help="also print this rank's plan (repeatable)")
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
@@ -60,19 +72,21 @@ def _shape(args):
 
 def run(args) -> int:
     from torchrefit.simulate import parse_mesh
+    from torchrefit.simulate.predict import Hardware
     from torchrefit.simulate.report import simulate
 
     try:
         shape = _shape(args)
         src, dst = parse_mesh(args.src, args.world), parse_mesh(args.dst, args.world)
+        hw = Hardware(args.gpus_per_node, args.nvlink_gbs, args.net_gbs, args.copy_gbs)
         sim = simulate(shape, src, dst, args.world, model=args.model, samples=args.samples,
-                       ranks=args.rank)
+                       ranks=args.rank, hardware=hw)
     except ValueError as e:
         print(f"torchrefit plan: {e}", file=sys.stderr)
         return 2
     report = sim.report
     print(f"torchrefit plan: {args.world} ranks, simulated on this CPU in "
-          f"{report.simulate_seconds:.1f} s")
+          f"{report.simulate_seconds:.1f} s ({report.simulate_cpu_seconds:.1f} s CPU)")
     for line in report.lines():
         print("  " + line)
     for r in args.rank:

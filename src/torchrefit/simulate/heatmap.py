@@ -25,12 +25,8 @@ def draw_heatmap(moves: Traffic, path: str, title: str) -> None:
     k = -(-w // _CELLS)  # ranks per cell: a 1024-rank world has cells of 4 x 4 ranks
     n = -(-w // k)
     grid = [[0.0] * n for _ in range(n)]
-    m = moves.matrix
-    for s in range(w):
-        row, base = grid[s // k], s * w
-        for d in range(w):
-            if m[base + d]:
-                row[d // k] += m[base + d] / 1e9
+    for (s, d), nbytes in moves.pairs.items():
+        grid[s // k][d // k] += nbytes / 1e9
     for r, b in enumerate(moves.local):
         grid[r // k][r // k] += b / 1e9
     peak = max((max(row) for row in grid), default=0.0)

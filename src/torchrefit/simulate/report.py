@@ -19,9 +19,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from ..layout._types import ModelLayout
+from ..plan.metadata import Gathered, record_bytes, ref_of
 from ..plan.planner import Planner
 from ..plan.types import RankPlan, itemsize
 from .meshes import Mesh
+from .predict import Hardware, Prediction, predict
 from .shapes import ModelShape, global_tensors
 from .traffic import Traffic, traffic
 from .world import SimulatedRole, simulated_role
@@ -40,6 +42,7 @@ class RankTiming:
     plan_seconds: float
     sends: int
     recvs: int
+    cpu_seconds: float  # this process's CPU time for the same steps (a loaded machine inflates wall time)
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,9 @@ class PlanReport:
     max_send_over_mean: float
     max_send_over_floor: float
     metadata_bytes_per_rank: int
-    metadata_bytes_gathered: int
+    metadata_bytes_gathered: int  # by every rank: records, then each distinct roster once
+    metadata_bytes_gathered_full: int  # were every rank's roster gathered (the replicas' too)
+    metadata_broadcasts: int  # owners of distinct rosters: one broadcast each
     pickled_layout_bytes_per_rank: int
     plan_seconds: float
     slowest_rank: int
@@ -78,6 +83,8 @@ class PlanReport:
     peak_rss_bytes: int
     plan_alloc_peak_bytes: int
     simulate_seconds: float
+    simulate_cpu_seconds: float
+    prediction: Prediction
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -100,15 +107,19 @@ class PlanReport:
             f"balance      busiest sender {self.max_send_over_mean:.3f}x the mean; "
             f"{self.max_send_over_floor:.3f}x the least any choice of replicas allows",
             f"metadata     {self.metadata_bytes_per_rank} B per rank (rosters; "
-            f"{self.pickled_layout_bytes_per_rank} B as pickled layout objects), "
-            f"{self.metadata_bytes_gathered / 1e6:.2f} MB gathered by every rank",
+            f"{self.pickled_layout_bytes_per_rank} B as pickled layout objects); every rank "
+            f"gathers {self.metadata_bytes_gathered / 1e6:.2f} MB (a digest from each rank, "
+            f"then {self.src_classes + self.dst_classes} distinct rosters once each, in "
+            f"{self.metadata_broadcasts} broadcasts) instead of "
+            f"{self.metadata_bytes_gathered_full / 1e6:.2f} MB of every rank's roster",
             f"planning     {self.plan_seconds:.3f} s on the slowest of {len(self.timings)} sampled "
-            f"ranks (rank {slow.rank}: index {slow.index_seconds:.3f} s, validate "
+            f"ranks ({slow.cpu_seconds:.3f} s CPU; rank {slow.rank}: index {slow.index_seconds:.3f} s, validate "
             f"{slow.validate_seconds:.3f} s, plan {slow.plan_seconds:.3f} s; "
             f"{slow.sends} sends, {slow.recvs} receives)",
             f"memory       planner allocations peak {self.plan_alloc_peak_bytes / 1e6:.1f} MB; this "
             f"process peaked at {self.peak_rss_bytes / 1e6:.0f} MB resident (torch and the "
             "simulated world included)",
+            f"predicted    {self.prediction.line()}",
         ]
 
 
@@ -128,10 +139,12 @@ class Simulation:
 
 
 def simulate(shape: ModelShape, src: Mesh, dst: Mesh, world: int, *, model: str = "custom",
-             samples: int = 8, ranks: Sequence[int] = ()) -> Simulation:
+             samples: int = 8, ranks: Sequence[int] = (),
+             hardware: Hardware | None = None) -> Simulation:
     """Simulate the refit of ``shape`` from ``src`` to ``dst`` over ``world`` ranks; time
-    ``samples`` ranks (both ends, evenly spaced, the busiest) plus ``ranks``."""
-    t0 = time.perf_counter()
+    ``samples`` ranks (both ends, evenly spaced, the busiest) plus ``ranks``; predict
+    the refit's time on ``hardware`` (default :class:`Hardware`: 8-GPU H100/H200 nodes)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     s, d = simulated_role(shape, src, world), simulated_role(shape, dst, world)
     src_blobs, dst_blobs = s.rosters(), d.rosters()
     planner = Planner.from_rosters(src_blobs, dst_blobs)
@@ -152,7 +165,8 @@ def simulate(shape: ModelShape, src: Mesh, dst: Mesh, world: int, *, model: str 
         gc.unfreeze()
     tensors = global_tensors(shape)
     report = _report(shape, model, s, d, world, moves, timings, slowest, alloc, tensors,
-                     time.perf_counter() - t0)
+                     predict(moves, hardware or Hardware()),
+                     (time.perf_counter() - t0, time.process_time() - c0))
     return Simulation(report, moves, s, d)
 
 
@@ -162,6 +176,7 @@ def time_rank(src_blobs: Sequence[bytes | None], dst_blobs: Sequence[bytes | Non
     """Plan one rank from gathered roster bytes, timed by step (fresh copies of the bytes,
     as a gather delivers them: replicas' rosters are equal, not the same object)."""
     src_blobs, dst_blobs = _fresh(src_blobs), _fresh(dst_blobs)
+    c0 = time.process_time()
     t0 = time.perf_counter()
     planner = Planner.from_rosters(src_blobs, dst_blobs)
     t1 = time.perf_counter()
@@ -170,7 +185,7 @@ def time_rank(src_blobs: Sequence[bytes | None], dst_blobs: Sequence[bytes | Non
     plan = planner.plan_rank(rank, world, src, dst)
     t3 = time.perf_counter()
     return RankTiming(rank, t3 - t0, t1 - t0, t2 - t1, t3 - t2, len(plan.sends),
-                      len(plan.recvs)), plan
+                      len(plan.recvs), time.process_time() - c0), plan
 
 
 def peak_rss_bytes() -> int:
@@ -180,7 +195,19 @@ def peak_rss_bytes() -> int:
 
 
 def _fresh(blobs: Sequence[bytes | None]) -> list[bytes | None]:
-    return [None if b is None else bytes(bytearray(b)) for b in blobs]
+    """A copy as the deduplicated gather delivers it: one new object per distinct
+    roster, shared by the ranks that hold it (see :mod:`torchrefit.plan.metadata`)."""
+    copies: dict[int, bytes] = {}
+    out: list[bytes | None] = []
+    for b in blobs:
+        if b is None:
+            out.append(None)
+            continue
+        got = copies.get(id(b))
+        if got is None:
+            got = copies[id(b)] = bytes(bytearray(b))
+        out.append(got)
+    return out
 
 
 def _alloc_peak(src_blobs, dst_blobs, rank: int, world: int, s: SimulatedRole,
@@ -214,24 +241,39 @@ def _sample(moves: Traffic, world: int, samples: int, extra: Sequence[int], s: S
     return sorted(picked)
 
 
-def _metadata(s: SimulatedRole, d: SimulatedRole, world: int) -> tuple[int, int, int]:
-    """(largest roster bytes one rank contributes, bytes every rank gathers, the same
-    rank's layouts pickled as objects: what gathering per-parameter objects would cost)."""
-    per_rank = []
+def _metadata(s: SimulatedRole, d: SimulatedRole, world: int,
+              hardware: Hardware) -> tuple[int, Gathered, int, int]:
+    """(largest roster bytes one rank contributes, what every rank gathers, what it would
+    gather were every rank's roster sent, the same rank's layouts pickled as objects:
+    what gathering per-parameter objects would cost)."""
+    per_rank, refs, records = [], [], []
+    by_class = [{c: ref_of(role.roster(c)) for c in range(len(role.classes))} for role in (s, d)]
     for r in range(world):
-        n = sum(len(role.roster(role.class_of[r])) for role in (s, d) if role.class_of[r] is not None)
-        per_rank.append(n)
+        mine = tuple(None if role.class_of[r] is None else got[role.class_of[r]]
+                     for role, got in zip((s, d), by_class))
+        refs.append(mine)
+        per_rank.append(sum(ref.size for ref in mine if ref is not None))
+        records.append(record_bytes(_record(r, hardware), mine))
     big = max(range(world), key=per_rank.__getitem__)
     layouts = tuple(role.layout(big) for role in (s, d))
-    return per_rank[big], sum(per_rank), len(pickle.dumps(layouts, protocol=5))
+    return (per_rank[big], Gathered.of(records, refs), sum(per_rank),
+            len(pickle.dumps(layouts, protocol=5)))
+
+
+def _record(rank: int, hardware: Hardware) -> tuple:
+    """What a Refitter on ``rank`` sends besides its digests (``refitter._RankInfo`` as a
+    tuple: no error, no rosters, the default staging budget, CUDA, NCCL and Gloo, its
+    host name)."""
+    return (None, None, None, 1 << 30, "cuda", True, True,
+            f"gpu-node-{hardware.node(rank):05d}.cluster.local")
 
 
 def _report(shape, model, s, d, world, moves: Traffic, timings, slowest, alloc, tensors,
-            seconds) -> PlanReport:
+            prediction: Prediction, seconds: tuple[float, float]) -> PlanReport:
     sent, received = moves.sent(), moves.received()
     receivers = [received[r] for r in range(world) if d.class_of[r] is not None]
     links = moves.links()
-    meta, gathered, pickled = _metadata(s, d, world)
+    meta, gathered, full, pickled = _metadata(s, d, world, prediction.hardware)
     params = sum(_numel(t.shape) for t in tensors if not t.buffer)
     nbytes = sum(_numel(t.shape) * itemsize(t.dtype or shape.dtype) for t in tensors)
     remote, local = moves.bytes_remote, moves.bytes_local
@@ -247,10 +289,12 @@ def _report(shape, model, s, d, world, moves: Traffic, timings, slowest, alloc, 
         mean_link=sum(links) / len(links) if links else 0.0,
         max_send_over_mean=moves.max_send_over_mean(),
         max_send_over_floor=moves.max_send_over_floor(),
-        metadata_bytes_per_rank=meta, metadata_bytes_gathered=gathered,
+        metadata_bytes_per_rank=meta, metadata_bytes_gathered=gathered.total,
+        metadata_bytes_gathered_full=full, metadata_broadcasts=gathered.owners,
         pickled_layout_bytes_per_rank=pickled, plan_seconds=slowest.seconds,
         slowest_rank=slowest.rank, timings=tuple(timings), peak_rss_bytes=peak_rss_bytes(),
-        plan_alloc_peak_bytes=alloc, simulate_seconds=seconds,
+        plan_alloc_peak_bytes=alloc, simulate_seconds=seconds[0], simulate_cpu_seconds=seconds[1],
+        prediction=prediction,
     )
 
 

@@ -7,7 +7,6 @@ fraction of the cost, so ``torchrefit plan`` can total a 1024-rank refit.
 
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass
 
 from ..plan.planner import Planner
@@ -18,27 +17,36 @@ __all__ = ["Traffic", "traffic"]
 
 @dataclass(frozen=True, eq=False)
 class Traffic:
-    """``matrix[s * world + d]``: bytes source rank ``s`` sends destination rank ``d``;
+    """``pairs[(s, d)]``: bytes source rank ``s`` sends destination rank ``d`` (pairs that
+    move nothing are absent: at 16k ranks a dense matrix would be 2 GB of mostly zeros);
     ``local[r]``: bytes rank ``r`` copies locally; ``candidates``: the source ranks
     that hold a replica of something some rank receives (the ranks that could send)."""
 
     world: int
-    matrix: array
+    pairs: dict[tuple[int, int], int]
     local: tuple[int, ...]
     candidates: tuple[int, ...]
     floor: int  # no choice of replicas can make the busiest sender send less (see traffic())
 
+    def link(self, s: int, d: int) -> int:
+        """Bytes source rank ``s`` sends destination rank ``d``."""
+        return self.pairs.get((s, d), 0)
+
     def sent(self) -> list[int]:
-        w, m = self.world, self.matrix
-        return [sum(m[s * w:(s + 1) * w]) for s in range(w)]
+        out = [0] * self.world
+        for (s, _), n in self.pairs.items():
+            out[s] += n
+        return out
 
     def received(self) -> list[int]:
-        w, m = self.world, self.matrix
-        return [sum(m[d::w]) for d in range(w)]
+        out = [0] * self.world
+        for (_, d), n in self.pairs.items():
+            out[d] += n
+        return out
 
     @property
     def bytes_remote(self) -> int:
-        return sum(self.matrix)
+        return sum(self.pairs.values())
 
     @property
     def bytes_local(self) -> int:
@@ -46,7 +54,7 @@ class Traffic:
 
     def links(self) -> list[int]:
         """Bytes of every (source, destination) pair that moves any."""
-        return [b for b in self.matrix if b]
+        return [b for b in self.pairs.values() if b]
 
     def mean_send(self) -> float:
         """Mean bytes sent over the ranks that could send (hold a replica of what is needed)."""
@@ -69,7 +77,7 @@ class Traffic:
 
 def traffic(planner: Planner, world: int) -> Traffic:
     """Whole-world traffic of a validated planner (every rank's plan, summed)."""
-    matrix = array("q", bytes(8 * world * world))
+    pairs: dict[tuple[int, int], int] = {}
     local = [0] * world
     dealt: dict[tuple[int, ...], int] = {}  # remote bytes per holder set
     for name in sorted(planner.dst.tensors):
@@ -81,7 +89,7 @@ def traffic(planner: Planner, world: int) -> Traffic:
             for i, region in enumerate(planner.regions(name, box)):
                 moves = planner.deal(name, box, i, dst_cids)
                 for s, d, nbytes in moves:
-                    matrix[s * world + d] += nbytes
+                    pairs[s, d] = pairs.get((s, d), 0) + nbytes
                 if moves:
                     dealt[region.holders] = dealt.get(region.holders, 0) + sum(m[2] for m in moves)
                 copied = region.dst_box.numel * itemsize(info.dtype)
@@ -89,7 +97,7 @@ def traffic(planner: Planner, world: int) -> Traffic:
                     local[r] += copied
     candidates = sorted({c for h in dealt for c in h})
     ranks = planner.src.ranks(candidates) if candidates else ()
-    return Traffic(world, matrix, tuple(local), tuple(ranks), _floor(planner, dealt))
+    return Traffic(world, pairs, tuple(local), tuple(ranks), _floor(planner, dealt))
 
 
 def _floor(planner: Planner, dealt: dict[tuple[int, ...], int]) -> int:
