@@ -87,6 +87,10 @@ PRESETS: dict[str, ModelShape] = {
     "deepseek-v3-moe": ModelShape(58, 7168, 128, 128, 18432, 129280, experts=256, expert_ffn=2048),
     "deepseek-v3": ModelShape(61, 7168, 128, 128, 18432, 129280, experts=256, expert_ffn=2048,
                               shared_expert_ffn=2048, dense_layers=3, mla=True),
+    # Kimi-K2: DeepSeek-V3's architecture with 384 experts, 64 heads, one dense layer and
+    # a 163840-token vocabulary (the 1 T model of the published 256 -> 128 GPU refit).
+    "kimi-k2": ModelShape(61, 7168, 64, 64, 18432, 163840, experts=384, expert_ffn=2048,
+                          shared_expert_ffn=2048, dense_layers=1, mla=True),
 }
 
 
