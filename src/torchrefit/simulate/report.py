@@ -263,9 +263,9 @@ def _metadata(s: SimulatedRole, d: SimulatedRole, world: int,
 def _record(rank: int, hardware: Hardware) -> tuple:
     """What a Refitter on ``rank`` sends besides its digests (``refitter._RankInfo`` as a
     tuple: no error, no rosters, the default staging budget, CUDA, NCCL and Gloo, its
-    host name)."""
+    host name, how its layouts were found)."""
     return (None, None, None, 1 << 30, "cuda", True, True,
-            f"gpu-node-{hardware.node(rank):05d}.cluster.local")
+            f"gpu-node-{hardware.node(rank):05d}.cluster.local", ("megatron", "megatron"))
 
 
 def _report(shape, model, s, d, world, moves: Traffic, timings, slowest, alloc, tensors,
