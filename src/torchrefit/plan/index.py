@@ -72,6 +72,9 @@ class RoleIndex:
     def _add_class(self, cid: int, rank: int, blob: bytes) -> None:
         roster = decode_roster(blob)
         tensors = self.tensors
+        # A roster holds each distinct box list once (layers and experts share them):
+        # convert each once, by identity, while the decoded roster keeps them alive.
+        converted: dict[int, tuple[Box, ...]] = {}
         self.names[cid] = [e[0] for e in roster.entries]
         for name, shape, dtype, is_buffer, boxes in roster.entries:
             info = tensors.get(name)
@@ -84,10 +87,10 @@ class RoleIndex:
                     f"{rank} has {list(shape)} {dtype}"
                 )
             held = info.boxes
-            for pair in boxes:
-                box = self._boxes.get(pair)
-                if box is None:
-                    box = self._boxes[pair] = Box(*pair)
+            got = converted.get(id(boxes))
+            if got is None:
+                got = converted[id(boxes)] = self._as_boxes(boxes)
+            for box in got:
                 cids = held.get(box)
                 if cids is None:
                     held[box] = [cid]
@@ -101,13 +104,22 @@ class RoleIndex:
                     f"{known!r} and {target!r} (rank {rank})"
                 )
 
+    def _as_boxes(self, pairs) -> tuple[Box, ...]:
+        """One interned :class:`Box` per distinct (offset, size)."""
+        out = []
+        for pair in pairs:
+            box = self._boxes.get(pair)
+            if box is None:
+                box = self._boxes[pair] = Box(*pair)
+            out.append(box)
+        return tuple(out)
+
     def geometry(self, info: TensorInfo) -> int:
         """A small id that tensors of equal shape, dtype, kind and held boxes share
         (read once the index is built; what validation depends on besides names)."""
         gid = info._geometry
         if gid is None:
-            key = (info.shape, info.dtype, info.is_buffer,
-                   tuple((b.offset, b.size) for b in info.boxes))
+            key = (info.shape, info.dtype, info.is_buffer, tuple(info.boxes))
             gid = info._geometry = self._geometries.setdefault(key, len(self._geometries))
         return gid
 
