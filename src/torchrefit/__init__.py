@@ -6,10 +6,19 @@
 """
 
 from . import layout, maps
-from .errors import LayoutError, PlanError, RefitError, TransportError, VerificationError
+from .connect import Connection, connect
+from .errors import (
+    ConnectError,
+    LayoutError,
+    PlanError,
+    RefitError,
+    TransportError,
+    VerificationError,
+)
 from .layout import Box, Explicit, Piece, TensorSpec, shard_pieces
 from .refitter import DEFAULT_STAGING_BYTES, RefitReport, Refitter, clear_caches, swap_model_weights
 from .transport import Transport, get_transport, register_transport, transport_names
+from .versions import weight_version
 
 __version__ = "0.1.0"
 
@@ -18,4 +27,5 @@ __all__ = [
     "RefitError", "LayoutError", "PlanError", "TransportError", "VerificationError",
     "Box", "Piece", "TensorSpec", "Explicit", "shard_pieces", "layout", "maps",
     "Transport", "get_transport", "register_transport", "transport_names", "__version__",
+    "connect", "Connection", "ConnectError", "weight_version",
 ]

@@ -7,7 +7,8 @@ before any byte moves, so a refit raises on every rank or on none.
 
 from __future__ import annotations
 
-__all__ = ["RefitError", "LayoutError", "PlanError", "TransportError", "VerificationError"]
+__all__ = ["RefitError", "LayoutError", "PlanError", "TransportError", "ConnectError",
+           "VerificationError"]
 
 
 class RefitError(RuntimeError):
@@ -24,6 +25,11 @@ class PlanError(RefitError):
 
 class TransportError(RefitError):
     """A transport is unavailable or failed while moving bytes."""
+
+
+class ConnectError(TransportError):
+    """``tr.connect`` could not join the trainer and engine jobs (a rank never came,
+    the store's host is unreachable, the jobs disagree about their sizes)."""
 
 
 class VerificationError(RefitError):

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ._collectives import all_gather_pickled, all_gather_rosters
+from .connect import Connection
 from .errors import LayoutError, PlanError, RefitError, TransportError, VerificationError
 from .execute.program import Program
 from .layout import Described, LayoutArg, describe, layout_kind
@@ -30,6 +31,7 @@ from .plan.roster import encode_roster
 from .plan.types import RankPlan
 from .transforms.fp8 import Quantizer
 from .transport.base import Transport, get_transport
+from .versions import stamp_version
 
 __all__ = ["Refitter", "RefitReport", "swap_model_weights", "clear_caches", "DEFAULT_STAGING_BYTES"]
 
@@ -95,7 +97,9 @@ class Refitter:
             trainer and engine processes); receivers copy straight from the senders'
             GPU memory through CUDA IPC, with a small Gloo handshake per peer pair per
             refit (the group needs a Gloo backend, e.g. ``"cpu:gloo,cuda:nccl"``).
-        group: the process group spanning every participating rank (default: world).
+        group: the process group spanning every participating rank (default: world),
+            or the :class:`~torchrefit.connect.Connection` ``tr.connect`` returned (its
+            joint group; its rank offsets replace ``src/dst_rank_offset`` left at 0).
         src_layout / dst_layout: None to detect, or a layout (see ``torchrefit.layout``).
         name_map: how destination names map to source names (default: identity,
             with tied-embedding aliases).
@@ -129,7 +133,7 @@ class Refitter:
         src_model,
         dst_model,
         transport: str | Transport = "auto",
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | Connection | None = None,
         src_layout: LayoutArg = None,
         dst_layout: LayoutArg = None,
         name_map: NameMap | None = None,
@@ -146,15 +150,21 @@ class Refitter:
         t0 = perf_counter()
         self.cuda_graph = cuda_graph
         self.share_storage = share_storage
-        if not dist.is_initialized():
-            raise RefitError("torch.distributed is not initialized; call init_process_group first")
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.world = dist.get_world_size(self.group)
+        if isinstance(group, Connection):
+            self.group, self.rank, self.world = group.group, group.joint_rank, group.joint_world
+            src_rank_offset = src_rank_offset or group.src_rank_offset
+            dst_rank_offset = dst_rank_offset or group.dst_rank_offset
+        else:
+            if not dist.is_initialized():
+                raise RefitError("torch.distributed is not initialized; call init_process_group first")
+            self.group = group if group is not None else dist.group.WORLD
+            self.rank = dist.get_rank(self.group)
+            self.world = dist.get_world_size(self.group)
         if self.rank < 0:
             raise RefitError(f"global rank {dist.get_rank()} is not a member of the refit group; "
                              "only the group's ranks construct a Refitter")
         self.version = 0
+        self._dst_model = dst_model  # stamped with each refit's version
         self._program: Program | None = None
         self._verifier: Program | None = None
         self._kinds = (layout_kind(src_model, src_layout), layout_kind(dst_model, dst_layout))
@@ -243,13 +253,18 @@ class Refitter:
         return torch.device("cpu")
 
     # ----------------------------------------------------------------- refitting
-    def refit(self) -> RefitReport:
+    def refit(self, version: int | None = None) -> RefitReport:
         """Move the source's current weights into the destination. Collective over the group.
 
         On GPUs the work is ordered after everything already queued on the caller's
         current stream (the optimizer step) and before anything queued after it.
+        ``version`` (default: the previous one plus 1, starting at 1) is stamped on this
+        rank's destination model once the refit succeeded (``tr.weight_version(model)``)
+        and returned in the report; pass the same value on every rank. A refit that
+        raises leaves the previous stamp.
         """
         t0 = perf_counter()
+        version = self._next_version(version)
         compiled = self._program is None
         if compiled:
             self._program = self._compile(compare=False)
@@ -257,13 +272,22 @@ class Refitter:
         self._quantizer.finish()  # FP8 destinations from the shadows the exchange filled
         if self._dst is not None and self._dst.after_refit is not None:
             self._dst.after_refit()  # e.g. FSDP2 drops unsharded copies of the old weights
-        self.version += 1
+        self.version = version
+        if self._dst_model is not None:
+            stamp_version(self._dst_model, version)
         return RefitReport(
             self.version, perf_counter() - t0, self.plan.bytes_local, self.plan.bytes_sent,
             self.plan.bytes_received, self.transport_name, stats.rounds, stats.messages_sent,
             stats.messages_received, stats.staging_bytes, compiled, len(self._program.shared),
             self._quantizer.count,
         )
+
+    def _next_version(self, version: int | None) -> int:
+        if version is None:
+            return self.version + 1
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"refit(version=...) takes an int, not {type(version).__name__}")
+        return version
 
     def _compile(self, compare: bool) -> Program:
         return Program(
@@ -367,7 +391,7 @@ def swap_model_weights(
     src_model,
     target_model,
     refit_method: str | Transport = "nccl",
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | Connection | None = None,
     src_rank_offset: int = 0,
     dst_rank_offset: int = 0,
     **kwargs,
