@@ -16,6 +16,7 @@ from .errors import (
     VerificationError,
 )
 from .layout import Box, Explicit, Piece, TensorSpec, shard_pieces
+from .layout.sink import load_weights_sink
 from .refitter import DEFAULT_STAGING_BYTES, RefitReport, Refitter, clear_caches, swap_model_weights
 from .transport import Transport, get_transport, register_transport, transport_names
 from .versions import weight_version
@@ -27,5 +28,5 @@ __all__ = [
     "RefitError", "LayoutError", "PlanError", "TransportError", "VerificationError",
     "Box", "Piece", "TensorSpec", "Explicit", "shard_pieces", "layout", "maps",
     "Transport", "get_transport", "register_transport", "transport_names", "__version__",
-    "connect", "Connection", "ConnectError", "weight_version",
+    "connect", "Connection", "ConnectError", "weight_version", "load_weights_sink",
 ]

@@ -23,9 +23,11 @@ import torch.distributed as dist
 from ._collectives import all_gather_pickled, all_gather_rosters
 from .connect import Connection
 from .errors import LayoutError, PlanError, RefitError, TransportError, VerificationError
-from .execute.program import Program
+from .execute.program import Program, RunStats
 from .layout import Described, LayoutArg, describe, layout_kind
+from .layout.sink import SinkDescribed
 from .maps import Identity, NameMap
+from .plan.buckets import plan_buckets, split_plan
 from .plan.planner import CastPolicy, Planner
 from .plan.roster import encode_roster
 from .plan.types import RankPlan
@@ -83,6 +85,7 @@ class _RankInfo:
     gloo: bool
     host: str  # the machine, for transports that only work within one (ipc)
     kinds: tuple[str, str] = ("", "")  # how the source and destination layouts were found
+    bucket_bytes: int | None = None  # a load_weights sink's budget (layout.sink)
 
 
 class Refitter:
@@ -166,6 +169,7 @@ class Refitter:
         self.version = 0
         self._dst_model = dst_model  # stamped with each refit's version
         self._program: Program | None = None
+        self._phase_programs: list[Program] | None = None  # with a load_weights sink
         self._verifier: Program | None = None
         self._kinds = (layout_kind(src_model, src_layout), layout_kind(dst_model, dst_layout))
         src, dst, error = self._describe(src_model, dst_model, src_layout, dst_layout)
@@ -175,6 +179,7 @@ class Refitter:
         _check_offsets(infos, src_rank_offset, dst_rank_offset)
         self.transport_name = _choose_transport(transport, infos)
         self.plan = self._plan(infos, name_map or Identity(), cast, skip, fp8_block)
+        self._phases = self._bucket(infos)
         max_peers = self._agree()
         self._transport = self._make_transport(transport)
         budget = min(i.staging_bytes for i in infos)
@@ -204,7 +209,8 @@ class Refitter:
             error = error or f"{type(e).__name__}: {e}"
         info = _RankInfo(error, None, None, int(staging_bytes), device,
                          dist.is_nccl_available() and torch.cuda.is_available(),
-                         dist.is_gloo_available(), socket.gethostname(), self._kinds)
+                         dist.is_gloo_available(), socket.gethostname(), self._kinds,
+                         dst.bucket_bytes if isinstance(dst, SinkDescribed) else None)
         # The rosters travel deduplicated (each distinct one once); the rest as a plain tuple.
         extras, (srcs, dsts), self.metadata = all_gather_rosters(
             astuple(info), (enc_src, enc_dst), self.group)
@@ -226,6 +232,18 @@ class Refitter:
         except Exception as e:  # reported to every rank by _agree()
             self._plan_error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
             return RankPlan(self.rank, self.world, (), (), ())
+
+    def _bucket(self, infos: list[_RankInfo]) -> list[tuple[tuple[str, ...], RankPlan]] | None:
+        """Where any rank is a ``load_weights`` sink: the bucket sequence (pure, the same
+        on every rank, so errors are too) and this rank's plan cut into one phase per
+        bucket; the sink lays its buffer out to match. None: one phase, no sink."""
+        sinks = {r: (i.dst, i.bucket_bytes) for r, i in enumerate(infos) if i.bucket_bytes}
+        if not sinks:
+            return None
+        buckets = plan_buckets(sinks, sorted(self._planner.dst.tensors))
+        if isinstance(self._dst, SinkDescribed):
+            self._dst.place(buckets)
+        return list(zip(buckets, split_plan(self.plan, buckets)))
 
     def _agree(self) -> int:
         """Second gather: every rank learns whether any rank failed to plan, and the
@@ -268,7 +286,7 @@ class Refitter:
         compiled = self._program is None
         if compiled:
             self._program = self._compile(compare=False)
-        stats = self._program.run()
+        stats = self._program.run() if self._phases is None else self._run_phases()
         self._quantizer.finish()  # FP8 destinations from the shadows the exchange filled
         if self._dst is not None and self._dst.after_refit is not None:
             self._dst.after_refit()  # e.g. FSDP2 drops unsharded copies of the old weights
@@ -276,11 +294,24 @@ class Refitter:
         if self._dst_model is not None:
             stamp_version(self._dst_model, version)
         return RefitReport(
-            self.version, perf_counter() - t0, self.plan.bytes_local, self.plan.bytes_sent,
+            version, perf_counter() - t0, self.plan.bytes_local, self.plan.bytes_sent,
             self.plan.bytes_received, self.transport_name, stats.rounds, stats.messages_sent,
-            stats.messages_received, stats.staging_bytes, compiled, len(self._program.shared),
+            stats.messages_received, stats.staging_bytes, compiled,
+            sum(len(p.shared) for p in self._phase_programs or [self._program]),
             self._quantizer.count,
         )
+
+    def _run_phases(self) -> RunStats:
+        """One phase per bucket, in the agreed order; a sink rank hands each bucket to
+        ``load_weights`` before the next phase overwrites its buffer."""
+        totals = [0, 0, 0, 0]
+        for (names, _), program in zip(self._phases, self._phase_programs):
+            stats = program.run()
+            if isinstance(self._dst, SinkDescribed):
+                self._dst.deliver([n for n in names if self._planner.segments(n) is not None])
+            totals = [a + b for a, b in zip(totals, (stats.rounds, stats.messages_sent,
+                                                     stats.messages_received, stats.staging_bytes))]
+        return RunStats(*totals)
 
     def _next_version(self, version: int | None) -> int:
         if version is None:
@@ -290,12 +321,20 @@ class Refitter:
         return version
 
     def _compile(self, compare: bool) -> Program:
+        if self._phases is not None:  # one program per bucket; the whole plan's stays unused
+            self._phase_programs = [self._compile_plan(plan, compare) for _, plan in self._phases]
+            return self._phase_programs[0]
+        return self._compile_plan(self.plan, compare)
+
+    def _compile_plan(self, plan: RankPlan, compare: bool) -> Program:
         return Program(
-            self.plan,
+            plan,
             self._src.tensors if self._src else {},
             self._quantizer.tensors(self._dst.tensors if self._dst else {}),
             self._transport, self.message_limit, compare=compare,
-            cuda_graph=self.cuda_graph and not compare, share_storage=self.share_storage,
+            cuda_graph=self.cuda_graph and not compare,
+            # a sink's tensors are views of one reused buffer: they must not alias sources
+            share_storage=self.share_storage and self._phases is None,
         )
 
     def verify(self) -> None:
@@ -304,6 +343,9 @@ class Refitter:
         Moves the same bytes as a refit into scratch buffers and compares; raises
         :class:`VerificationError` on every rank, naming the first mismatches.
         """
+        if self._phases is not None:
+            raise VerificationError("verify() cannot check a refit into a load_weights sink: the "
+                                    "sink keeps no copy of what it handed to the engine")
         if self._verifier is None:
             self._verifier = self._compile(compare=True)
         bad = self._verifier.mismatches()
