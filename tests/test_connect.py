@@ -213,3 +213,39 @@ def test_nccl_jobs() -> None:
     trainers, engines = run_jobs(_nccl_trainer, 1, _nccl_engine, 1, 1, timeout=240)
     assert trainers[0] == {"version": 1, "transport": "nccl"}
     assert engines[0]["ok"] and engines[0]["version"] == 1 and engines[0]["bytes"] > 0
+
+
+def _ipc_trainer(rank: int, world: int, port: int, engines: int) -> dict:
+    conn = tr.connect(role="trainer", rank=rank, world_size=world, peer_world_size=engines,
+                      address="127.0.0.1", port=port, backend="nccl", timeout=60.0)
+    src = build_toy(SPEC, Mesh(tp=1, ranks=1), rank, 0, device="cuda")
+    r = tr.Refitter(src, None, group=conn, transport="ipc")
+    versions = []
+    for seed in (5, 6):
+        _set_weights(src, Mesh(tp=1, ranks=1), rank, seed)
+        versions.append(r.refit().version)
+    conn.close()
+    return {"versions": versions}
+
+
+def _ipc_engine(rank: int, world: int, port: int, engines: int) -> dict:
+    conn = tr.connect(role="engine", rank=rank, world_size=world, peer_world_size=1,
+                      address="127.0.0.1", port=port, backend="nccl", timeout=60.0)
+    dst = build_toy(SPEC, Mesh(tp=1, ranks=1), rank, 99, device="cuda")
+    r = tr.Refitter(None, dst, group=conn, transport="ipc")
+    ok = []
+    for seed in (5, 6):
+        r.refit()
+        want = expected_local(SPEC, Mesh(tp=1, ranks=1), rank, seed)
+        ok.append(all(torch.equal(v.cpu(), want[k]) for k, v in dst.state_dict().items()))
+    conn.close()
+    return {"ok": ok, "version": tr.weight_version(dst)}
+
+
+@pytest.mark.gpu
+def test_nccl_connection_ipc_on_one_gpu() -> None:
+    """A ``backend="nccl"`` connection on one GPU: its Gloo half carries the gathers and
+    the IPC handshake, CUDA IPC the bytes (NCCL itself would need two GPUs)."""
+    trainers, engines = run_jobs(_ipc_trainer, 1, _ipc_engine, 1, 1, timeout=240)
+    assert trainers[0]["versions"] == [1, 2]
+    assert engines[0] == {"ok": [True, True], "version": 2}
