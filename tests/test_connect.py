@@ -142,10 +142,10 @@ def test_missing_peer_raises_naming_it() -> None:
     got = run_world(_lonely, 1, timeout=120)[0]
     kind, msg, seconds = got["no_engines"]
     assert kind == "ConnectError" and "missing engine ranks [0, 1, 2]" in msg, msg
-    assert seconds < TIMEOUT + 5
+    assert seconds < TIMEOUT + 10
     kind, msg, seconds = got["no_trainer"]
     assert kind == "ConnectError" and "missing trainer rank 0" in msg, msg
-    assert seconds < TIMEOUT + 5
+    assert seconds < TIMEOUT + 10
 
 
 def _partial_trainer(rank: int, world: int, port: int, engines: int) -> tuple:
@@ -167,7 +167,7 @@ def test_one_missing_engine_rank() -> None:
     for kind, msg, seconds in trainers + engines[:-1]:
         assert kind == "ConnectError", msg
         assert "missing engine ranks [2]" in msg and "trainer ranks" not in msg, msg
-        assert seconds < TIMEOUT + 5
+        assert seconds < TIMEOUT + 10
     assert engines[-1][0] == "skipped"
 
 
@@ -178,7 +178,7 @@ def test_jobs_that_disagree_about_sizes() -> None:
     for kind, msg, seconds in trainers + engines:  # the engine hears it from the trainer
         assert kind == "ConnectError" and "disagree" in msg, msg
         assert "1 trainer + 1 engine" in msg and "2 trainer + 1 engine" in msg, msg
-        assert seconds < TIMEOUT + 5
+        assert seconds < TIMEOUT + 10
 
 
 # ---------------------------------------------------------------------------- NCCL

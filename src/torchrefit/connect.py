@@ -36,7 +36,7 @@ ROLES = ("trainer", "engine")
 _POLL = 0.05  # seconds between checks of who has registered
 _ABORT = "torchrefit/aborted"  # why the first rank gave up; everyone raises it
 _GAVE_UP = "torchrefit/gave_up"  # how many ranks have raised
-_GRACE = 3.0  # seconds the host keeps its store up for the others to read why
+_GRACE = 10.0  # at most, seconds the host keeps its store up for the others to read why
 
 
 def connect(
