@@ -10,8 +10,10 @@ Runs, each in a fresh process (``python -m torchrefit plan ... --json``):
   TP32 x DP8 on 256 GPUs (collocated), and Perplexity's Kimi-K2 from 256 training
   GPUs to 128 inference GPUs (separate GPUs).
 
-Writes ``benchmarks/results/plan_16k.json`` and the section of BENCHMARKS.md between
-its markers. Usage: ``python benchmarks/plan_16k.py`` (about 10 minutes on 2 cores).
+Writes ``benchmarks/results/plan_16k.json`` (and each case's raw ``--json`` beside it)
+and the section of BENCHMARKS.md between its markers. Usage: ``python
+benchmarks/plan_16k.py``; ``--reuse`` reads cases' JSON left by earlier runs of the same
+commands (e.g. run side by side).
 """
 
 from __future__ import annotations
@@ -41,22 +43,36 @@ CASES = {
 }
 
 
-def run_case(name: str, samples: int, timeout: int) -> dict:
+def case_json(name: str) -> Path:
+    """Where one case's ``torchrefit plan --json`` lands (kept: the raw figures)."""
+    return RESULTS.parent / f"plan_16k_{name.split()[0]}_{CASES[name][3]}.json"
+
+
+def case_command(name: str, samples: int) -> list[str]:
+    model, src, dst, world, _ = CASES[name]
+    return ["torchrefit", "plan", "--model", model, "--src", src, "--dst", dst,
+            "--world", str(world), "--samples", str(samples), "--json", str(case_json(name))]
+
+
+def run_case(name: str, samples: int, timeout: int, reuse: bool) -> dict:
+    """Run one case (or, with ``reuse``, read the JSON an earlier run of the same
+    command left, e.g. when the cases ran side by side)."""
     model, src, dst, world, published = CASES[name]
-    out = RESULTS.parent / f"plan_16k_{name.split()[0]}_{world}.json"
-    cmd = ["torchrefit", "plan", "--model", model, "--src", src, "--dst", dst,
-           "--world", str(world), "--samples", str(samples), "--json", str(out)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    out = case_json(name)
+    cmd = case_command(name, samples)
     t0 = time.time()
-    done = subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True,
-                          timeout=timeout, env=env)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr[-2000:]}")
+    stdout = ""
+    if not (reuse and out.exists()):
+        env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+        done = subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True,
+                              timeout=timeout, env=env)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr[-2000:]}")
+        stdout = done.stdout
     r = json.loads(out.read_text())
-    out.unlink()
     slow = next(t for t in r["timings"] if t["rank"] == r["slowest_rank"])
     p = r["prediction"]
-    return {"command": " ".join(cmd[:-2]), "process_seconds": time.time() - t0,
+    return {"command": " ".join(cmd[:-2]), "process_seconds": time.time() - t0 if stdout else None,
             "published": published, "world": world, "src": r["src"], "dst": r["dst"],
             "plan_seconds": r["plan_seconds"], "plan_cpu_seconds": slow["cpu_seconds"],
             "slowest_rank": r["slowest_rank"], "ranks_timed": [t["rank"] for t in r["timings"]],
@@ -68,7 +84,42 @@ def run_case(name: str, samples: int, timeout: int) -> dict:
             "simulate_cpu_seconds": r["simulate_cpu_seconds"], "peak_rss_bytes": r["peak_rss_bytes"],
             "bytes_remote": r["bytes_remote"], "bytes_local": r["bytes_local"],
             "max_sent": r["max_sent"], "max_received": r["max_received"], "prediction": p,
-            "stdout": done.stdout}
+            "stdout": stdout}
+
+
+def quick(path: Path) -> dict:
+    """Without the whole-world traffic (the long part): the metadata every rank gathers at
+    16384 ranks and pure planning of three ranks (CPU and wall seconds), per 16k case."""
+    import gc
+
+    from torchrefit.simulate import parse_mesh, preset, simulated_role
+    from torchrefit.simulate.predict import Hardware
+    from torchrefit.simulate.report import _metadata, time_rank
+
+    out = {}
+    for name in (n for n in CASES if CASES[n][3] == 16384):
+        model, src, dst, w, _ = CASES[name]
+        c0 = time.process_time()
+        s = simulated_role(preset(model), parse_mesh(src, w), w)
+        d = simulated_role(preset(model), parse_mesh(dst, w), w)
+        per, g, full, _ = _metadata(s, d, w, Hardware())
+        row = {"src_classes": len(s.classes), "dst_classes": len(d.classes),
+               "roster_bytes_per_rank_max": per, "gathered_records": g.records,
+               "gathered_rosters": g.rosters, "gathered_total": g.total, "broadcasts": g.owners,
+               "full_gather": full, "setup_cpu_seconds": time.process_time() - c0, "ranks": {}}
+        sb, db = s.rosters(), d.rosters()
+        for r in (0, w // 2 + 3, w - 1):
+            s.layout(r), d.layout(r)
+            gc.collect()
+            gc.freeze()
+            tm, _ = time_rank(sb, db, r, w, s.layout(r), d.layout(r))
+            gc.unfreeze()
+            row["ranks"][r] = {"cpu_seconds": tm.cpu_seconds, "wall_seconds": tm.seconds,
+                               "sends": tm.sends, "recvs": tm.recvs}
+        out[f"{model} {src}->{dst}"] = row
+        print(json.dumps(row), flush=True)
+    path.write_text(json.dumps(out, indent=1))
+    return out
 
 
 def section(results: dict) -> str:
@@ -168,11 +219,19 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=6)
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    p.add_argument("--reuse", action="store_true",
+                   help="read a case's JSON where a run of the same command left it")
+    p.add_argument("--quick", action="store_true",
+                   help="16k metadata and three ranks' planning only (no whole-world traffic): "
+                        "benchmarks/results/plan_16k_metadata.json")
     args = p.parse_args()
+    if args.quick:
+        quick(RESULTS.parent / "plan_16k_metadata.json")
+        return 0
     results = {"meta": _machine(), "cases": {}, "notes": NOTES}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     for name in args.cases:
-        results["cases"][name] = run_case(name, args.samples, args.timeout)
+        results["cases"][name] = run_case(name, args.samples, args.timeout, args.reuse)
         print(name, json.dumps({k: v for k, v in results["cases"][name].items() if k != "stdout"}),
               flush=True)
     RESULTS.write_text(json.dumps(results, indent=1))
