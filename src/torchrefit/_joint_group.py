@@ -53,9 +53,30 @@ def build_joint_group(store: dist.Store, rank: int, world: int, backend: str,
             pg._register_backend(torch.device(device), dist.ProcessGroup.BackendType.GLOO, gloo)
         config = "cpu:gloo,cuda:gloo"
     pg._set_group_name(name)
-    c10d._register_pg_in_world(pg, backend_name=backend if backend == "gloo" else config, store=prefix, group_name=name,
-                               backend_config=config, rank_mapping=_rank_mapping(rank, world))
+    _register(pg, backend if backend == "gloo" else config, prefix, name, config,
+              _rank_mapping(rank, world))
     return pg
+
+
+def _register(pg, backend: str, store, name: str, config: str, ranks: dict[int, int]) -> None:
+    """c10d's bookkeeping for a new group (one helper in recent torch; by hand before it,
+    e.g. torch 2.11, as ``new_group`` fills the same tables)."""
+    register = getattr(c10d, "_register_pg_in_world", None)
+    if register is not None:
+        register(pg, backend_name=backend, store=store, group_name=name, backend_config=config,
+                 rank_mapping=ranks)
+        return
+    world = c10d._world
+    world.pg_map[pg] = (backend, store)
+    world.pg_names[pg] = name
+    world.pg_backend_config[pg] = config
+    world.pg_group_ranks[pg] = ranks
+    if hasattr(c10d, "_register_process_group"):
+        c10d._register_process_group(name, pg)
+    tag = f"ptd:{name}"
+    world.tags_to_pg.setdefault(tag, []).append(pg)
+    world.tags_to_pg.setdefault("", []).append(pg)
+    world.pg_to_tag[pg] = tag
 
 
 def _nccl(prefix: dist.Store, rank: int, world: int, td: datetime.timedelta):
