@@ -46,3 +46,19 @@ def test_shape_presets_are_one_table_for_plan_and_bench() -> None:
     assert PRESETS["qwen3-30b-a3b"].experts == 128 and PRESETS["deepseek-v3-moe"].expert_ffn == 2048
     with pytest.raises(ValueError, match="deepseek-v3"):
         spec_from_preset("deepseek-v3")
+
+
+def test_bench_map_hf_fp8_quantizes_and_reports_its_floor(tmp_path) -> None:
+    """``--map hf --fp8``: Megatron names into a whole Hugging Face-named engine whose
+    projections and stacked experts are block FP8; verified, floor from the bytes read
+    and written."""
+    out = tmp_path / "fp8.json"
+    assert main(["bench", "--layers", "1", "--hidden", "256", "--heads", "4", "--ffn", "256",
+                 "--vocab", "512", "--experts", "2", "--expert-ffn", "128", "--warmup", "1",
+                 "--iters", "2", "--variant", "plain", "--map", "hf", "--fp8",
+                 "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["configs"]
+    # q, k, v, o of one layer and its two stacked expert tensors
+    assert row["fp8_on_receiver"] == 6 and row["fp8"] and row["name_map"] == "hf"
+    assert row["floor_ms"] > 0 and row["floor_note"].startswith("HBM floor: source bytes read")
+    assert row["dst_bytes"] < row["bytes_local"]  # FP8 engine smaller than the bf16 source

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from test_maps_hf import _module, _vllm_shard, reference, toy_globals
 
 import torchrefit as tr
+from torchrefit.layout._types import Box
 from torchrefit.layout.vllm import vllm_tp_layout
 from torchrefit.maps import relocate
 from torchrefit.testing import Mesh, ModelSpec, build_toy, run_world
@@ -222,17 +223,25 @@ def test_megatron_to_hf_stacks_experts_and_composes_to_vllm(spec: ModelSpec) -> 
         assert _same(got[n], t), n
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["from-split", "from-fused"])
-def test_hf_to_megatron_inverts_the_table(fused: bool) -> None:
+@pytest.mark.parametrize("fused", [False, True, None], ids=["from-split", "from-fused", "from-both"])
+def test_hf_to_megatron_inverts_the_table(fused: bool | None) -> None:
     spec = ModelSpec(layers=2, experts=4, router_bias=True)
     g = toy_globals(spec)
     hf = stacked(reference(g, spec.heads, spec.groups), spec.layers, spec.experts)
-    drop = r"\.(q|k|v|gate|up)_proj\." if fused else r"(qkv|gate_up)_proj\."
+    drop = {True: r"\.(q|k|v|gate|up)_proj\.", False: r"(qkv|gate_up)_proj\.", None: "^$"}[fused]
     hf = {n: t for n, t in hf.items() if not re.search(drop, n)}
     got = apply_map(tr.maps.hf_to_megatron(num_heads=spec.heads, num_query_groups=spec.groups),
                     {n: torch.zeros_like(t) for n, t in g.items()}, hf)
     for n, t in g.items():
         assert torch.equal(got[n], t), n
+
+
+def test_relocate_moves_boxes_between_stacked_and_single_experts() -> None:
+    one = Box((2, 0), (3, 4))  # rows 2:5 of an expert [8, 4]
+    stacked = relocate(one, (0, 0), (5, 0, 0))  # expert 5 of [E, 8, 4]
+    assert stacked == Box((5, 2, 0), (1, 3, 4))
+    assert relocate(stacked, (5, 0, 0), (0, 0)) == one
+    assert relocate(Box((1, 1), (2, 2)), (1, 0), (3, 0)) == Box((3, 1), (2, 2))
 
 
 def test_torchtitan_to_hf_reorders_rotary_rows_as_torchtitan_does() -> None:

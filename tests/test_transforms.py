@@ -83,7 +83,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
                                          ((3, 12, 20), (4, 8)), ((8, 8), (8, 8))])
 def test_block_quantizer_equals_the_loop(shape, block) -> None:
     w = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    w.view(-1)[:5] = 0  # an all-zero corner still gets the clamped scale
+    w[..., :block[0], :block[1]] = 0  # an all-zero block gets the clamped scale, not 0
     q, s = quantize_blocks(w, block)
     want_q, want_s = oracle_blocks(w, block)
     assert torch.equal(_bits(q), _bits(want_q)) and torch.equal(s, want_s)
@@ -123,6 +123,18 @@ def test_fp8_block_aligned_shards_plan() -> None:
     assert all(t.wire_dtype == "bfloat16" and t.local_dtype == "bfloat16"
                for p in plans.values() for t in (*p.recvs, *p.sends))
     assert sum(len(p.recvs) for p in plans.values()) == 1  # rank 0 copies locally
+
+
+def test_narrowing_cast_goes_on_the_wire_in_the_destination_dtype() -> None:
+    src = _layout("w", (24, 16), "float32", [Box.whole((24, 16))])
+    dst = _layout("w", (24, 16), "bfloat16", [Box.whole((24, 16))])
+    plans = plan_world([src, None], [None, dst], cast=True)
+    (send,), (recv,) = plans[0].sends, plans[1].recvs
+    assert (send.wire_dtype, send.local_dtype) == ("bfloat16", "float32")
+    assert (recv.wire_dtype, recv.local_dtype) == ("bfloat16", "bfloat16")
+    assert plans[1].bytes_received == 24 * 16 * 2
+    wide = plan_world([dst, None], [None, src], cast=True)  # widening: the source's dtype
+    assert wide[1].recvs[0].wire_dtype == "bfloat16" and wide[1].recvs[0].local_dtype == "float32"
 
 
 # ------------------------------------------------------- one world of 4 ranks

@@ -55,11 +55,19 @@ class BenchConfig:
     variants: tuple[str, ...] = ("plain",)
     compare: str | None = None  # "megatron-core"
     label: str = ""
+    name_map: str | None = None  # "hf": a Hugging Face-named engine through megatron_to_hf
+    fp8: bool = False  # with name_map "hf": block FP8 projections and experts
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if self.mode not in ("collocated", "non-collocated"):
             raise ValueError(f"mode must be collocated or non-collocated, not {self.mode!r}")
+        if self.name_map not in (None, "hf"):
+            raise ValueError(f"--map must be hf, not {self.name_map!r}")
+        if self.fp8 and self.name_map != "hf":
+            raise ValueError("--fp8 quantizes a Hugging Face-named engine: pass --map hf too")
+        if self.name_map and (self.dst != "tp1" or self.compare):
+            raise ValueError("--map hf builds a whole engine on every rank (--dst tp1, no --compare)")
         for v in self.variants:
             if v not in VARIANTS:
                 raise ValueError(f"unknown variant {v!r}; choose from {sorted(VARIANTS)}")

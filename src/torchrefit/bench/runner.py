@@ -19,10 +19,13 @@ import torch.distributed as dist
 from ..testing import build_toy, run_world
 from ..testing.toy import global_table
 from .config import VARIANTS, BenchConfig
+from .hf_models import build_hf_destination
 from .megatron_models import build_megatron_gpt, megatron_available, megatron_swap
 from .timing import copy_bandwidth, host_times, link_bandwidth, summarize, time_calls
 
-__all__ = ["run_bench", "backend_for"]
+__all__ = ["run_bench", "backend_for", "FP8_BLOCK"]
+
+FP8_BLOCK = (128, 128)
 
 
 def backend_for(cfg: BenchConfig) -> str:
@@ -60,6 +63,8 @@ def _models(cfg: BenchConfig, rank: int, device: torch.device):
         layout = {"tp": src_mesh.tp, "pp": src_mesh.pp}
         return build_megatron_gpt(cfg.spec, seed=1, **layout), build_megatron_gpt(cfg.spec, seed=2, **layout)
     src = build_toy(cfg.spec, src_mesh, rank, seed=1, device=device, random_init=True)
+    if cfg.name_map == "hf":
+        return src, build_hf_destination(cfg.spec, device, fp8=cfg.fp8, block=FP8_BLOCK)
     dst = build_toy(cfg.spec, dst_mesh, rank, seed=2, device=device, random_init=True)
     return src, dst
 
@@ -75,7 +80,8 @@ def _bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
     bandwidth = copy_bandwidth(device) if rank == 0 else None
     dist.barrier()
     link = link_bandwidth(device) if _one_gpu_each(cfg) else None
-    out = {"rows": [], "bandwidth": bandwidth, "link": link, **_model_size(cfg, src)}
+    out = {"rows": [], "bandwidth": bandwidth, "link": link, **_model_size(cfg, src),
+           "dst_bytes": sum(t.nbytes for t in dst.parameters()) if dst is not None else 0}
     order = [v for v in cfg.variants if v != "share"]
     for variant in order:
         out["rows"].append(_time_refitter(tr, src, dst, cfg, variant, device))
@@ -137,7 +143,12 @@ def _time_refitter(tr, src, dst, cfg: BenchConfig, variant: str, device: torch.d
     made: dict = {}
 
     def first() -> None:
-        made["r"] = tr.Refitter(src, dst, transport=cfg.transport, **VARIANTS[variant])
+        kwargs = dict(VARIANTS[variant])
+        if cfg.name_map == "hf":
+            s = cfg.spec
+            kwargs["name_map"] = tr.maps.megatron_to_hf(num_heads=s.heads, num_query_groups=s.groups)
+            kwargs["fp8_block"] = FP8_BLOCK
+        made["r"] = tr.Refitter(src, dst, transport=cfg.transport, **kwargs)
         made["report"] = made["r"].refit()
 
     def local_only() -> bool:
@@ -149,7 +160,8 @@ def _time_refitter(tr, src, dst, cfg: BenchConfig, variant: str, device: torch.d
     row.update({"impl": "torchrefit", "variant": variant, "transport": refitter.transport_name,
                 "staging_bytes": report.staging_bytes, "bytes_local": report.bytes_local,
                 "bytes_sent": report.bytes_sent, "bytes_received": report.bytes_received,
-                "shared_tensors": report.shared_tensors, "plan_seconds": refitter.plan_seconds})
+                "shared_tensors": report.shared_tensors, "plan_seconds": refitter.plan_seconds,
+                "fp8_on_receiver": report.fp8_on_receiver})
     refitter.close()
     return row
 
@@ -189,6 +201,11 @@ def _aggregate(cfg: BenchConfig, per_rank: list[dict]) -> list[dict]:
     base["link_bandwidth_gbs"] = link / 1e9 if link else None
     torch_rows = [r for r in rows if r["impl"] == "torchrefit"]
     floor_ms, note = _floor_ms(cfg, torch_rows[0] if torch_rows else None, bandwidth, link)
+    if cfg.name_map and floor_ms is not None and cfg.nproc == 1:
+        # a mapped (and quantized) engine: read the source's bytes once, write the
+        # engine's (FP8 values and scales where quantized) once
+        floor_ms = (torch_rows[0]["bytes_local"] + per_rank[0]["dst_bytes"]) / bandwidth * 1e3
+        note = "HBM floor: source bytes read + engine bytes written (FP8 and scales), one GPU"
     meg = next((r for r in rows if r["impl"] == "megatron-core"), None)
     for r in rows:
         r.update(base)
@@ -249,5 +266,6 @@ def _shape_fields(cfg: BenchConfig, per_rank: list[dict], bandwidth: float | Non
         "params": max(r["params"] for r in per_rank),
         "model_bytes": max(r["model_bytes"] for r in per_rank),
         "copy_bandwidth_gbs": bandwidth / 1e9 if bandwidth else None,
+        "name_map": cfg.name_map, "fp8": cfg.fp8, "dst_bytes": per_rank[0].get("dst_bytes"),
         "warmup": cfg.warmup, "iters": cfg.iters,
     }

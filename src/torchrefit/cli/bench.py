@@ -46,6 +46,11 @@ def add_parser(sub) -> None:
                         "copies, shared storage (default: plain and graph)")
     p.add_argument("--compare", choices=["megatron-core"], help="also time megatron-core's "
                                                                  "swap_model_weights on the same models")
+    p.add_argument("--map", dest="name_map", choices=["hf"],
+                   help="hf: refit into a whole Hugging Face-named engine through megatron_to_hf")
+    p.add_argument("--fp8", action="store_true",
+                   help="with --map hf: projections and experts are float8_e4m3fn with 128x128 "
+                        "block scales, quantized by the refit")
     p.add_argument("--label", default="")
     p.add_argument("--json", help="write every figure to this JSON file")
     p.add_argument("--plot", help="draw time against model size with the floor line (matplotlib)")
@@ -94,7 +99,8 @@ def run(args) -> int:
     for layers in sizes:
         cfg = BenchConfig(spec=_spec(args, layers), src=args.src, dst=args.dst, mode=args.mode,
                           transport=args.transport, nproc=args.nproc, warmup=args.warmup,
-                          iters=args.iters, variants=variants, compare=args.compare, label=args.label)
+                          iters=args.iters, variants=variants, compare=args.compare, label=args.label,
+                          name_map=args.name_map, fp8=args.fp8)
         got = run_bench(cfg)
         _print(cfg, got)
         rows.extend(got)
