@@ -6,7 +6,7 @@ For a Llama-70B-shaped and a DeepSeek-V3-shaped model (fewer layers, world size
 peer plans to receive from them (same regions, same order), every element of a
 sampled destination rank is written exactly once, the whole-world traffic agrees
 with the ranks' plans, replicas share the sending within 1.1x, and planning is
-deterministic. Also the byte dealing on its own, layout strings, model shapes,
+deterministic. Also the byte sharing among replicas on its own, layout strings, model shapes,
 and the ``torchrefit plan`` command's JSON.
 """
 
@@ -19,8 +19,8 @@ import sys
 import pytest
 
 from torchrefit.cli import main
-from torchrefit.plan.deal import Block, Line, split_pair
 from torchrefit.plan.planner import Planner
+from torchrefit.plan.shares import ClassBlock, ShareLine, split_pair
 from torchrefit.plan.simulate import check_agreement
 from torchrefit.simulate import global_tensors, parse_mesh, preset, simulated_role
 from torchrefit.simulate.report import time_rank
@@ -115,7 +115,7 @@ def test_traffic_matches_the_ranks_plans(case: str) -> None:
     t = w.traffic
     sent, received = t.sent(), t.received()
     for r in w.sampled():
-        plan = w.plan(r)  # its sends come from the sender's dealing, the traffic from receivers'
+        plan = w.plan(r)  # its sends come from the sender's share line, the traffic from receivers'
         for (kind, peer), nbytes in plan.bytes_by_peer().items():
             cell = t.link(r, peer) if kind == "send" else t.link(peer, r)
             assert cell == nbytes, f"{case}: rank {r} {kind} {peer}: plan {nbytes}, traffic {cell}"
@@ -167,28 +167,28 @@ def test_metadata_is_compact() -> None:
 
 
 @pytest.mark.parametrize("seed", range(30))
-def test_dealing_covers_every_pair_once_and_evenly(seed: int) -> None:
+def test_sharing_covers_every_pair_once_and_evenly(seed: int) -> None:
     rng = random.Random(seed)
     n = rng.randint(1, 9)
     blocks = {}
     ranks = iter(rng.sample(range(200), 60))
     for c in range(rng.randint(1, 4)):
-        b = Block(sorted(next(ranks) for _ in range(rng.randint(1, 12))))
+        b = ClassBlock(sorted(next(ranks) for _ in range(rng.randint(1, 12))))
         for k in range(rng.randint(1, 6)):
             rows = rng.randint(1, 50)
             b.add((c, k), rows * rng.choice([2, 4, 96]), rows)
         blocks[c] = b
-    line = Line(n, blocks)
+    line = ShareLine(n, blocks)
     from_senders: dict = {}
     for i in range(n):
-        for key, parts in line.sends(i).items():
+        for key, parts in line.sent_by(i).items():
             for d, lo, hi in parts:
                 from_senders.setdefault((key, d), []).append((i, lo, hi))
     load = [0] * n
     for c, b in blocks.items():
         for d in b.ranks:
             for key, size, rows in zip(b.keys, b.sizes, b.rows):
-                parts = line.split(c, d, key)
+                parts = line.senders(c, d, key)
                 assert parts == from_senders.pop((key, d), []), "sender and receiver disagree"
                 assert parts[0][1] == 0 and parts[-1][2] == rows
                 assert all(a[2] == b2[1] for a, b2 in zip(parts, parts[1:])), "rows not tiled"

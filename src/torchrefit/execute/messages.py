@@ -42,10 +42,7 @@ class Message:
 
 def rows_of(box: Box, rows: tuple[int, int] | None) -> Box:
     """The sub-box of ``box`` made of its rows ``rows`` along dim 0."""
-    if rows is None:
-        return box
-    lo, hi = rows
-    return Box((box.offset[0] + lo,) + box.offset[1:], (hi - lo,) + box.size[1:])
+    return box if rows is None else box.rows(*rows)
 
 
 def _pieces(index: int, t: Transfer, limit: int) -> list[tuple[int, tuple[int, int] | None, int]]:

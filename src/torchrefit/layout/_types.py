@@ -84,6 +84,12 @@ class Box:
             tuple([o - a + b for o, a, b in zip(self.offset, old_origin, new_origin)]), self.size
         )
 
+    def rows(self, lo: int, hi: int) -> Box:
+        """Rows ``lo`` to ``hi`` (along dim 0, relative to this box) of this box."""
+        if lo == 0 and (not self.size or hi == self.size[0]):
+            return self
+        return Box((self.offset[0] + lo,) + self.offset[1:], (hi - lo,) + self.size[1:])
+
     def slices(self) -> tuple[slice, ...]:
         return tuple(slice(o, o + s) for o, s in zip(self.offset, self.size))
 
@@ -176,10 +182,6 @@ class TensorLayout:
                 f"{where}: pieces {[str(p.box) for p in self.pieces]} do not tile the local "
                 f"tensor exactly once ({covered} elements in pieces, {numel} local)"
             )
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return dtype_from_name(self.dtype)
 
 
 def _any_overlap(boxes: list[Box]) -> bool:

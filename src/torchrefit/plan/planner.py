@@ -5,13 +5,14 @@ whole refit (so that bad input raises the same :class:`PlanError` on every rank
 before any byte moves), then plans only its own transfers. Validation visits
 every destination tensor once but checks each distinct geometry (shapes, dtypes,
 held boxes) once; a rank's own plan costs what it sends and receives plus what
-the holder sets it deals with hold: never world size times parameters.
+the holder sets it works with hold: never world size times parameters.
 
 Choosing among source replicas: a destination rank that holds the region as a
-source copies it locally. The others are dealt over the holders by bytes (see
-:mod:`.deal`): every region a holder set holds, in one canonical order, so each
-replica sends an equal share and every rank derives the same choice from the
-rosters alone.
+source copies it locally. The others are shared among the holders by bytes (see
+:mod:`.shares`): every region a holder set holds, in the regions' canonical order
+(:attr:`Region.order`), so each replica sends an equal share and every rank
+derives the same choice from the rosters alone. Sender and receiver name a region
+by value (:attr:`Region.id`), never by its position in a list.
 """
 
 from __future__ import annotations
@@ -26,23 +27,47 @@ from ..errors import PlanError
 from ..layout._types import Box, ModelLayout, TensorLayout, dtype_from_name
 from ..maps import Identity, NameMap, Segment, relocate
 from ..transforms.fp8 import check_targets, fp8_targets
-from .deal import Block, Line
 from .index import RoleIndex, TensorInfo
+from .shares import ClassBlock, ShareLine
 from .types import LocalCopy, RankPlan, Transfer, itemsize
 
-__all__ = ["Region", "Planner", "CastPolicy"]
+__all__ = ["Region", "RegionId", "Planner", "CastPolicy"]
 
 CastPolicy = bool | str  # True: any dtype change; "buffers": buffers only; False: none
 
 
+RegionId = tuple[str, Box, Box]  # (destination tensor, destination box held, region's box)
+
+
 @dataclass(frozen=True, slots=True)
 class Region:
-    """A destination region filled from one source box, and which source classes hold it."""
+    """Part ``dst_box`` of the box ``dst_piece`` that destination classes ``dst_classes``
+    hold of ``dst_name``, filled from ``src_box`` of ``src_name``, which the source
+    classes ``holders`` hold. Every rank builds the same regions from the rosters."""
 
+    dst_name: str
+    dst_piece: Box
+    dst_classes: tuple[int, ...]
     dst_box: Box
     src_name: str
     src_box: Box
-    holders: tuple[int, ...]  # source class ids
+    holders: tuple[int, ...]
+
+    @property
+    def id(self) -> RegionId:
+        """What names this region on every rank (the regions of a destination box do
+        not overlap, so their offsets tell them apart)."""
+        return (self.dst_name, self.dst_piece, self.dst_box)
+
+    @property
+    def order(self) -> tuple:
+        """The canonical order of regions that every rank sorts by."""
+        return (self.dst_name, self.dst_piece.offset, self.dst_piece.size, self.dst_box.offset)
+
+    @property
+    def rows(self) -> int:
+        """Rows (dim 0) of the region: the unit in which replicas share it."""
+        return self.dst_box.size[0] if self.dst_box.ndim else 1
 
 
 class Planner:
@@ -72,13 +97,16 @@ class Planner:
         # (transforms.fp8); their scale tensors are derived, never mapped from a source.
         self.fp8 = fp8_targets(dst.tensors)
         self._derived = frozenset(t.scale for t in self.fp8.values())
+        # Memos, each filled on first use from the rosters alone (so every rank that asks
+        # gets the same answer): what the name map says per destination tensor; the
+        # regions of each held destination box; who reads each source tensor.
         self._segments: dict[str, list[Segment] | None] = {}
         self._regions: dict[tuple[str, Box], list[Region]] = {}
-        self._remote: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
-        # Per holder set of 2+ ranks: its line of bytes, and what each holder sends of it.
-        self._lines: dict[tuple[int, ...], Line] = {}
-        self._sends: dict[tuple[tuple[int, ...], int], dict] = {}
         self._consumers: dict[str, list[str]] | None = None
+        # Per (destination classes, holder set): the destination ranks that do not hold
+        # the region as a source. Per holder set of 2+ ranks: its share line.
+        self._receivers: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
+        self._share_lines: dict[tuple[int, ...], ShareLine] = {}
         # Geometries found valid: layers and experts repeat the same few, so validating
         # 30,000 tensors costs what their distinct shapes and box sets cost.
         self._valid: set[tuple] = set()
@@ -140,7 +168,7 @@ class Planner:
         return any(fnmatch.fnmatchcase(name, p) for p in self.skip)
 
     def _dst_ranks(self, info: TensorInfo) -> str:
-        return _few(self.dst.ranks(sorted({c for cs in info.boxes.values() for c in cs})))
+        return _rank_list(self.dst.ranks(sorted({c for cs in info.boxes.values() for c in cs})))
 
     def _no_source(self, info: TensorInfo) -> str:
         ranks = self._dst_ranks(info)
@@ -170,37 +198,38 @@ class Planner:
 
     def _check_segments(self, info: TensorInfo, segs: list[Segment]) -> str | None:
         for seg in segs:
-            sinfo = self.src.tensors[seg.src_name]
-            if len(seg.src_offset) != len(sinfo.shape):
-                return (f"{info.name}: the name map reads {seg.src_name} {list(sinfo.shape)} at "
-                        f"{list(seg.src_offset)}, which has another number of dims")
+            src_info = self.src.tensors[seg.src_name]
+            if len(seg.src_offset) != len(src_info.shape):
+                return (f"{info.name}: the name map reads {seg.src_name} {list(src_info.shape)} "
+                        f"at {list(seg.src_offset)}, which has another number of dims")
             src_box = relocate(seg.dst_box, seg.dst_box.offset, seg.src_offset)
-            if not seg.part and seg.dst_box == Box.whole(info.shape) and sinfo.shape != info.shape:
-                return _shape_problem(info, sinfo)
-            if not seg.dst_box.within(info.shape) or not src_box.within(sinfo.shape):
+            if (not seg.part and seg.dst_box == Box.whole(info.shape)
+                    and src_info.shape != info.shape):
+                return _shape_problem(info, src_info)
+            if not seg.dst_box.within(info.shape) or not src_box.within(src_info.shape):
                 return (
                     f"{info.name}: the name map places {seg.dst_box} of it at {src_box} of "
-                    f"{seg.src_name} {list(sinfo.shape)}, outside one of the two tensors"
+                    f"{seg.src_name} {list(src_info.shape)}, outside one of the two tensors"
                 )
-            if (sinfo.dtype != info.dtype and info.name not in self.fp8
-                    and not self._may_cast(sinfo, info)):
+            if (src_info.dtype != info.dtype and info.name not in self.fp8
+                    and not self._may_cast(info)):
                 return (
                     f"{info.name}: dtype mismatch with no cast: source {seg.src_name} is "
-                    f"{sinfo.dtype} (src rank {sinfo.first_rank}), destination is {info.dtype} "
-                    f"(dst rank {info.first_rank}); pass cast=True to convert"
+                    f"{src_info.dtype} (src rank {src_info.first_rank}), destination is "
+                    f"{info.dtype} (dst rank {info.first_rank}); pass cast=True to convert"
                 )
         return None
 
-    def _may_cast(self, sinfo: TensorInfo, dinfo: TensorInfo) -> bool:
-        return self.cast is True or (self.cast == "buffers" and dinfo.is_buffer)
+    def _may_cast(self, dst_info: TensorInfo) -> bool:
+        return self.cast is True or (self.cast == "buffers" and dst_info.is_buffer)
 
     def _check_coverage(self, info: TensorInfo) -> str | None:
         pads = self.name_map.padding(info.name, info.shape, self.src.tensors, self.src.aliases)
-        for box, cids in info.boxes.items():
+        for box, class_ids in info.boxes.items():
             covered = sum(r.dst_box.numel for r in self.regions(info.name, box))
             covered += sum(i.numel for p in pads if (i := box.intersect(p)) is not None)
             if covered != box.numel:
-                ranks = _few(self.dst.ranks(cids))
+                ranks = _rank_list(self.dst.ranks(class_ids))
                 held = self._source_boxes(info.name)
                 what = (f"{box.numel - covered} of {box.numel} elements have no source"
                         if covered < box.numel else "some elements are covered more than once")
@@ -213,8 +242,7 @@ class Planner:
     def _source_boxes(self, dst_name: str) -> str:
         parts = []
         for seg in self.segments(dst_name) or ():
-            sinfo = self.src.tensors[seg.src_name]
-            boxes = sorted(sinfo.boxes, key=lambda b: b.offset)
+            boxes = sorted(self.src.tensors[seg.src_name].boxes, key=lambda b: b.offset)
             parts.append(f"{seg.src_name} {[str(b) for b in boxes[:6]]}")
         return "; ".join(parts)
 
@@ -244,96 +272,99 @@ class Planner:
 
     # -------------------------------------------------------------------- regions
     def regions(self, dst_name: str, dst_box: Box) -> list[Region]:
-        """How ``dst_box`` of ``dst_name`` splits over source boxes, in offset order."""
+        """How the held box ``dst_box`` of ``dst_name`` splits over source boxes, in
+        :attr:`Region.order`."""
         key = (dst_name, dst_box)
         got = self._regions.get(key)
         if got is None:
+            dst_classes = tuple(self.dst.tensors[dst_name].boxes[dst_box])
             got = []
             for seg in self.segments(dst_name) or ():
                 part = dst_box.intersect(seg.dst_box)
                 if part is not None:
-                    got.extend(self._cover(dst_name, part, seg))
+                    got.extend(self._cover(dst_name, dst_box, dst_classes, part, seg))
             got.sort(key=lambda r: r.dst_box.offset)
             self._regions[key] = got
         return got
 
-    def _cover(self, dst_name: str, part: Box, seg: Segment) -> list[Region]:
+    def _cover(self, dst_name: str, dst_piece: Box, dst_classes: tuple[int, ...], part: Box,
+               seg: Segment) -> list[Region]:
         src_part = relocate(part, seg.dst_box.offset, seg.src_offset)
-        sinfo = self.src.tensors[seg.src_name]
+        src_info = self.src.tensors[seg.src_name]
         hits = []
-        for box, cids in sinfo.boxes.items():
+        for box, class_ids in src_info.boxes.items():
             inter = box.intersect(src_part)
             if inter is not None:
-                hits.append((inter, cids))
-        if not sinfo.disjoint and len(hits) > 1:
+                hits.append((inter, class_ids))
+        if not src_info.disjoint and len(hits) > 1:
             hits = _grid_cells(src_part, hits)
         return [
-            Region(relocate(inter, seg.src_offset, seg.dst_box.offset), seg.src_name, inter,
-                   tuple(cids))
-            for inter, cids in hits
+            Region(dst_name, dst_piece, dst_classes,
+                   relocate(inter, seg.src_offset, seg.dst_box.offset), seg.src_name, inter,
+                   tuple(class_ids))
+            for inter, class_ids in hits
         ]
 
     # ------------------------------------------------------------- replica choice
-    def _remote_ranks(self, dst_cids: tuple[int, ...], holders: tuple[int, ...]) -> list[int]:
-        """Destination ranks holding a box, less those that hold the region as a source."""
-        key = (dst_cids, holders)
-        got = self._remote.get(key)
+    def _remote_receivers(self, region: Region) -> list[int]:
+        """Destination ranks holding the region's box, less those that hold the region
+        as a source (they copy it locally)."""
+        key = (region.dst_classes, region.holders)
+        got = self._receivers.get(key)
         if got is None:
-            held = set(self.src.ranks(holders))
-            got = [r for r in self.dst.ranks(dst_cids) if r not in held]
-            self._remote[key] = got
+            held = set(self.src.ranks(region.holders))
+            got = [r for r in self.dst.ranks(region.dst_classes) if r not in held]
+            self._receivers[key] = got
         return got
 
-    def sources(self, name: str, box: Box, i: int, dst_cids: tuple[int, ...],
-                rank: int) -> list[tuple[int, Box]]:
-        """Who fills region ``i`` of ``box`` of ``name`` on destination ``rank``:
-        ``(source rank, part of the region)``, parts in row order; ``rank`` itself
-        where it holds the region as a source (a local copy)."""
-        region = self.regions(name, box)[i]
+    def sources(self, region: Region, rank: int) -> list[tuple[int, Box]]:
+        """Who fills ``region`` on destination ``rank``: ``(source rank, part of the
+        region)``, parts in row order; ``rank`` itself where it holds the region as a
+        source (a local copy). Receivers call this; :meth:`destinations` is its mirror."""
         holders = self.src.ranks(region.holders)
         k = bisect_left(holders, rank)
         if k < len(holders) and holders[k] == rank:
             return [(rank, region.dst_box)]
         if len(holders) == 1:
             return [(holders[0], region.dst_box)]
-        parts = self._line(region.holders).split(self.dst.rank_class[rank], rank, (name, box, i))
-        return [(holders[h], _rows(region.dst_box, lo, hi)) for h, lo, hi in parts]
+        parts = self._share_line(region.holders).senders(self.dst.rank_class[rank], rank,
+                                                         region.id)
+        return [(holders[h], region.dst_box.rows(lo, hi)) for h, lo, hi in parts]
 
-    def destinations(self, name: str, box: Box, i: int, dst_cids: tuple[int, ...],
-                     rank: int) -> list[tuple[int, Box]]:
-        """What source ``rank`` sends of region ``i`` of ``box`` of ``name``:
-        ``(destination rank, part of the region)``, as :meth:`sources` decides."""
-        region = self.regions(name, box)[i]
+    def destinations(self, region: Region, rank: int) -> list[tuple[int, Box]]:
+        """What source ``rank`` sends of ``region``: ``(destination rank, part of the
+        region)``, as :meth:`sources` decides on the receiving ranks."""
         holders = self.src.ranks(region.holders)
         k = bisect_left(holders, rank)
         if k == len(holders) or holders[k] != rank:
             return []
         if len(holders) == 1:
-            return [(d, region.dst_box) for d in self._remote_ranks(dst_cids, region.holders)]
-        sends = self._sends.get((region.holders, k))
-        if sends is None:
-            sends = self._sends[(region.holders, k)] = self._line(region.holders).sends(k)
-        return [(d, _rows(region.dst_box, lo, hi)) for d, lo, hi in sends.get((name, box, i), ())]
+            return [(d, region.dst_box) for d in self._remote_receivers(region)]
+        sent = self._share_line(region.holders).sent_by(k).get(region.id, ())
+        return [(d, region.dst_box.rows(lo, hi)) for d, lo, hi in sent]
 
-    def deal(self, name: str, box: Box, i: int,
-             dst_cids: tuple[int, ...]) -> list[tuple[int, int, int]]:
-        """``(source rank, destination rank, bytes)`` of every remote transfer of region
-        ``i`` of ``box`` of ``name``, as the ranks' plans have them (whole-world summaries)."""
-        region = self.regions(name, box)[i]
+    def remote_transfers(self, region: Region) -> list[tuple[int, int, int]]:
+        """``(source rank, destination rank, bytes)`` of every transfer of ``region``
+        between two ranks, as the ranks' plans have them (for whole-world summaries)."""
         holders = self.src.ranks(region.holders)
-        remote = self._remote_ranks(dst_cids, region.holders)
-        size = self.wire_bytes(region, name)
+        remote = self._remote_receivers(region)
+        size = self.wire_bytes(region)
         if len(holders) == 1 or not remote:
             return [(holders[0], d, size) for d in remote]
-        line, key = self._line(region.holders), (name, box, i)
-        row_bytes = size // (region.dst_box.size[0] if region.dst_box.ndim else 1)
+        line, rid = self._share_line(region.holders), region.id
+        row_bytes = size // region.rows
         cls = self.dst.rank_class
         return [(holders[h], d, (hi - lo) * row_bytes) for d in remote
-                for h, lo, hi in line.split(cls[d], d, key)]
+                for h, lo, hi in line.senders(cls[d], d, rid)]
 
-    def wire_bytes(self, region: Region, dst_name: str) -> int:
+    def local_ranks(self, region: Region) -> list[int]:
+        """Destination ranks holding the region's box that copy it from their own source."""
+        held = set(self.src.ranks(region.holders))
+        return [r for r in self.dst.ranks(region.dst_classes) if r in held]
+
+    def wire_bytes(self, region: Region) -> int:
         """Bytes of one transfer of a whole region (in the wire dtype)."""
-        return region.dst_box.numel * itemsize(self.wire_dtype(region.src_name, dst_name))
+        return region.dst_box.numel * itemsize(self.wire_dtype(region.src_name, region.dst_name))
 
     def local_dtype(self, dst_name: str, src_dtype: str) -> str:
         """The dtype a destination rank writes: an FP8 target's shadow holds the source's."""
@@ -348,39 +379,31 @@ class Planner:
             return src
         return dst
 
-    def _line(self, holders: tuple[int, ...]) -> Line:
-        """The line of bytes a holder set deals (see :mod:`.deal`), built on first use.
+    def _share_line(self, holders: tuple[int, ...]) -> ShareLine:
+        """The share line of a holder set (see :mod:`.shares`), built on first use.
 
         Every class of the set holds all of the set's regions, so the tensors of its
         first class are where to look: work in proportion to what one holder holds.
         """
-        line = self._lines.get(holders)
+        line = self._share_lines.get(holders)
         if line is not None:
             return line
-        items = []
-        for src_name in self.src.names[holders[0]]:
-            for name in self.consumers(src_name):
-                for box, cids in self.dst.tensors[name].boxes.items():
-                    for i, r in enumerate(self.regions(name, box)):
-                        if r.src_name == src_name and r.holders == holders:
-                            items.append(((name, box.offset, box.size, i), (name, box, i), cids, r))
-        items.sort(key=lambda it: it[0])
+        regions = [r for src_name in self.src.names[holders[0]]
+                   for name in self.consumers(src_name)
+                   for box in self.dst.tensors[name].boxes
+                   for r in self.regions(name, box)
+                   if r.src_name == src_name and r.holders == holders]
+        regions.sort(key=lambda r: r.order)
         held = set(self.src.ranks(holders))
-        blocks: dict[int, Block] = {}
-        for _, key, cids, r in items:
-            rows = r.dst_box.size[0] if r.dst_box.ndim else 1
-            for c in cids:
+        blocks: dict[int, ClassBlock] = {}
+        for r in regions:
+            for c in r.dst_classes:
                 b = blocks.get(c)
                 if b is None:
-                    b = blocks[c] = Block([d for d in self.dst.members[c] if d not in held])
-                b.add(key, self.wire_bytes(r, key[0]), rows)
-        line = self._lines[holders] = Line(len(held), blocks)
+                    b = blocks[c] = ClassBlock([d for d in self.dst.members[c] if d not in held])
+                b.add(r.id, self.wire_bytes(r), r.rows)
+        line = self._share_lines[holders] = ShareLine(len(held), blocks)
         return line
-
-    def local_ranks(self, region: Region, dst_cids: tuple[int, ...]) -> list[int]:
-        """Destination ranks holding the box that copy ``region`` from their own source."""
-        held = set(self.src.ranks(region.holders))
-        return [r for r in self.dst.ranks(dst_cids) if r in held]
 
     # ------------------------------------------------------------------ rank plan
     def plan_rank(
@@ -390,10 +413,7 @@ class Planner:
         src_by_name = {t.name: (k, t) for k, t in src} if src is not None else {}
         local, recvs = self._receiving(rank, dst, src_by_name) if dst is not None else ([], [])
         sends = self._sending(rank, src) if src is not None else []
-        order = lambda t: (t.peer, t.name, t.region.offset)  # noqa: E731
-        local.sort(key=lambda c: (c.name, c.region.offset))
-        return RankPlan(rank, world, tuple(local), tuple(sorted(sends, key=order)),
-                        tuple(sorted(recvs, key=order)))
+        return RankPlan.ordered(rank, world, local, sends, recvs)
 
     def _receiving(self, rank, dst: ModelLayout, src_by_name) -> tuple[list, list]:
         local: list[LocalCopy] = []
@@ -401,18 +421,16 @@ class Planner:
         for key, t in dst:
             if self.segments(t.name) is None:
                 continue  # skipped on purpose (validate() rejected the rest)
-            boxes = self.dst.tensors[t.name].boxes
             for piece in t.pieces:
-                dst_cids = tuple(boxes[piece.box])
-                for i, region in enumerate(self.regions(t.name, piece.box)):
+                for region in self.regions(t.name, piece.box):
                     src_dtype = self.src.tensors[region.src_name].dtype
                     dtype = self.local_dtype(t.name, src_dtype)
                     wire = self.wire_dtype(region.src_name, t.name)
-                    for peer, part in self.sources(t.name, piece.box, i, dst_cids, rank):
+                    for peer, part in self.sources(region, rank):
                         local_box = part.moved(piece.box.offset, piece.local_offset)
                         if peer == rank:
-                            skey, sbox = _local_source(src_by_name, region)
-                            local.append(LocalCopy(t.name, part, skey, sbox, key, local_box,
+                            src_key, src_box = _local_source(src_by_name, region)
+                            local.append(LocalCopy(t.name, part, src_key, src_box, key, local_box,
                                                    src_dtype, dtype))
                         else:
                             recvs.append(Transfer(peer, t.name, part, key, local_box, wire, dtype))
@@ -422,16 +440,15 @@ class Planner:
         sends: list[Transfer] = []
         for key, t in src:
             for name in self.consumers(t.name):
-                for dst_box, cids in self.dst.tensors[name].boxes.items():
-                    dst_cids = tuple(cids)
-                    for i, region in enumerate(self.regions(name, dst_box)):
+                for dst_box in self.dst.tensors[name].boxes:
+                    for region in self.regions(name, dst_box):
                         if region.src_name != t.name:
                             continue
                         wire = self.wire_dtype(t.name, name)
-                        for peer, part in self.destinations(name, dst_box, i, dst_cids, rank):
-                            sbox = _box_in(t, relocate(part, region.dst_box.offset,
-                                                       region.src_box.offset))
-                            sends.append(Transfer(peer, name, part, key, sbox, wire, t.dtype))
+                        for peer, part in self.destinations(region, rank):
+                            src_box = _box_in(t, relocate(part, region.dst_box.offset,
+                                                          region.src_box.offset))
+                            sends.append(Transfer(peer, name, part, key, src_box, wire, t.dtype))
         return sends
 
 
@@ -445,13 +462,6 @@ def _block(block) -> tuple[int, int]:
     if len(block) != 2 or min(block) < 1:
         raise ValueError(f"fp8_block must be two positive sizes (rows, columns), not {block}")
     return block
-
-
-def _rows(box: Box, lo: int, hi: int) -> Box:
-    """Rows ``lo`` to ``hi`` (dim 0) of a box."""
-    if lo == 0 and (not box.ndim or hi == box.size[0]):
-        return box
-    return Box((box.offset[0] + lo,) + box.offset[1:], (hi - lo,) + box.size[1:])
 
 
 def _local_source(src_by_name, region: Region) -> tuple[str, Box]:
@@ -481,23 +491,23 @@ def _grid_cells(part: Box, hits: list[tuple[Box, list[int]]]) -> list[tuple[Box,
     out = []
     for off, size in cells:
         cell = Box(off, size)
-        cids = sorted({c for box, cs in hits if box.contains(cell) for c in cs})
-        if cids:
-            out.append((cell, cids))
+        class_ids = sorted({c for box, cs in hits if box.contains(cell) for c in cs})
+        if class_ids:
+            out.append((cell, class_ids))
     return out
 
 
-def _shape_problem(dinfo: TensorInfo, sinfo: TensorInfo) -> str:
+def _shape_problem(dst_info: TensorInfo, src_info: TensorInfo) -> str:
     msg = (
-        f"{dinfo.name}: global shapes differ: source {list(sinfo.shape)} (src rank "
-        f"{sinfo.first_rank}) vs destination {list(dinfo.shape)} (dst rank {dinfo.first_rank})"
+        f"{dst_info.name}: global shapes differ: source {list(src_info.shape)} (src rank "
+        f"{src_info.first_rank}) vs destination {list(dst_info.shape)} (dst rank {dst_info.first_rank})"
     )
-    if len(sinfo.shape) == len(dinfo.shape):
-        for d, (s, t) in enumerate(zip(sinfo.shape, dinfo.shape)):
+    if len(src_info.shape) == len(dst_info.shape):
+        for d, (s, t) in enumerate(zip(src_info.shape, dst_info.shape)):
             if s == t:
                 continue
-            dsizes = sorted({b.size[d] for b in dinfo.boxes})
-            ssizes = sorted({b.size[d] for b in sinfo.boxes})
+            dsizes = sorted({b.size[d] for b in dst_info.boxes})
+            ssizes = sorted({b.size[d] for b in src_info.boxes})
             if len(dsizes) == 1 and dsizes[0] and t % dsizes[0] == 0 and t > dsizes[0] and s % dsizes[0]:
                 msg += (f"; dim {d}: {s} does not divide into the destination's "
                         f"{t // dsizes[0]} shards of {dsizes[0]}")
@@ -508,6 +518,7 @@ def _shape_problem(dinfo: TensorInfo, sinfo: TensorInfo) -> str:
     return msg
 
 
-def _few(ranks: Sequence[int], n: int = 8) -> str:
+def _rank_list(ranks: Sequence[int], n: int = 8) -> str:
+    """The first ``n`` ranks, and how many there are where there are more."""
     ranks = list(ranks)
     return str(ranks) if len(ranks) <= n else f"{ranks[:n]}... ({len(ranks)} ranks)"

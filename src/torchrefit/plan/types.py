@@ -7,6 +7,7 @@ the region of it (``name``, ``region``), which both sides compute.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..layout._types import Box, dtype_from_name
@@ -80,6 +81,16 @@ class RankPlan:
     bytes_sent: int = field(init=False)
     bytes_received: int = field(init=False)
 
+    @classmethod
+    def ordered(cls, rank: int, world: int, local: Iterable[LocalCopy],
+                sends: Iterable[Transfer], recvs: Iterable[Transfer]) -> RankPlan:
+        """The plan with its copies and transfers in the one order every rank uses:
+        sender and receiver of a pair sort the same regions by the same key, so message
+        m of the pair holds the same regions at both ends."""
+        return cls(rank, world, tuple(sorted(local, key=_copy_order)),
+                   tuple(sorted(sends, key=_transfer_order)),
+                   tuple(sorted(recvs, key=_transfer_order)))
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "bytes_local", sum(c.nbytes for c in self.local))
         object.__setattr__(self, "bytes_sent", sum(t.nbytes for t in self.sends))
@@ -114,6 +125,14 @@ class RankPlan:
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def _transfer_order(t: Transfer) -> tuple:
+    return (t.peer, t.name, t.region.offset)
+
+
+def _copy_order(c: LocalCopy) -> tuple:
+    return (c.name, c.region.offset)
 
 
 def _fmt(n: float) -> str:

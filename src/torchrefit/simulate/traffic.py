@@ -1,6 +1,6 @@
 """The traffic of a whole refit: bytes from every source rank to every destination rank.
 
-Computed from the planner's replica choice (:meth:`Planner.deal`), region by region,
+Computed from the planner's replica choice (:meth:`Planner.remote_transfers`), region by region,
 without building every rank's plan: the same bytes as the ranks' plans, at a
 fraction of the cost, so ``torchrefit plan`` can total a 1024-rank refit.
 """
@@ -84,16 +84,15 @@ def traffic(planner: Planner, world: int) -> Traffic:
         if planner.segments(name) is None:
             continue  # skipped on purpose
         info = planner.dst.tensors[name]
-        for box, cids in info.boxes.items():
-            dst_cids = tuple(cids)
-            for i, region in enumerate(planner.regions(name, box)):
-                moves = planner.deal(name, box, i, dst_cids)
+        for box in info.boxes:
+            for region in planner.regions(name, box):
+                moves = planner.remote_transfers(region)
                 for s, d, nbytes in moves:
                     pairs[s, d] = pairs.get((s, d), 0) + nbytes
                 if moves:
                     dealt[region.holders] = dealt.get(region.holders, 0) + sum(m[2] for m in moves)
                 copied = region.dst_box.numel * itemsize(info.dtype)
-                for r in planner.local_ranks(region, dst_cids):
+                for r in planner.local_ranks(region):
                     local[r] += copied
     candidates = sorted({c for h in dealt for c in h})
     ranks = planner.src.ranks(candidates) if candidates else ()

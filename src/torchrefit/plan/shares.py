@@ -1,10 +1,11 @@
-"""Dealing transfers over source replicas by bytes, so that every replica sends its share.
+"""Sharing transfers among source replicas by bytes, so that every replica sends its share.
 
 The regions one set of source ranks holds (a *holder set*, such as the 32
 data-parallel replicas of one TP x PP shard) are sent to the destination ranks
 that need them and do not hold them. Each (region, destination) *pair* is laid on
 a line of bytes: destination ranks in ascending order, and for each, the regions
-it needs from the set in one canonical order (its *block*). The line is cut into
+it needs from the set in the regions' canonical order (its *block*, see
+:attr:`~torchrefit.plan.planner.Region.order`). The line is cut into
 ``n`` equal stretches, holder ``i`` (ascending rank) sending stretch ``i``; a
 pair that straddles a cut is split by rows (dim 0 of the region), rounded to the
 nearest row. So every holder sends ``total / n`` bytes give or take a row, a
@@ -25,14 +26,15 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from heapq import merge
 
-__all__ = ["Block", "Line", "split_pair"]
+__all__ = ["ClassBlock", "ShareLine", "split_pair"]
 
-Key = Hashable  # names one region of the holder set (the planner uses (name, box, index))
+Key = Hashable  # names one region of the holder set (the planner uses Region.id)
 
 
 @dataclass
-class Block:
-    """What one destination rank of a class receives from the holder set, in line order."""
+class ClassBlock:
+    """What each destination rank of one class receives from the holder set, in line order
+    (built once per class by the planner, then read by :class:`ShareLine`)."""
 
     ranks: list[int]  # the class's ranks that receive it (those not among the holders)
     keys: list[Key] = field(default_factory=list)
@@ -51,15 +53,18 @@ class Block:
         self.width += size
 
 
-class Line:
-    """One holder set's line of bytes (see the module docstring)."""
+class ShareLine:
+    """One holder set's line of bytes, cut into one equal share per holder (see the
+    module docstring). Receivers ask :meth:`senders`, holders ask :meth:`sent_by`;
+    both read the same cuts, so they agree without talking."""
 
-    def __init__(self, n: int, blocks: dict[int, Block]) -> None:
+    def __init__(self, n: int, blocks: dict[int, ClassBlock]) -> None:
         self.n = n
         self.blocks = {c: b for c, b in blocks.items() if b.ranks and b.width}
         self.total = sum(b.width * len(b.ranks) for b in self.blocks.values())
         self.cut = [i * self.total // n for i in range(n + 1)]
         self._starts: dict[int, int] = {}
+        self._sent: dict[int, dict[Key, list[tuple[int, int, int]]]] = {}
 
     def block_start(self, rank: int) -> int:
         """Where the block of destination ``rank`` starts: blocks of lower ranks first."""
@@ -69,7 +74,7 @@ class Line:
                                            for b in self.blocks.values())
         return got
 
-    def split(self, cls: int, rank: int, key: Key) -> list[tuple[int, int, int]]:
+    def senders(self, cls: int, rank: int, key: Key) -> list[tuple[int, int, int]]:
         """``(holder index, first row, end row)`` of each holder sending part of the
         pair (``key``, ``rank``); ``cls`` is the rank's class (receivers call this)."""
         b = self.blocks[cls]
@@ -77,8 +82,15 @@ class Line:
         start = self.block_start(rank) + b.offsets[j]
         return split_pair(start, b.sizes[j], b.rows[j], self.cut)
 
-    def sends(self, i: int) -> dict[Key, list[tuple[int, int, int]]]:
-        """What holder ``i`` sends: ``{key: [(destination rank, first row, end row)]}``."""
+    def sent_by(self, i: int) -> dict[Key, list[tuple[int, int, int]]]:
+        """What holder ``i`` sends: ``{key: [(destination rank, first row, end row)]}``
+        (computed once per holder)."""
+        got = self._sent.get(i)
+        if got is None:
+            got = self._sent[i] = self._share(i)
+        return got
+
+    def _share(self, i: int) -> dict[Key, list[tuple[int, int, int]]]:
         a, e = self.cut[i], self.cut[i + 1]
         out: dict[Key, list[tuple[int, int, int]]] = {}
         pos = 0
@@ -92,7 +104,7 @@ class Line:
         return out
 
     @staticmethod
-    def _sends_of_block(b: Block, rank: int, pos: int, a: int, e: int,
+    def _sends_of_block(b: ClassBlock, rank: int, pos: int, a: int, e: int,
                         out: dict[Key, list[tuple[int, int, int]]]) -> None:
         j = max(0, bisect_right(b.offsets, a - pos) - 1)
         while j < len(b.keys) and pos + b.offsets[j] < e:
