@@ -11,17 +11,11 @@ import json
 import pathlib
 import sys
 
+from torchrefit._format import format_bytes
+
 
 def _gb(n) -> str:
     return "-" if not n else f"{n / 1e9:.2f} GB"
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 def _x(v, digits=3) -> str:
@@ -48,7 +42,7 @@ def table(path: pathlib.Path) -> str:
             f"{r['min_ms']:.2f}-{r['max_ms']:.2f} | {_x(r.get('floor_ms'), 2)} | {_x(r.get('ratio_to_floor'))} | "
             f"{_x(r.get('ratio_to_megatron'))} | {_x(r.get('host_ms'))} | {_x(r.get('host_cold_ms'))} | "
             f"{r['first_refit_s']:.3f} | "
-            f"{_bytes(r['peak_extra_bytes'])} |")
+            f"{format_bytes(r['peak_extra_bytes'], digits=1)} |")
     return "\n".join(lines)
 
 

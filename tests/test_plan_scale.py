@@ -13,6 +13,7 @@ and the ``torchrefit plan`` command's JSON.
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
 
@@ -223,15 +224,9 @@ def test_layout_strings() -> None:
     ("kimi-k2", 46874, 1026.4e9)])
 def test_presets_have_the_real_sizes(name: str, tensors: int, params: float) -> None:
     ts = global_tensors(preset(name))
-    total = sum(_numel(t.shape) for t in ts if not t.buffer)
+    total = sum(math.prod(t.shape) for t in ts if not t.buffer)
     assert len(ts) == tensors and abs(total - params) / params < 0.005, (len(ts), total)
 
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def test_plan_command_writes_json(tmp_path, capsys) -> None:

@@ -221,7 +221,6 @@ class Refitter:
                                        cast=cast, skip=tuple(skip), sides=_sides(infos),
                                        fp8_block=fp8_block)
         planner.validate()  # the same rosters on every rank: the same error everywhere
-        self._planner = planner
         self._plan_error: str | None = None
         try:
             self._quantizer = _quantizer(planner, self._dst)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -57,7 +57,6 @@ class BenchConfig:
     label: str = ""
     name_map: str | None = None  # "hf": a Hugging Face-named engine through megatron_to_hf
     fp8: bool = False  # with name_map "hf": block FP8 projections and experts
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if self.mode not in ("collocated", "non-collocated"):
@@ -84,9 +83,6 @@ class BenchConfig:
                                  f"got {self.nproc}")
             src, dst = f"{src}@0:{ns}", f"{dst}@{ns}:{ns + nd}"
         return _toy_mesh(parse_mesh(src, self.nproc)), _toy_mesh(parse_mesh(dst, self.nproc))
-
-    def with_(self, **kw) -> BenchConfig:
-        return replace(self, **kw)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -11,6 +11,7 @@ iteration.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -102,15 +103,9 @@ def _model_size(cfg: BenchConfig, src) -> dict:
     if cfg.compare == "megatron-core":  # equal layouts, TP1 in practice: local is global
         params = sum(p.numel() for p in src.parameters()) if src is not None else 0
     else:
-        params = sum(_numel(d.shape) for d in global_table(cfg.spec).values() if not d.buffer)
+        params = sum(math.prod(d.shape) for d in global_table(cfg.spec).values() if not d.buffer)
     return {"params": params, "model_bytes": params * cfg.spec.dtype.itemsize}
 
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _memory(device: torch.device) -> int:

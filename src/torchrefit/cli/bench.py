@@ -17,6 +17,8 @@ import sys
 
 import torch
 
+from .._format import format_bytes
+
 __all__ = ["add_parser", "run"]
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -115,23 +117,13 @@ def run(args) -> int:
     return 0
 
 
-def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"
-
-
 def _f(x, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if x is None else f"{x:{spec}}{suffix}"
 
 
 def _print(cfg, rows: list[dict]) -> None:
     r0 = rows[0]
-    print(f"\n{r0['label']}: {r0['params'] / 1e9:.2f} B params ({_fmt_bytes(r0['model_bytes'])}), "
+    print(f"\n{r0['label']}: {r0['params'] / 1e9:.2f} B params ({format_bytes(r0['model_bytes'])}), "
           f"{cfg.nproc} process(es), {r0['device']}, copy bandwidth "
           f"{_f(r0['copy_bandwidth_gbs'], '.0f', ' GB/s')}, warmup {cfg.warmup}, iters {cfg.iters}")
     head = (f"{'impl':<14}{'variant':<20}{'transport':<10}{'local':>10}{'remote':>10}{'median':>9}"
@@ -140,13 +132,13 @@ def _print(cfg, rows: list[dict]) -> None:
     print(head)
     for r in rows:
         print(f"{r['impl']:<14}{r['variant']:<20}{r['transport']:<10}"
-              f"{_fmt_bytes(r.get('bytes_local')):>10}{_fmt_bytes(r.get('bytes_remote')):>10}"
+              f"{format_bytes(r.get('bytes_local')):>10}{format_bytes(r.get('bytes_remote')):>10}"
               f"{r['median_ms']:>7.2f}ms{r['mean_ms']:>7.2f}ms{r['stddev_ms']:>7.2f}"
               f"{r['min_ms']:>8.2f}-{r['max_ms']:<7.2f}{_f(r['floor_ms']):>8}"
               f"{_f(r['ratio_to_floor'], '.3f'):>8}{_f(r.get('ratio_to_megatron'), '.3f'):>8}"
               f"{_f(r['host_ms'], '.3f'):>8}{_f(r.get('host_cold_ms'), '.3f'):>8}"
               f"{r['first_refit_s']:>7.3f}s"
-              f"{_fmt_bytes(r['peak_extra_bytes']):>10}")
+              f"{format_bytes(r['peak_extra_bytes']):>10}")
 
 
 def _plot(rows: list[dict], path: str) -> None:

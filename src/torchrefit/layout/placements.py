@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 from ..errors import LayoutError
 from ._types import Box, Piece
+from .sharding import merge_adjacent
 
 __all__ = ["placement_pieces"]
 
@@ -80,7 +81,7 @@ def _apply(runs: list[Runs], placement, parts: int, index: int, mesh_dim: int,
                           f"{len(shape)}-dim tensor")
     if isinstance(placement, _StridedShard):
         sf = int(placement.split_factor)
-        runs[dim] = _merge([r for j in range(sf) for r in _chunk(_chunk(runs[dim], sf, j), parts, index)])
+        runs[dim] = [r for j in range(sf) for r in _chunk(_chunk(runs[dim], sf, j), parts, index)]
     else:
         runs[dim] = _chunk(runs[dim], parts, index)
 
@@ -105,17 +106,6 @@ def _take(runs: Runs, start: int, stop: int) -> Runs:
     return out
 
 
-def _merge(runs: Runs) -> Runs:
-    """Join runs that follow each other globally (they always do locally)."""
-    out: Runs = []
-    for g, n in runs:
-        if out and out[-1][0] + out[-1][1] == g:
-            out[-1] = (out[-1][0], out[-1][1] + n)
-        else:
-            out.append((g, n))
-    return out
-
-
 def _pieces(runs: list[Runs], local_shape: tuple[int, ...]) -> tuple[Piece, ...]:
     ndim = len(local_shape)
     if 0 in local_shape:  # holds nothing: one empty piece keeps the tensor described
@@ -126,7 +116,7 @@ def _pieces(runs: list[Runs], local_shape: tuple[int, ...]) -> tuple[Piece, ...]
         for g, n in r:
             blocks.append((local, g, n))
             local += n
-        per_dim.append(blocks)
+        per_dim.append(merge_adjacent(blocks))  # runs that follow globally: one piece
     return tuple(
         Piece(Box(tuple(b[1] for b in combo), tuple(b[2] for b in combo)),
               tuple(b[0] for b in combo))

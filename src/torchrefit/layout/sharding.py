@@ -74,11 +74,12 @@ def shard_pieces(
         blocks = [(j * chunk, (j * world + rank) * chunk, chunk) for j in range(stride)]
         global_extent = extent * world
     global_shape = local_shape[:dim] + (global_extent,) + local_shape[dim + 1:]
-    return global_shape, _pieces_from_blocks(local_shape, dim, _merge_adjacent(blocks))
+    return global_shape, _pieces_from_blocks(local_shape, dim, merge_adjacent(blocks))
 
 
-def _merge_adjacent(blocks: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """Join blocks that follow each other both locally and globally (e.g. world 1)."""
+def merge_adjacent(blocks: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Join ``(local start, global start, length)`` blocks that follow each other both
+    locally and globally (e.g. world 1), dropping empty ones."""
     merged: list[tuple[int, int, int]] = []
     for lo, go, n in blocks:
         if n == 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from .._format import format_bytes as _fmt
 from ..layout._types import Box, dtype_from_name
 
 __all__ = ["Transfer", "LocalCopy", "RankPlan", "itemsize"]
@@ -134,10 +135,3 @@ def _transfer_order(t: Transfer) -> tuple:
 def _copy_order(c: LocalCopy) -> tuple:
     return (c.name, c.region.offset)
 
-
-def _fmt(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"

@@ -10,6 +10,7 @@ copies of the gathered bytes. Used by ``torchrefit plan`` and the benchmarks.
 from __future__ import annotations
 
 import gc
+import math
 import pickle
 import resource
 import sys
@@ -274,8 +275,8 @@ def _report(shape, model, s, d, world, moves: Traffic, timings, slowest, alloc, 
     receivers = [received[r] for r in range(world) if d.class_of[r] is not None]
     links = moves.links()
     meta, gathered, full, pickled = _metadata(s, d, world, prediction.hardware)
-    params = sum(_numel(t.shape) for t in tensors if not t.buffer)
-    nbytes = sum(_numel(t.shape) * itemsize(t.dtype or shape.dtype) for t in tensors)
+    params = sum(math.prod(t.shape) for t in tensors if not t.buffer)
+    nbytes = sum(math.prod(t.shape) * itemsize(t.dtype or shape.dtype) for t in tensors)
     remote, local = moves.bytes_remote, moves.bytes_local
     return PlanReport(
         model=model, src=s.mesh.describe(), dst=d.mesh.describe(), world=world,
@@ -297,12 +298,6 @@ def _report(shape, model, s, d, world, moves: Traffic, timings, slowest, alloc, 
         prediction=prediction,
     )
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for x in shape:
-        n *= x
-    return n
 
 
 

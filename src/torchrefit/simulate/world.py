@@ -9,7 +9,6 @@ Ranks with the same holdings (data-parallel replicas, identical engines) share o
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -62,9 +61,6 @@ class SimulatedRole:
     def rosters(self) -> list[bytes | None]:
         """Every rank's roster bytes (replicas share one object), as the gather returns them."""
         return [None if c is None else self.roster(c) for c in self.class_of]
-
-    def ranks_of(self, cid: int) -> Iterator[int]:
-        return (r for r, c in enumerate(self.class_of) if c == cid)
 
 
 def simulated_role(shape: ModelShape, mesh: Mesh, world: int) -> SimulatedRole:

@@ -420,7 +420,7 @@ def _forward(m: ToyGPT, tokens: torch.Tensor) -> torch.Tensor:
     h = emb[(tokens - start).clamp(0, emb.shape[0] - 1)] * inside[:, None]
     h = _all_reduce(h, group)
     for layer in _layer_modules(m):
-        h = h + _attention(layer.self_attention, h, spec, c, group)
+        h = h + _attention(layer.self_attention, h, spec, group)
         h = h + _mlp_forward(layer.mlp, h, spec, group)
     h = _rms(h, m.decoder.final_layernorm.weight)
     out = emb if spec.tie else m.output_layer.weight
@@ -432,7 +432,7 @@ def _forward(m: ToyGPT, tokens: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, -1)
 
 
-def _attention(a: nn.Module, h: torch.Tensor, spec: ModelSpec, c: Coords, group) -> torch.Tensor:
+def _attention(a: nn.Module, h: torch.Tensor, spec: ModelSpec, group) -> torch.Tensor:
     T, hd = h.shape[0], spec.head_dim
     qpg = spec.heads // spec.groups
     x = _rms(h, a.linear_qkv.layer_norm_weight)

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from .errors import PlanError
-from .layout._types import Box
-from .maps import NameMap, Segment, relocate
+from ..errors import PlanError
+from ..layout._types import Box
+from .base import NameMap, Segment, relocate
 
 __all__ = ["MegatronToHF", "HfToMegatron", "megatron_to_hf", "hf_to_megatron", "HF_FROM_MEGATRON"]
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from .errors import PlanError
-from .layout._types import Box
-from .maps import Rename, Segment
-from .maps_hf import _field
+from ..errors import PlanError
+from ..layout._types import Box
+from .base import Rename, Segment
+from .megatron_hf import _field
 
 __all__ = ["TorchtitanToHF", "torchtitan_to_hf", "HF_FROM_TORCHTITAN"]
 

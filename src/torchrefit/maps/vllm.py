@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from .errors import PlanError
-from .layout._types import Box
-from .maps import Compose, NameMap, Segment
-from .maps_hf import _field, megatron_to_hf
+from ..errors import PlanError
+from ..layout._types import Box
+from .base import Compose, NameMap, Segment
+from .megatron_hf import _field, megatron_to_hf
 
 __all__ = ["HfToVllm", "hf_to_vllm", "megatron_to_vllm", "VLLM_FROM_HF"]
 

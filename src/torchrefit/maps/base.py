@@ -1,4 +1,5 @@
-"""Name maps: how destination global tensors are made of source global tensors.
+"""The name map interface and the plain maps: :class:`Segment`, :class:`NameMap`,
+:class:`Identity`, :class:`Rename`, :class:`Compose` and :func:`relocate`.
 
 A name map answers, for one destination global tensor, which regions of which
 source global tensors fill it (:class:`Segment`, region to region in global
@@ -6,11 +7,9 @@ coordinates). The default, :class:`Identity`, takes each destination tensor from
 the source tensor of the same name, or from the tensor that name aliases on the
 source (a tied ``output_layer.weight`` is served from the word embedding).
 :class:`Rename` is a flat table with ``{}`` layer templates, for engines whose
-names differ from the trainer's. :func:`megatron_to_hf` (in :mod:`.maps_hf`) maps a
-Megatron-core trainer onto a Hugging Face-named engine (Llama / Qwen2 / Mistral,
-Qwen2-MoE / DeepSeek MoE names, vLLM's fused ``qkv_proj`` and ``gate_up_proj``):
-it splits ``linear_qkv`` by query group and ``linear_fc1`` into gate and up as
-row blocks, so no rank gathers a full tensor.
+names differ from the trainer's. The maps of particular frameworks live in modules
+of their own next to this one and build on these classes (:mod:`.megatron_hf`,
+:mod:`.vllm`, :mod:`.torchtitan`); this module imports none of them.
 
 The planner calls :meth:`NameMap.segments` on every rank, for every destination
 tensor, with the same arguments everywhere; a map that finds the shapes do not fit
@@ -24,11 +23,9 @@ from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .layout._types import Box
+from ..layout._types import Box
 
-__all__ = ["Segment", "NameMap", "Identity", "Rename", "Compose", "relocate", "MegatronToHF",
-           "megatron_to_hf", "hf_to_megatron", "HfToVllm", "hf_to_vllm", "megatron_to_vllm",
-           "torchtitan_to_hf"]
+__all__ = ["Segment", "NameMap", "Identity", "Rename", "Compose", "relocate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,9 +240,3 @@ def _shape_of(src_names: Container[str], name: str | None) -> tuple[int, ...] | 
 def _template_regex(template: str) -> re.Pattern[str]:
     parts = template.split("{}")
     return re.compile(r"(\d+)".join(re.escape(p) for p in parts))
-
-
-# After the base classes: the engine maps build on them.
-from .maps_hf import MegatronToHF, hf_to_megatron, megatron_to_hf  # noqa: E402
-from .maps_titan import torchtitan_to_hf  # noqa: E402
-from .maps_vllm import HfToVllm, hf_to_vllm, megatron_to_vllm  # noqa: E402
