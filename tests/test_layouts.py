@@ -79,6 +79,7 @@ CASES: list[Case] = [
          ModelSpec(heads=6, groups=6, hidden=24, ffn=48, vocab=96)),
     Case("pp3->pp2", _m(1, 3, ranks=6), _m(2, 2), ModelSpec(layers=6)),
     Case("pp2-tp2->pp3", _m(2, 2), _m(1, 3, ranks=6), ModelSpec(layers=6)),
+    Case("pp3->pp2-uneven", _m(1, 3, ranks=6), _m(2, 2), ModelSpec(layers=5)),  # layers 1+2+2 vs 2+3
     Case("ep2->ep4-8experts", _m(ep=2), _m(ep=4), ModelSpec(experts=8)),
     Case("ep4-8experts->ep2-tp2", _m(ep=4), _m(2, ep=2), ModelSpec(experts=8)),
     Case("etp1-tp2->etp2-tp1", _m(2, ep=2, etp=1), _m(1, ep=2, etp=2), MOE4),

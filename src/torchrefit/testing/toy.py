@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..simulate.meshes import Mesh as SimMesh
+from ..simulate.shapes import stage_layers
 
 __all__ = ["ModelSpec", "Mesh", "Coords", "TensorDef", "global_table", "global_value",
            "build_toy", "expected_local", "FakeGroup", "PGCollection"]
@@ -216,8 +217,9 @@ def _oracle_shard(g: torch.Tensor, d: TensorDef, rank: int, size: int) -> torch.
 
 
 def _layers_of(spec: ModelSpec, c: Coords) -> range:
-    per = spec.layers // c.pp_size
-    return range(c.pp * per, (c.pp + 1) * per)
+    """The stage's global layers: the one pipeline split (uneven where PP does not
+    divide the layers, never dropping one)."""
+    return stage_layers(spec.layers, c.pp_size, c.pp)
 
 
 def _held(spec: ModelSpec, c: Coords, name: str, d: TensorDef) -> str | None:
