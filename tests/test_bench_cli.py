@@ -1,13 +1,17 @@
 """``torchrefit bench`` on CPU: it runs, verifies, and writes the JSON keys BENCHMARKS.md
 and issue 5 rely on (median, floor and ratio, first refit, peak memory), for the plain and
-shared-storage variants."""
+shared-storage variants; its table names its columns plainly and leaves out what a CPU
+run cannot have (the CUDA-graph variant, host-time and megatron-core columns)."""
 
 import json
+
+import pytest
+import torch
 
 from torchrefit.cli import main
 
 
-def test_bench_writes_the_figures(tmp_path) -> None:
+def test_bench_writes_the_figures(tmp_path, capsys) -> None:
     out = tmp_path / "bench.json"
     assert main(["bench", "--layers", "1", "--hidden", "64", "--heads", "4", "--ffn", "128",
                  "--vocab", "256", "--warmup", "1", "--iters", "2", "--variant", "plain",
@@ -19,6 +23,19 @@ def test_bench_writes_the_figures(tmp_path) -> None:
             assert r[key] is not None, key
         assert r["bytes_local"] > 0 and r["bytes_remote"] == 0
     assert rows[0]["shared_tensors"] == 0 < rows[1]["shared_tensors"]
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("impl"))
+    assert header.split()[:7] == ["impl", "variant", "transport", "local", "remote", "median", "ms"]
+    assert "floor ms" in header and "vs floor" in header
+    assert "vs mcore" not in header and "host ms" not in header and "x floor" not in header
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU defaults")
+def test_bench_on_cpu_offers_no_cuda_graph(capsys) -> None:
+    from torchrefit.cli.bench import _variants
+
+    assert _variants(None) == ("plain",)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        main(["bench", "--variant", "graph", "--layers", "1", "--hidden", "64"])
 
 
 def test_shape_presets_are_one_table_for_plan_and_bench() -> None:

@@ -303,8 +303,8 @@ CASES = [
 NO_MAP_ERROR = (
     "lm_head.weight: destination tensor (dst ranks [0, 1, 2, 3]) has no source tensor "
     "(no source rank holds 'lm_head.weight' or an alias of it; closest source names: "
-    "'output_layer.weight', ", "closest source names: 'embedding.word_embeddings.weight', ",
-    "(and 24 more). Tensors without a source (source detected as "
+    "'output_layer.weight', ",
+    "(and 26 more; err.detail lists them). Tensors without a source (source detected as "
     "megatron (ranks [0, 1, 2, 3]), destination detected as replicated (ranks [0, 1, 2, 3])): "
     "where the two sides name tensors differently, pass a name map (name_map=tr.maps.megatron_to_hf")
 VOCAB_PAD = 128
@@ -362,7 +362,8 @@ def _run_bad(case: Case, rank: int) -> dict:
     try:
         tr.Refitter(src, dst)
     except tr.RefitError as e:
-        return {"raised": f"{type(e).__name__}: {e}",
+        return {"raised": f"{type(e).__name__}: {e}", "detail": e.detail,
+                "parts": (e.tensor, e.ranks, e.rule),
                 "unchanged": all(torch.equal(p, before[n]) for n, p in dst.named_parameters()),
                 "remote": -1}
     return {"raised": None}
@@ -433,6 +434,10 @@ def test_refit_into_engine(case: Case, results) -> None:
         if case.kind == "bad":
             assert got["raised"] is not None and got["raised"].startswith("PlanError: "), got
             assert all(part in got["raised"] for part in NO_MAP_ERROR), got["raised"]
+            # one line; every tensor without a source in err.detail, the first's parts apart
+            assert "\n" not in got["raised"]
+            assert "closest source names: 'embedding.word_embeddings.weight', " in got["detail"]
+            assert got["parts"] == ("lm_head.weight", (0, 1, 2, 3), "no source"), got["parts"]
             assert got["raised"] == results[0][case.id]["raised"], "ranks raised different errors"
             assert got["unchanged"], f"rank {rank}: destination written by a failed refit"
             continue

@@ -8,11 +8,14 @@ and balanced, and the message cutting both ends share.
 
 from __future__ import annotations
 
+import pickle
 import random
 
 import pytest
 import torch
 
+from torchrefit._format import format_bytes
+from torchrefit.errors import PlanError
 from torchrefit.execute.messages import ALIGN, cut_messages
 from torchrefit.layout import megatron, shard_pieces
 from torchrefit.layout._types import Box
@@ -105,3 +108,42 @@ def test_messages_respect_limit_and_alignment() -> None:
     assert per == {i: t.nbytes for i, t in enumerate(ts)}
     big = [ch for m in msgs for ch in m.chunks if ch.index == 1]
     assert len(big) == 4 and big[0].rows == (0, 32)  # 100 rows of 32 bytes in blocks of 32
+
+
+def test_plan_error_is_one_line_with_its_parts_as_attributes() -> None:
+    # The destination has biases the source lacks (no source) and is bfloat16 (no cast).
+    src = _layouts(ModelSpec(bias=False), Mesh(2, ranks=4), 4)
+    dst = _layouts(ModelSpec(dtype=torch.bfloat16), Mesh(1, ranks=4), 4)
+    with pytest.raises(PlanError) as got:
+        plan_world(src, dst, cast=False)
+    err = got.value
+    assert "\n" not in str(err)
+    first = err.detail.splitlines()[0]
+    assert str(err).startswith(first) and err.tensor in first and "dst rank 0" in first
+    assert (err.ranks, err.rule) == ((0, 1, 2, 3), "dtype")
+    lines = err.detail.splitlines()
+    assert any("has no source tensor" in line for line in lines[:-1])
+    assert any("dtype mismatch" in line for line in lines) and len(lines) > 2
+    assert f"(and {len(lines) - 1} more; err.detail lists them)" in str(err)
+    assert pickle.loads(pickle.dumps(err)).detail == err.detail  # survives a process boundary
+
+
+def test_explain_accounts_for_every_region_and_byte() -> None:
+    src = _layouts(ModelSpec(), Mesh(2, ranks=4), 4)
+    dst = _layouts(ModelSpec(dtype=torch.bfloat16), Mesh(1, ranks=4), 4)
+    plan = plan_world(src, dst, cast=True)[1]
+    text = plan.explain()
+    rows = [" ".join(line.split()) for line in text.splitlines() if line.startswith("  ")]
+    kinds = [row.split()[0] for row in rows]
+    assert kinds.count("copy") == len(plan.local) > 0
+    assert kinds.count("receive") == len(plan.recvs) > 0
+    assert kinds.count("send") == len(plan.sends) > 0
+    for t in plan.recvs:  # source dtype on the wire, converted on receipt
+        want = (f"receive {t.region} rank {t.peer} -> rank 1 float32 -> bfloat16 "
+                f"{format_bytes(t.nbytes)}")
+        assert want in rows, want
+    for t in plan.sends:
+        assert f"send {t.region} rank 1 -> rank {t.peer} float32 {format_bytes(t.nbytes)}" in rows
+    t = plan.recvs[0]
+    mine = plan.explain([t.name]).splitlines()
+    assert mine[1].startswith(f"{t.name}: ") and all(line.startswith("  ") for line in mine[2:])

@@ -3,9 +3,18 @@
     import torchrefit as tr
     r = tr.Refitter(src_model, dst_model)   # collective: describe, gather, plan
     report = r.refit()                      # collective: move the newest weights
+
+The names below are the public API (the README's API section lists the same ones);
+everything else lives in subpackages: ``torchrefit.layout`` (describing what a rank
+holds), ``torchrefit.maps`` (name maps), ``torchrefit.plan`` (pure planning),
+``torchrefit.execute`` and ``torchrefit.transport`` (moving bytes). torchrefit logs
+through the ``torchrefit`` :mod:`logging` logger and prints nothing unless the
+application configures logging.
 """
 
-from . import layout, maps
+import logging as _logging
+
+from . import maps
 from .connect import Connection, connect
 from .errors import (
     ConnectError,
@@ -17,16 +26,29 @@ from .errors import (
 )
 from .layout import Box, Explicit, Piece, TensorSpec, shard_pieces
 from .layout.sink import load_weights_sink
-from .refitter import DEFAULT_STAGING_BYTES, RefitReport, Refitter, clear_caches, swap_model_weights
-from .transport import Transport, get_transport, register_transport, transport_names
+from .layout.vllm import vllm_tp_layout
+from .refitter import RefitReport, Refitter, clear_caches, swap_model_weights
+from .transport import Transport, register_transport, transport_names
 from .versions import weight_version
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Refitter", "RefitReport", "swap_model_weights", "clear_caches", "DEFAULT_STAGING_BYTES",
+    # refitting
+    "Refitter", "RefitReport", "swap_model_weights", "clear_caches",
+    # describing what a rank holds
+    "Explicit", "TensorSpec", "Box", "Piece", "shard_pieces", "vllm_tp_layout",
+    # name maps
+    "maps",
+    # transports
+    "Transport", "register_transport", "transport_names",
+    # errors
     "RefitError", "LayoutError", "PlanError", "TransportError", "VerificationError",
-    "Box", "Piece", "TensorSpec", "Explicit", "shard_pieces", "layout", "maps",
-    "Transport", "get_transport", "register_transport", "transport_names", "__version__",
-    "connect", "Connection", "ConnectError", "weight_version", "load_weights_sink",
+    "ConnectError",
+    # separately launched trainer and engine jobs; weight versions; engine load_weights
+    "connect", "Connection", "weight_version", "load_weights_sink",
 ]
+
+# A library adds no handler of its own: without this, Python's last-resort handler would
+# print the package's warnings to stderr in applications that never configured logging.
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())

@@ -11,6 +11,7 @@ local tensors, later calls only replay it.
 
 from __future__ import annotations
 
+import logging
 import socket
 import traceback
 import weakref
@@ -36,6 +37,8 @@ from .transport.base import Transport, get_transport
 from .versions import stamp_version
 
 __all__ = ["Refitter", "RefitReport", "swap_model_weights", "clear_caches", "DEFAULT_STAGING_BYTES"]
+
+_log = logging.getLogger(__name__)
 
 #: staging memory a rank may use for packed messages (both pools, sends and receives)
 DEFAULT_STAGING_BYTES = 1 << 30
@@ -185,6 +188,8 @@ class Refitter:
         budget = min(i.staging_bytes for i in infos)
         self.message_limit = max(_MIN_MESSAGE, budget // (2 * max(1, max_peers)))
         self.plan_seconds = perf_counter() - t0
+        _log.debug("rank %d: planned in %.3f s (transport %s)\n%s", self.rank, self.plan_seconds,
+                   self.transport_name, self.plan)
 
     # ---------------------------------------------------------------- construction
     def _describe(self, src_model, dst_model, src_layout, dst_layout):
@@ -221,6 +226,7 @@ class Refitter:
                                        cast=cast, skip=tuple(skip), sides=_sides(infos),
                                        fp8_block=fp8_block)
         planner.validate()  # the same rosters on every rank: the same error everywhere
+        self._planner = planner  # bucketed (load_weights sink) refits ask it per bucket
         self._plan_error: str | None = None
         try:
             self._quantizer = _quantizer(planner, self._dst)
@@ -251,7 +257,8 @@ class Refitter:
         out = all_gather_pickled((self._plan_error, peers), self.group)
         for rank, (err, _) in enumerate(out):
             if err:
-                raise PlanError(f"planning failed on rank {rank}: {err}")
+                raise PlanError(f"planning failed on rank {rank}: {err.splitlines()[0]}",
+                                ranks=(rank,), rule="planning", detail=err)
         return max(p for _, p in out)
 
     def _make_transport(self, transport: str | Transport) -> Transport:
@@ -292,13 +299,17 @@ class Refitter:
         self.version = version
         if self._dst_model is not None:
             stamp_version(self._dst_model, version)
-        return RefitReport(
+        report = RefitReport(
             version, perf_counter() - t0, self.plan.bytes_local, self.plan.bytes_sent,
             self.plan.bytes_received, self.transport_name, stats.rounds, stats.messages_sent,
             stats.messages_received, stats.staging_bytes, compiled,
             sum(len(p.shared) for p in self._phase_programs or [self._program]),
             self._quantizer.count,
         )
+        _log.debug("rank %d: refit %d in %.3f s: %d B local, %d B sent, %d B received",
+                   self.rank, report.version, report.seconds, report.bytes_local,
+                   report.bytes_sent, report.bytes_received)
+        return report
 
     def _run_phases(self) -> RunStats:
         """One phase per bucket, in the agreed order; a sink rank hands each bucket to
@@ -389,8 +400,11 @@ def _sides(infos: list[_RankInfo]) -> str:
 def _raise_layout_errors(infos: list[_RankInfo]) -> None:
     bad = [(r, i.error) for r, i in enumerate(infos) if i.error]
     if bad:
-        where = ", ".join(f"rank {r}: {e}" for r, e in bad[:3])
-        raise LayoutError(f"could not describe the models on {len(bad)} rank(s): {where}")
+        # one line per error in the message (a traceback goes to ``detail`` only)
+        where = ", ".join(f"rank {r}: {e.splitlines()[0]}" for r, e in bad[:3])
+        raise LayoutError(f"could not describe the models on {len(bad)} rank(s): {where}",
+                          ranks=[r for r, _ in bad], rule="describe",
+                          detail="\n".join(f"rank {r}: {e}" for r, e in bad))
 
 
 def _check_offsets(infos: list[_RankInfo], src_offset: int, dst_offset: int) -> None:

@@ -18,6 +18,7 @@ import sys
 import torch
 
 from .._format import format_bytes
+from .plan import SHAPE_FLAGS
 
 __all__ = ["add_parser", "run"]
 
@@ -30,9 +31,11 @@ def add_parser(sub) -> None:
     p.add_argument("--model", help=f"shape preset (as torchrefit plan): {', '.join(_toy_presets())}; "
                                    "default gpt-4b (the seed's model) on a GPU, a small shape on "
                                    "CPU; --layers scales a preset to fit one GPU")
-    p.add_argument("--layers", help="number of layers; a comma list runs several sizes")
-    for flag in ("hidden", "heads", "kv-heads", "ffn", "vocab", "experts", "expert-ffn"):
-        p.add_argument(f"--{flag}", type=int)
+    p.add_argument("--layers", metavar="N[,N...]",
+                   help="transformer layers; a comma list runs several sizes")
+    for flag, what in SHAPE_FLAGS.items():
+        if flag != "layers":
+            p.add_argument(f"--{flag}", type=int, metavar="N", help=what)
     p.add_argument("--swiglu", action=argparse_bool(), default=None, help="gated MLP (stride-2 fc1)")
     p.add_argument("--tie", action="store_true", help="tie the output layer to the embedding")
     p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
@@ -45,7 +48,8 @@ def add_parser(sub) -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--variant", action="append", choices=["plain", "graph", "share"],
                    help="executor variant, repeatable: plain replay, CUDA-graph replay of local "
-                        "copies, shared storage (default: plain and graph)")
+                        "copies (GPU only), shared storage (default: plain and graph on a GPU, "
+                        "plain on CPU)")
     p.add_argument("--compare", choices=["megatron-core"], help="also time megatron-core's "
                                                                  "swap_model_weights on the same models")
     p.add_argument("--map", dest="name_map", choices=["hf"],
@@ -92,11 +96,22 @@ def _spec(args, layers: int | None):
     return ModelSpec(**small)
 
 
+def _variants(asked: list[str] | None) -> tuple[str, ...]:
+    """The executor variants to time: plain and CUDA-graph replay by default; CUDA graphs
+    only exist on a GPU, so on CPU the default is plain and asking for graph is an error."""
+    if not torch.cuda.is_available():
+        if asked and "graph" in asked:
+            raise SystemExit("torchrefit bench: --variant graph needs a CUDA GPU (local copies "
+                             "are captured in a CUDA graph); none is present")
+        return tuple(asked or ["plain"])
+    return tuple(asked or ["plain", "graph"])
+
+
 def run(args) -> int:
     from torchrefit.bench import BenchConfig, run_bench
 
     sizes = [int(x) for x in args.layers.split(",")] if args.layers else [None]
-    variants = tuple(args.variant or ["plain", "graph"])
+    variants = _variants(args.variant)
     rows = []
     for layers in sizes:
         cfg = BenchConfig(spec=_spec(args, layers), src=args.src, dst=args.dst, mode=args.mode,
@@ -117,28 +132,48 @@ def run(args) -> int:
     return 0
 
 
-def _f(x, spec: str = ".2f", suffix: str = "") -> str:
-    return "-" if x is None else f"{x:{spec}}{suffix}"
+def _num(spec: str, suffix: str = ""):
+    return lambda x: "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+# (header, width, the row's value, how to write it); a column every row leaves empty is
+# not printed (CPU runs have no host-time split, runs without --compare no megatron ratio)
+_COLUMNS = (
+    ("impl", -14, lambda r: r["impl"], str),
+    ("variant", -20, lambda r: r["variant"], str),
+    ("transport", -10, lambda r: r["transport"], str),
+    ("local", 11, lambda r: r.get("bytes_local"), format_bytes),
+    ("remote", 11, lambda r: r.get("bytes_remote"), format_bytes),
+    ("median ms", 10, lambda r: r["median_ms"], _num(".2f")),
+    ("mean ms", 9, lambda r: r["mean_ms"], _num(".2f")),
+    ("sd ms", 7, lambda r: r["stddev_ms"], _num(".2f")),
+    ("min-max ms", 14, lambda r: (r["min_ms"], r["max_ms"]), lambda v: f"{v[0]:.2f}-{v[1]:.2f}"),
+    ("floor ms", 9, lambda r: r.get("floor_ms"), _num(".2f")),
+    ("vs floor", 9, lambda r: r.get("ratio_to_floor"), _num(".3f", "x")),
+    ("vs mcore", 9, lambda r: r.get("ratio_to_megatron"), _num(".3f", "x")),
+    ("host ms", 8, lambda r: r.get("host_ms"), _num(".3f")),
+    ("cold ms", 8, lambda r: r.get("host_cold_ms"), _num(".3f")),
+    ("first s", 8, lambda r: r["first_refit_s"], _num(".3f")),
+    ("peak", 10, lambda r: r.get("peak_extra_bytes"), format_bytes),
+)
 
 
 def _print(cfg, rows: list[dict]) -> None:
     r0 = rows[0]
-    print(f"\n{r0['label']}: {r0['params'] / 1e9:.2f} B params ({format_bytes(r0['model_bytes'])}), "
+    bandwidth = r0["copy_bandwidth_gbs"]
+    print(f"\n{r0['label']}: {r0['params']:,} parameters ({format_bytes(r0['model_bytes'])}), "
           f"{cfg.nproc} process(es), {r0['device']}, copy bandwidth "
-          f"{_f(r0['copy_bandwidth_gbs'], '.0f', ' GB/s')}, warmup {cfg.warmup}, iters {cfg.iters}")
-    head = (f"{'impl':<14}{'variant':<20}{'transport':<10}{'local':>10}{'remote':>10}{'median':>9}"
-            f"{'mean':>9}{'std':>7}{'min-max':>16}{'floor':>8}{'x floor':>8}{'x mcore':>8}"
-            f"{'host':>8}{'cold':>8}{'first':>8}{'peak':>10}")
-    print(head)
+          f"{'-' if bandwidth is None else f'{bandwidth:.0f} GB/s'}, warmup {cfg.warmup}, "
+          f"iters {cfg.iters}")
+    shown = [c for c in _COLUMNS if any(c[2](r) is not None for r in rows)]
+    versus = ", vs mcore: over megatron-core's median" if any(
+        c[0] == "vs mcore" for c in shown) else ""
+    print("  floor: the bytes moved at the copy bandwidth measured in this run; vs floor: the "
+          f"median over the floor{versus}")
+    print("".join(f"{h:<{-w}}" if w < 0 else f"{h:>{w}}" for h, w, _, _ in shown))
     for r in rows:
-        print(f"{r['impl']:<14}{r['variant']:<20}{r['transport']:<10}"
-              f"{format_bytes(r.get('bytes_local')):>10}{format_bytes(r.get('bytes_remote')):>10}"
-              f"{r['median_ms']:>7.2f}ms{r['mean_ms']:>7.2f}ms{r['stddev_ms']:>7.2f}"
-              f"{r['min_ms']:>8.2f}-{r['max_ms']:<7.2f}{_f(r['floor_ms']):>8}"
-              f"{_f(r['ratio_to_floor'], '.3f'):>8}{_f(r.get('ratio_to_megatron'), '.3f'):>8}"
-              f"{_f(r['host_ms'], '.3f'):>8}{_f(r.get('host_cold_ms'), '.3f'):>8}"
-              f"{r['first_refit_s']:>7.3f}s"
-              f"{format_bytes(r['peak_extra_bytes']):>10}")
+        cells = [(fmt(get(r)) if get(r) is not None else "-", w) for _, w, get, fmt in shown]
+        print("".join(f"{v:<{-w}}" if w < 0 else f"{v:>{w}}" for v, w in cells))
 
 
 def _plot(rows: list[dict], path: str) -> None:

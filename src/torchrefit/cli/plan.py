@@ -30,8 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="gpt-4b",
                    help=f"shape preset: {', '.join(PRESETS)} (default gpt-4b); "
                         "the flags below override its fields")
-    for flag in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "experts", "expert-ffn"):
-        p.add_argument(f"--{flag}", type=int, default=None)
+    for flag, what in SHAPE_FLAGS.items():
+        p.add_argument(f"--{flag}", type=int, default=None, metavar="N", help=what)
     p.add_argument("--dtype", default=None, help="parameter dtype, e.g. bfloat16, float32")
     p.add_argument("--src", default="tp8pp4",
                    help="source layout, e.g. tp8pp4, pp16ep64, tp2@0:512 (ranks 0-511); "
@@ -50,10 +50,29 @@ def add_parser(sub) -> None:
                    help="local copy GB/s, bytes read + written (default 4000: an H200 measures 4237)")
     p.add_argument("--rank", type=int, action="append", default=[],
                    help="also print this rank's plan (repeatable)")
+    p.add_argument("--explain", action="store_true",
+                   help="per tensor, what the --rank ranks (default rank 0) copy, receive and "
+                        "send: which region, from which rank to which, in what dtype, how "
+                        "many bytes")
+    p.add_argument("--tensor", action="append", default=[], metavar="NAME",
+                   help="with --explain: only this global tensor (repeatable)")
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     p.add_argument("--heatmap", metavar="FILE.png",
                    help="draw the rank x rank traffic matrix (needs matplotlib)")
     p.set_defaults(run=run)
+
+
+#: the shape flags ``plan`` and ``bench`` share, and what each one sets
+SHAPE_FLAGS = {
+    "layers": "transformer layers",
+    "hidden": "hidden size",
+    "heads": "attention heads",
+    "kv-heads": "key/value heads (query groups); default: as many as --heads",
+    "ffn": "MLP width (per half of a gated MLP)",
+    "vocab": "vocabulary rows of the embedding and output layer",
+    "experts": "MoE experts per layer (0: dense)",
+    "expert-ffn": "MLP width of one expert",
+}
 
 
 def _shape(args):
@@ -89,9 +108,13 @@ def run(args) -> int:
           f"{report.simulate_seconds:.1f} s ({report.simulate_cpu_seconds:.1f} s CPU)")
     for line in report.lines():
         print("  " + line)
-    for r in args.rank:
+    for r in [] if args.explain else args.rank:
         print()
         print(sim.plan(r).summary())
+    if args.explain:
+        for r in args.rank or [0]:
+            print()
+            print(sim.plan(r).explain(args.tensor or None))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report.to_json(), f, indent=1)

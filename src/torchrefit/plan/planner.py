@@ -36,6 +36,17 @@ __all__ = ["Region", "RegionId", "Planner", "CastPolicy"]
 CastPolicy = bool | str  # True: any dtype change; "buffers": buffers only; False: none
 
 
+@dataclass(frozen=True, slots=True)
+class _Problem:
+    """One thing :meth:`Planner.validate` found wrong: the destination tensor, its
+    destination ranks, the rule broken (``"no source"``, ``"coverage"``, ...), a line."""
+
+    tensor: str
+    ranks: tuple[int, ...]
+    rule: str
+    message: str
+
+
 RegionId = tuple[str, Box, Box]  # (destination tensor, destination box held, region's box)
 
 
@@ -134,7 +145,8 @@ class Planner:
 
         Deterministic: every rank checks the same rosters in the same order.
         """
-        problems: list[str] = check_targets(self.fp8, self.dst, self.fp8_block)
+        problems = [_Problem(p.partition(":")[0], (), "fp8", p)
+                    for p in check_targets(self.fp8, self.dst, self.fp8_block)]
         for name in sorted(self.dst.tensors):
             if name in self._derived:
                 continue  # an FP8 scale: written by the quantizer
@@ -142,7 +154,9 @@ class Planner:
             try:
                 segs = self.segments(name)
             except PlanError as e:  # a name map that finds the shapes do not fit its rule
-                problems.append(f"{e} (dst ranks {self._dst_ranks(info)})")
+                ranks = self._dst_rank_tuple(info)
+                problems.append(_Problem(name, ranks, e.rule or "name map",
+                                         f"{e} (dst ranks {_rank_list(ranks)})"))
                 continue
             if segs is None:
                 if not self._skipped(name):
@@ -159,26 +173,35 @@ class Planner:
             if len(problems) > 20:
                 break
         if problems:
-            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-            advice = self._no_source_advice() if any(
-                "has no source tensor" in p for p in problems) else ""
-            raise PlanError("; ".join(problems[:3]) + more + advice)
+            raise self._error(problems)
+
+    def _error(self, problems: list[_Problem]) -> PlanError:
+        """One short line (the first problem, how many more, what to do where tensors
+        have no source); every problem in ``detail``; the first's parts as attributes."""
+        first = problems[0]
+        more = (f" (and {len(problems) - 1} more; err.detail lists them)"
+                if len(problems) > 1 else "")
+        advice = (self._no_source_advice() if any(p.rule == "no source" for p in problems)
+                  else "")
+        return PlanError(first.message + more + advice, tensor=first.tensor, ranks=first.ranks,
+                         rule=first.rule,
+                         detail="\n".join(p.message for p in problems) + advice)
 
     def _skipped(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, p) for p in self.skip)
 
-    def _dst_ranks(self, info: TensorInfo) -> str:
-        return _rank_list(self.dst.ranks(sorted({c for cs in info.boxes.values() for c in cs})))
+    def _dst_rank_tuple(self, info: TensorInfo) -> tuple[int, ...]:
+        return self.dst.ranks(sorted({c for cs in info.boxes.values() for c in cs}))
 
-    def _no_source(self, info: TensorInfo) -> str:
-        ranks = self._dst_ranks(info)
+    def _no_source(self, info: TensorInfo) -> _Problem:
+        ranks = self._dst_rank_tuple(info)
         wanted = self.name_map.wanted(info.name) or (info.name,)
         close = difflib.get_close_matches(wanted[0], sorted(self.src.tensors), n=3, cutoff=0.4)
         hint = f"; closest source names: {', '.join(map(repr, close))}" if close else ""
-        return (
-            f"{info.name}: destination tensor (dst ranks {ranks}) has no source tensor "
-            f"(no source rank holds {' or '.join(map(repr, wanted))} or an alias of it{hint})"
-        )
+        return _Problem(info.name, ranks, "no source", (
+            f"{info.name}: destination tensor (dst ranks {_rank_list(ranks)}) has no source "
+            f"tensor (no source rank holds {' or '.join(map(repr, wanted))} or an alias of "
+            f"it{hint})"))
 
     def _no_source_advice(self) -> str:
         sides = f" ({self.sides})" if self.sides else ""
@@ -196,47 +219,52 @@ class Planner:
              src.geometry(src.tensors[seg.src_name]))
             for seg in segs))
 
-    def _check_segments(self, info: TensorInfo, segs: list[Segment]) -> str | None:
+    def _check_segments(self, info: TensorInfo, segs: list[Segment]) -> _Problem | None:
         for seg in segs:
-            src_info = self.src.tensors[seg.src_name]
-            if len(seg.src_offset) != len(src_info.shape):
-                return (f"{info.name}: the name map reads {seg.src_name} {list(src_info.shape)} "
-                        f"at {list(seg.src_offset)}, which has another number of dims")
-            src_box = relocate(seg.dst_box, seg.dst_box.offset, seg.src_offset)
-            if (not seg.part and seg.dst_box == Box.whole(info.shape)
-                    and src_info.shape != info.shape):
-                return _shape_problem(info, src_info)
-            if not seg.dst_box.within(info.shape) or not src_box.within(src_info.shape):
-                return (
-                    f"{info.name}: the name map places {seg.dst_box} of it at {src_box} of "
-                    f"{seg.src_name} {list(src_info.shape)}, outside one of the two tensors"
-                )
-            if (src_info.dtype != info.dtype and info.name not in self.fp8
-                    and not self._may_cast(info)):
-                return (
-                    f"{info.name}: dtype mismatch with no cast: source {seg.src_name} is "
-                    f"{src_info.dtype} (src rank {src_info.first_rank}), destination is "
-                    f"{info.dtype} (dst rank {info.first_rank}); pass cast=True to convert"
-                )
+            rule, message = self._segment_problem(info, seg)
+            if message:
+                return _Problem(info.name, self._dst_rank_tuple(info), rule, message)
         return None
+
+    def _segment_problem(self, info: TensorInfo, seg: Segment) -> tuple[str, str]:
+        """``(rule, message)`` of what is wrong with one segment, ``("", "")`` if nothing."""
+        src_info = self.src.tensors[seg.src_name]
+        if len(seg.src_offset) != len(src_info.shape):
+            return "dims", (f"{info.name}: the name map reads {seg.src_name} "
+                            f"{list(src_info.shape)} at {list(seg.src_offset)}, which has "
+                            "another number of dims")
+        src_box = relocate(seg.dst_box, seg.dst_box.offset, seg.src_offset)
+        if (not seg.part and seg.dst_box == Box.whole(info.shape)
+                and src_info.shape != info.shape):
+            return "global shape", _shape_problem(info, src_info)
+        if not seg.dst_box.within(info.shape) or not src_box.within(src_info.shape):
+            return "bounds", (
+                f"{info.name}: the name map places {seg.dst_box} of it at {src_box} of "
+                f"{seg.src_name} {list(src_info.shape)}, outside one of the two tensors")
+        if (src_info.dtype != info.dtype and info.name not in self.fp8
+                and not self._may_cast(info)):
+            return "dtype", (
+                f"{info.name}: dtype mismatch with no cast: source {seg.src_name} is "
+                f"{src_info.dtype} (src rank {src_info.first_rank}), destination is "
+                f"{info.dtype} (dst rank {info.first_rank}); pass cast=True to convert")
+        return "", ""
 
     def _may_cast(self, dst_info: TensorInfo) -> bool:
         return self.cast is True or (self.cast == "buffers" and dst_info.is_buffer)
 
-    def _check_coverage(self, info: TensorInfo) -> str | None:
+    def _check_coverage(self, info: TensorInfo) -> _Problem | None:
         pads = self.name_map.padding(info.name, info.shape, self.src.tensors, self.src.aliases)
         for box, class_ids in info.boxes.items():
             covered = sum(r.dst_box.numel for r in self.regions(info.name, box))
             covered += sum(i.numel for p in pads if (i := box.intersect(p)) is not None)
             if covered != box.numel:
-                ranks = _rank_list(self.dst.ranks(class_ids))
+                ranks = self.dst.ranks(class_ids)
                 held = self._source_boxes(info.name)
                 what = (f"{box.numel - covered} of {box.numel} elements have no source"
                         if covered < box.numel else "some elements are covered more than once")
-                return (
-                    f"{info.name}: destination region {box} (dst ranks {ranks}) is not covered "
-                    f"exactly once by the source: {what}; source ranks hold {held}"
-                )
+                return _Problem(info.name, ranks, "coverage", (
+                    f"{info.name}: destination region {box} (dst ranks {_rank_list(ranks)}) is "
+                    f"not covered exactly once by the source: {what}; source ranks hold {held}"))
         return None
 
     def _source_boxes(self, dst_name: str) -> str:

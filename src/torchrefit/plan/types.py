@@ -127,6 +127,39 @@ class RankPlan:
     def __str__(self) -> str:
         return self.summary()
 
+    def explain(self, tensors: Iterable[str] | None = None) -> str:
+        """Per global tensor (all, or those named): each region this rank copies
+        locally, receives or sends, from which rank to which, in what dtype (on the
+        wire, then ``-> local dtype`` where the receiver converts), and its bytes."""
+        rows: dict[str, list[tuple]] = {}
+        for c in self.local:
+            rows.setdefault(c.name, []).append(
+                (0, c.region, f"rank {self.rank} (local)", c.src_dtype, c.dst_dtype, c.nbytes))
+        for t in self.recvs:
+            rows.setdefault(t.name, []).append(
+                (1, t.region, f"rank {t.peer} -> rank {self.rank}", t.wire_dtype, t.local_dtype,
+                 t.nbytes))
+        for t in self.sends:
+            rows.setdefault(t.name, []).append(
+                (2, t.region, f"rank {self.rank} -> rank {t.peer}", t.wire_dtype, t.wire_dtype,
+                 t.nbytes))
+        lines = [self.summary().partition("\n")[0]]
+        for name in sorted(rows if tensors is None else set(rows) & set(tensors)):
+            moved = sorted(rows[name], key=lambda r: (r[0], r[1].offset, r[2]))
+            totals = [0, 0, 0]
+            for kind, *_, nbytes in moved:
+                totals[kind] += nbytes
+            lines.append(f"{name}: " + ", ".join(
+                f"{_EXPLAIN_KINDS[k][1]} {_fmt(n)}" for k, n in enumerate(totals) if n))
+            for kind, region, route, wire, local, nbytes in moved:
+                dtype = wire if wire == local else f"{wire} -> {local}"
+                lines.append(f"  {_EXPLAIN_KINDS[kind][0]:<8}{str(region):<24} {route:<24}"
+                             f"{dtype:<22}{_fmt(nbytes):>10}")
+        return "\n".join(lines)
+
+
+_EXPLAIN_KINDS = (("copy", "copied locally"), ("receive", "received"), ("send", "sent"))
+
 
 def _transfer_order(t: Transfer) -> tuple:
     return (t.peer, t.name, t.region.offset)
