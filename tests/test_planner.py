@@ -138,12 +138,20 @@ def test_explain_accounts_for_every_region_and_byte() -> None:
     assert kinds.count("copy") == len(plan.local) > 0
     assert kinds.count("receive") == len(plan.recvs) > 0
     assert kinds.count("send") == len(plan.sends) > 0
-    for t in plan.recvs:  # source dtype on the wire, converted on receipt
-        want = (f"receive {t.region} rank {t.peer} -> rank 1 float32 -> bfloat16 "
+    def dtypes(a: str, b: str) -> str:
+        return a if a == b else f"{a} -> {b}"
+
+    for t in plan.recvs:  # wire dtype, then what the receiver converts it to
+        want = (f"receive {t.region} rank {t.peer} -> rank 1 "
+                f"{dtypes(t.wire_dtype, t.local_dtype)} {format_bytes(t.nbytes)}")
+        assert want in rows, want
+    for t in plan.sends:  # the sender narrows fp32 to bf16 before sending
+        assert t.local_dtype == "float32" and t.wire_dtype == "bfloat16"
+        want = (f"send {t.region} rank 1 -> rank {t.peer} float32 -> bfloat16 "
                 f"{format_bytes(t.nbytes)}")
         assert want in rows, want
-    for t in plan.sends:
-        assert f"send {t.region} rank 1 -> rank {t.peer} float32 {format_bytes(t.nbytes)}" in rows
+    copies = [r for r in rows if r.startswith("copy")]
+    assert all("float32 -> bfloat16" in r for r in copies)
     t = plan.recvs[0]
     mine = plan.explain([t.name]).splitlines()
     assert mine[1].startswith(f"{t.name}: ") and all(line.startswith("  ") for line in mine[2:])

@@ -6,8 +6,10 @@ imports, and checks that
 * module-level imports form no cycle (a cycle means a module runs half-initialized);
 * no module of a lower layer imports one of a higher layer, at any depth of the
   code (function-level imports included): errors and small helpers, then
-  ``layout`` (describing what ranks hold), ``maps`` (name maps), ``plan`` (pure
-  planning), ``execute`` (compiled programs), ``transport`` (moving bytes); the
+  ``layout`` (describing what ranks hold), ``maps`` and ``transforms`` (what regions
+  mean and how values change: name maps, FP8), ``plan`` (pure planning), ``execute``
+  and ``_collectives`` (compiled programs, metadata gathers), ``transport`` (moving
+  bytes); the
   entry points (``refitter``, ``cli``, ``bench``, ``simulate``, ``testing``, the
   package itself) sit above all of them, and none of the layers imports them.
 """
@@ -20,8 +22,8 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "src" / "torchrefit"
 
 #: lower numbers may be imported by higher ones, never the other way round
-LAYERS = {"errors": 0, "_format": 0, "_collectives": 0, "layout": 1, "maps": 2, "plan": 3,
-          "execute": 4, "transport": 5}
+LAYERS = {"errors": 0, "_format": 0, "layout": 1, "maps": 2, "transforms": 2, "plan": 3,
+          "execute": 4, "_collectives": 4, "transport": 5}
 TOP = 9  # refitter, cli, bench, simulate, testing, the package __init__, __main__
 
 #: edges that break the order today, and why they are tolerated (none may be added)

@@ -129,8 +129,9 @@ class RankPlan:
 
     def explain(self, tensors: Iterable[str] | None = None) -> str:
         """Per global tensor (all, or those named): each region this rank copies
-        locally, receives or sends, from which rank to which, in what dtype (on the
-        wire, then ``-> local dtype`` where the receiver converts), and its bytes."""
+        locally, receives or sends, from which rank to which, in what dtype (``a -> b``
+        where it changes: on the sender, local -> wire; on the receiver, wire -> local),
+        and its bytes on the wire."""
         rows: dict[str, list[tuple]] = {}
         for c in self.local:
             rows.setdefault(c.name, []).append(
@@ -141,7 +142,7 @@ class RankPlan:
                  t.nbytes))
         for t in self.sends:
             rows.setdefault(t.name, []).append(
-                (2, t.region, f"rank {self.rank} -> rank {t.peer}", t.wire_dtype, t.wire_dtype,
+                (2, t.region, f"rank {self.rank} -> rank {t.peer}", t.local_dtype, t.wire_dtype,
                  t.nbytes))
         lines = [self.summary().partition("\n")[0]]
         for name in sorted(rows if tensors is None else set(rows) & set(tensors)):
