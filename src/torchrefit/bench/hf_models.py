@@ -15,7 +15,7 @@ import re
 import torch
 from torch import nn
 
-from ..maps_hf import _readers
+from ..maps.megatron_hf import _readers
 from ..testing.toy import ModelSpec, global_table
 
 __all__ = ["hf_destination_shapes", "build_hf_destination"]
