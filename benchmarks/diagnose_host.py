@@ -68,11 +68,11 @@ def main() -> None:
 
     def session_replay():
         with side.session(1), side.placed(0):
-            prog._graph.replay()
+            prog.local.graph.replay()
 
-    for name, fn in [("refit()", r.refit), ("program.run()", prog.run), ("_check_storage", prog._check_storage),
+    for name, fn in [("refit()", r.refit), ("program.run()", prog.run), ("_check_storage", prog.check_storage),
                      ("session(1) enter+exit", session_only), ("session + placed + replay", session_replay),
-                     ("replay on current stream", prog._graph.replay)]:
+                     ("replay on current stream", prog.local.graph.replay)]:
         print(f"host ms {name:<28} {busy_host_ms(fn, cpm):.3f}")
     prof = cProfile.Profile()
     for _ in range(50):

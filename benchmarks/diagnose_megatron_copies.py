@@ -34,7 +34,7 @@ import torchrefit as tr
 from torchrefit.bench.config import spec_from_preset
 from torchrefit.bench.megatron_models import build_megatron_gpt
 from torchrefit.bench.timing import copy_bandwidth, median_host_ms, time_calls
-from torchrefit.execute.program import balance_by_bytes
+from torchrefit.execute.local import balance_by_bytes
 from torchrefit.testing.toy import Mesh, build_toy
 
 DEV = torch.device("cuda", 0)
@@ -126,17 +126,17 @@ def study(label: str, src, dst, bandwidth: float) -> dict:
     r.refit()
     p = r._program
     floor_ms = 2 * r.plan.bytes_local / bandwidth * 1e3
-    big = [(d, s) for d, s, _ in p._big]
-    grouped = [(g.dst, g.src) for g in p._small]
-    mixed = [([d for g in p._small for d in g.dst], [s for g in p._small for s in g.src])]
+    big = [(d, s) for d, s, _ in p.local.big]
+    grouped = [(g.dst, g.src) for g in p.local.small]
+    mixed = [([d for g in p.local.small for d in g.dst], [s for g in p.local.small for s in g.src])]
     row = {
         "label": label, "floor_ms": floor_ms, "copy_gbs": bandwidth / 1e9,
-        "local_copies": len(r.plan.local), "large": len(p._big), "small": len(mixed[0][0]),
+        "local_copies": len(r.plan.local), "large": len(p.local.big), "small": len(mixed[0][0]),
         "small_groups": len(grouped), "large_bytes": sum(d.nbytes for d, _ in big),
-        "small_bytes": sum(d.nbytes for d in mixed[0][0]), "watched": len(p._watch_tensors),
+        "small_bytes": sum(d.nbytes for d in mixed[0][0]), "watched": len(p.compiled.watched),
         "refit_wall_ms": wall_ms(r.refit), "refit_device_ms": device_ms(r.refit),
-        "refit_host_ms": host_ms(r.refit), "check_storage_host_ms": host_ms(p._check_storage),
-        "replay_host_ms": host_ms(p._graph.replay) if p._graph is not None else None,
+        "refit_host_ms": host_ms(r.refit), "check_storage_host_ms": host_ms(p.check_storage),
+        "replay_host_ms": host_ms(p.local.graph.replay) if p.local.graph is not None else None,
         "host_note": "(warm, cold) medians, see torchrefit.bench.timing.host_times",
     }
     graphs = {}
@@ -152,7 +152,7 @@ def study(label: str, src, dst, bandwidth: float) -> dict:
     row["graphs_device_ms"] = graphs
     row["graphs_x_floor"] = {k: v / floor_ms for k, v in graphs.items()}
     row["refit_wall_x_floor"] = row["refit_wall_ms"] / floor_ms
-    row["per_copy"] = per_copy(p._big)
+    row["per_copy"] = per_copy(p.local.big)
     r.close()
     return row
 

@@ -127,7 +127,7 @@ def exec_variant(src, dst, branches: int, bw: float) -> dict:
 
 
 def storage_check_host(p) -> dict:
-    ts, ptrs = p._watch_tensors, p._watch_ptrs
+    ts, ptrs = p.compiled.watched, p.compiled.pointers
     idx = list(range(len(ts)))
     fast = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
@@ -153,9 +153,9 @@ def study(label: str, src, dst, bw: float) -> dict:
             r.close()
     p = r._program
     floor = 2 * r.plan.bytes_local / bw * 1e3
-    big = [(d, s) for d, s, _ in p._big]
-    grouped = [(g.dst, g.src) for g in p._small]
-    small_pairs = [(d, s) for g in p._small for d, s in zip(g.dst, g.src)]
+    big = [(d, s) for d, s, _ in p.local.big]
+    grouped = [(g.dst, g.src) for g in p.local.small]
+    small_pairs = [(d, s) for g in p.local.small for d, s in zip(g.dst, g.src)]
     row.update({"floor_ms": floor, "copy_gbs": bw / 1e9, "local_copies": len(r.plan.local),
                 "large": len(big), "small": len(small_pairs), "buckets": buckets(big + small_pairs),
                 "host_check": storage_check_host(p)})
@@ -184,7 +184,7 @@ def study(label: str, src, dst, bw: float) -> dict:
         del a, c
     row["graphs_device_ms"] = graphs
     row["graphs_x_floor"] = {k: v / floor for k, v in graphs.items()}
-    row["per_copy"] = per_copy(p._big[:600], reps=5)
+    row["per_copy"] = per_copy(p.local.big[:600], reps=5)
     r.close()
     return row
 

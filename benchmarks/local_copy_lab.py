@@ -119,28 +119,28 @@ def main() -> None:
     plain = tr.Refitter(src, dst, cuda_graph=False)
     plain.refit()
     prog = plain._program
-    small_dst = [d for g in prog._small for d in g.dst]
-    small_src = [s for g in prog._small for s in g.src]
+    small_dst = [d for g in prog.local.small for d in g.dst]
+    small_src = [s for g in prog.local.small for s in g.src]
     nbytes = plain.plan.bytes_local
     floor = 2 * nbytes / bw * 1e3
     flat = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
     rows["flat copy (one tensor)"] = (device_ms(lambda: flat[1].copy_(flat[0]), args.iters), None)
     flat.clear()
     rows["eager refit() (cuda_graph=False)"] = (device_ms(plain.refit, args.iters), host_ms(plain.refit, args.iters, cycles))
-    rows["  _check_storage"] = (None, host_ms(prog._check_storage, args.iters, cycles))
-    rows["  big copy_ loop"] = (device_ms(lambda: [d.copy_(s) for d, s, _ in prog._big], args.iters),
-                                host_ms(lambda: [d.copy_(s) for d, s, _ in prog._big], args.iters, cycles))
+    rows["  _check_storage"] = (None, host_ms(prog.check_storage, args.iters, cycles))
+    rows["  big copy_ loop"] = (device_ms(lambda: [d.copy_(s) for d, s, _ in prog.local.big], args.iters),
+                                host_ms(lambda: [d.copy_(s) for d, s, _ in prog.local.big], args.iters, cycles))
     rows["  small foreach"] = (device_ms(lambda: torch._foreach_copy_(small_dst, small_src), args.iters),
                                host_ms(lambda: torch._foreach_copy_(small_dst, small_src), args.iters, cycles))
     graph = tr.Refitter(src, dst, cuda_graph=True)
     graph.refit()
     rows["graph refit()"] = (device_ms(graph.refit, args.iters), host_ms(graph.refit, args.iters, cycles))
-    g = graph._program._graph
+    g = graph._program.local.graph
     rows["  graph.replay only"] = (device_ms(g.replay, args.iters), host_ms(g.replay, args.iters, cycles))
     for b in (2, 4):
-        gb = branch_graph(prog._big, small_dst, small_src, b)
+        gb = branch_graph(prog.local.big, small_dst, small_src, b)
         rows[f"graph, {b} branches"] = (device_ms(gb.replay, args.iters), host_ms(gb.replay, args.iters, cycles))
-    pairs = [(d, s) for d, s, _ in prog._big] + list(zip(small_dst, small_src))
+    pairs = [(d, s) for d, s, _ in prog.local.big] + list(zip(small_dst, small_src))
     for chunk in (1 << 20, 4 << 20):
         for hint in (False, True):
             try:
@@ -154,7 +154,7 @@ def main() -> None:
                     device_ms(run, args.iters), host_ms(run, args.iters, cycles))
             except Exception as e:  # keep the lab going
                 rows[f"triton {chunk >> 20} MiB hint={hint} FAILED {type(e).__name__}: {str(e)[:120]}"] = (None, None)
-    print(f"\nlocal bytes {nbytes / 1e9:.2f} GB, {len(prog._big)} large + {len(small_dst)} small copies, "
+    print(f"\nlocal bytes {nbytes / 1e9:.2f} GB, {len(prog.local.big)} large + {len(small_dst)} small copies, "
           f"copy bandwidth {bw / 1e9:.0f} GB/s, floor {floor:.3f} ms")
     print(f"{'what':<72}{'device ms':>10}{'x floor':>9}{'host ms':>9}")
     for k, (dev, host) in rows.items():

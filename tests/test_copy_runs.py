@@ -145,7 +145,7 @@ def _flat_refit(rank: int, world: int) -> dict:
     r.refit()
     p = r._program
     expected = expected_local(spec, mesh, rank, 1)
-    out = {"copies": len(p._big) + sum(len(g.dst) for g in p._small), "planned": len(r.plan.local),
+    out = {"copies": len(p.local.big) + sum(len(g.dst) for g in p.local.small), "planned": len(r.plan.local),
            "exact": all(torch.equal(v, expected[k]) for k, v in dst.state_dict().items())}
     r.verify()
     name = "decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight"

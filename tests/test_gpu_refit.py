@@ -44,9 +44,9 @@ def _graph_path(rank: int, world: int) -> dict:
     differed = not _same(src, dst)
     r.refit()
     torch.cuda.synchronize()
-    out = {"differed": differed, "exact": _same(src, dst), "graph": r._program._graph is not None,
-           "large": len(r._program._big),
-           "groups": sorted({(str(g.dst[0].dtype), str(g.src[0].dtype)) for g in r._program._small})}
+    out = {"differed": differed, "exact": _same(src, dst), "graph": r._program.local.graph is not None,
+           "large": len(r._program.local.big),
+           "groups": sorted({(str(g.dst[0].dtype), str(g.src[0].dtype)) for g in r._program.local.small})}
     r.verify()
     with torch.no_grad():
         for p in dst.parameters():  # the engine re-allocated its weights
@@ -90,10 +90,10 @@ def _merged_runs(rank: int, world: int) -> dict:
     r.refit()
     torch.cuda.synchronize()
     p = r._program
-    names = [n for _, _, n in p._big] + [n for g in p._small for n in g.names]
+    names = [n for _, _, n in p.local.big] + [n for g in p.local.small for n in g.names]
     expected = expected_local(MOE, mesh, 0, 1)  # the oracle's values, cut on the CPU
     out = {"merged": sum("in one copy" in n for n in names), "copies": len(names),
-           "planned": len(r.plan.local), "graph": p._graph is not None,
+           "planned": len(r.plan.local), "graph": p.local.graph is not None,
            "exact": all(torch.equal(v.cpu(), expected[k].to(v.dtype)) for k, v in dst.state_dict().items())}
     r.verify()
     with torch.no_grad():

@@ -92,7 +92,7 @@ def _mixed_dtype_small_copies(rank: int) -> dict:
                     p.data = p.data.float()
     r = tr.Refitter(*models)
     r.refit()
-    groups = r._program._small
+    groups = r._program.local.small
     return {
         "mixed_exact": all(torch.equal(a, b) for a, b in zip(models[0].state_dict().values(),
                                                              models[1].state_dict().values())),

@@ -33,7 +33,7 @@ from .plan.planner import CastPolicy, Planner
 from .plan.roster import encode_roster
 from .plan.types import RankPlan
 from .transforms.fp8 import Quantizer
-from .transport.base import Transport, get_transport
+from .transport.base import Transport, get_transport, registered, transport_class
 from .versions import stamp_version
 
 __all__ = ["Refitter", "RefitReport", "swap_model_weights", "clear_caches", "DEFAULT_STAGING_BYTES"]
@@ -84,8 +84,7 @@ class _RankInfo:
     dst: bytes | None
     staging_bytes: int
     device: str  # "cuda", "cpu", or "" where the rank holds no model
-    nccl: bool
-    gloo: bool
+    unavailable: dict[str, str]  # transport name -> why it cannot run on this rank
     host: str  # the machine, for transports that only work within one (ipc)
     kinds: tuple[str, str] = ("", "")  # how the source and destination layouts were found
     bucket_bytes: int | None = None  # a load_weights sink's budget (layout.sink)
@@ -180,7 +179,7 @@ class Refitter:
         infos = self._gather_infos(src, dst, error, staging_bytes)
         _raise_layout_errors(infos)
         _check_offsets(infos, src_rank_offset, dst_rank_offset)
-        self.transport_name = _choose_transport(transport, infos)
+        self.transport_name = _choose_transport(transport, infos, str(dist.get_backend(self.group)))
         self.plan = self._plan(infos, name_map or Identity(), cast, skip, fp8_block)
         self._phases = self._bucket(infos)
         max_peers = self._agree()
@@ -212,9 +211,9 @@ class Refitter:
         except Exception as e:
             enc_src = enc_dst = None
             error = error or f"{type(e).__name__}: {e}"
-        info = _RankInfo(error, None, None, int(staging_bytes), device,
-                         dist.is_nccl_available() and torch.cuda.is_available(),
-                         dist.is_gloo_available(), socket.gethostname(), self._kinds,
+        unavailable = {cls.name: ok.reason for cls in registered() if not (ok := cls.available())}
+        info = _RankInfo(error, None, None, int(staging_bytes), device, unavailable,
+                         socket.gethostname(), self._kinds,
                          dst.bucket_bytes if isinstance(dst, SinkDescribed) else None)
         # The rosters travel deduplicated (each distinct one once); the rest as a plain tuple.
         extras, (srcs, dsts), self.metadata = all_gather_rosters(
@@ -272,7 +271,7 @@ class Refitter:
             if d is not None:
                 for t in d.tensors.values():
                     return t.device
-        if self.transport_name == "nccl":
+        if transport_class(self.transport_name).needs_cuda:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
@@ -416,26 +415,38 @@ def _check_offsets(infos: list[_RankInfo], src_offset: int, dst_offset: int) -> 
             raise PlanError(f"ranks {early[:8]} hold a {role} model below its rank offset {offset}")
 
 
-def _choose_transport(transport: str | Transport, infos: list[_RankInfo]) -> str:
+def _choose_transport(transport: str | Transport, infos: list[_RankInfo], backend: str) -> str:
+    """The transport's name: ``transport`` checked against every rank, or for
+    ``"auto"`` the most preferred registered transport that fits every rank."""
     if isinstance(transport, Transport):
         return transport.name
-    devices = {i.device for i in infos if i.device}
     if transport == "auto":
-        transport = "nccl" if devices == {"cuda"} and all(i.nccl for i in infos) else "gloo"
-    if transport == "nccl" and (devices - {"cuda"} or not all(i.nccl for i in infos)):
-        cpu = [r for r, i in enumerate(infos) if i.device == "cpu" or not i.nccl]
-        raise TransportError(f"transport 'nccl' needs CUDA tensors and NCCL on every rank; "
-                             f"ranks {cpu[:8]} have CPU tensors or no NCCL")
-    if transport == "gloo" and not all(i.gloo for i in infos):
-        raise TransportError("transport 'gloo' is not available on every rank")
-    if transport == "ipc":
-        cpu = [r for r, i in enumerate(infos) if i.device == "cpu"]
-        hosts = sorted({i.host for i in infos if i.device})
-        if cpu or len(hosts) > 1:
-            raise TransportError(
-                f"transport 'ipc' needs CUDA tensors on every rank with a model, all on one machine; "
-                f"ranks {cpu[:8]} have CPU tensors, hosts {hosts[:4]}")
+        for cls in registered():
+            if _misfit(cls, infos, backend) is None:
+                return cls.name
+        raise TransportError(f"no registered transport fits every rank: "
+                             f"{ {c.name: _misfit(c, infos, backend) for c in registered()} }")
+    why = _misfit(transport_class(transport), infos, backend)
+    if why is not None:
+        raise TransportError(f"transport {transport!r} {why}")
     return transport
+
+
+def _misfit(cls: type[Transport], infos: list[_RankInfo], backend: str) -> str | None:
+    """Why transport ``cls`` cannot run this refit, or None where it can."""
+    cpu = [r for r, i in enumerate(infos) if i.device == "cpu"]
+    if cls.needs_cuda and cpu:
+        return f"needs CUDA tensors on every rank with a model; ranks {cpu[:8]} have CPU tensors"
+    missing = [(r, i.unavailable[cls.name]) for r, i in enumerate(infos) if cls.name in i.unavailable]
+    if missing:
+        return f"is not available on ranks {[r for r, _ in missing][:8]}: {missing[0][1]}"
+    hosts = sorted({i.host for i in infos if i.device})
+    if cls.one_host and len(hosts) > 1:
+        return f"needs every rank with a model on one machine; they are on hosts {hosts[:4]}"
+    if cls.backend not in backend:
+        return (f"needs a process group with a {cls.backend} backend; the refit group's is {backend!r} "
+                f"(create it with backend='cpu:gloo,cuda:nccl')")
+    return None
 
 
 # ------------------------------------------------------------------------ drop-in

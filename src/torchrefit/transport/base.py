@@ -1,14 +1,21 @@
-"""The transport interface and registry.
+"""The transport interface, its two protocols and the registry.
 
-A transport moves the bytes of one round: a list of (peer, uint8 tensor) to send
-and a list of (peer, uint8 tensor) to receive into, peers being ranks of the
-refit group. The executor packs, unpacks and orders streams (through
-``execute.streams``); a transport only posts and completes the exchange.
+Every transport is one module with one class registered here by name. A class
+speaks one of two protocols, and the executor compiles one program per protocol
+(``execute.rounds`` and ``execute.one_sided``):
+
+* :class:`RoundsTransport`, two-sided message rounds (``nccl``, ``gloo``): per
+  round a list of (peer, uint8 tensor) to send and one to receive into; the
+  executor packs, unpacks and orders streams, the transport posts and completes.
+* ``transport.one_sided.OneSidedTransport`` (``ipc``, ``nvshmem``, ``nixl``): one
+  side reads or writes memory its peer registered, with completion signalled
+  separately.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -16,27 +23,46 @@ import torch.distributed as dist
 
 from ..errors import TransportError
 
-__all__ = ["Transport", "register_transport", "get_transport", "transport_names", "Exchange",
-           "require_backend", "require_cuda"]
+__all__ = ["Transport", "RoundsTransport", "Availability", "register_transport", "get_transport",
+           "transport_names", "registered", "transport_class", "Exchange", "require_backend", "require_cuda"]
 
 Exchange = list[tuple[int, torch.Tensor]]
 
 
+@dataclass(frozen=True)
+class Availability:
+    """Whether a transport can run in this process; ``reason`` says why not, plainly."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    @staticmethod
+    def first_missing(checks: list[tuple[bool, str]]) -> Availability:
+        """Unavailable with the reason of the first failed check, else available."""
+        for ok, reason in checks:
+            if not ok:
+                return Availability(False, reason)
+        return Availability(True)
+
+
 class Transport(ABC):
-    """Moves message bytes between ranks of ``group``.
+    """What every transport has: its group, its device and group-to-global ranks.
 
     Constructed collectively (on every rank of the group, in the same order).
-    ``start`` posts one round and returns a handle; ``finish`` completes it so that,
-    for work the caller queues afterwards, received bytes are in place and sent
-    buffers may be reused.
     """
 
     name: ClassVar[str]
-    #: bytes handed to ``start`` must be complete on the host (a CPU transport fed from GPU)
-    host_staged: ClassVar[bool] = False
-    #: no message rounds: receivers read regions of the senders' tensors mapped into
-    #: their process, through ``post`` / ``incoming`` / ``read`` / ``complete`` (ipc)
-    peer_mapped: ClassVar[bool] = False
+    #: "rounds" or "one_sided": which program the executor compiles for it
+    protocol: ClassVar[str]
+    #: rank order of ``transport="auto"``: the available transport with the highest wins
+    preference: ClassVar[int] = 0
+    #: what the refit must offer (checked on every rank before any byte moves)
+    needs_cuda: ClassVar[bool] = False
+    one_host: ClassVar[bool] = False
+    backend: ClassVar[str] = "gloo"  # the process-group backend it uses
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         self.group = group
@@ -45,8 +71,25 @@ class Transport(ABC):
             if group is not dist.GroupMember.WORLD else list(range(dist.get_world_size()))
 
     @classmethod
-    def available(cls) -> bool:
-        return dist.is_available()
+    def available(cls) -> Availability:
+        """Whether this process can use the transport (package, device, backend)."""
+        return Availability.first_missing([(dist.is_available(), "torch.distributed is not available")])
+
+    def global_rank(self, group_rank: int) -> int:
+        return self._global[group_rank]
+
+    def close(self) -> None:
+        """Release what the transport holds (nothing by default)."""
+
+
+class RoundsTransport(Transport):
+    """Two-sided message rounds: ``start`` posts one round and returns a handle;
+    ``finish`` completes it so that, for work the caller queues afterwards, received
+    bytes are in place and sent buffers may be reused."""
+
+    protocol = "rounds"
+    #: bytes handed to ``start`` must be complete on the host (a CPU transport fed from GPU)
+    host_staged: ClassVar[bool] = False
 
     @abstractmethod
     def wire_device(self) -> torch.device:
@@ -57,12 +100,6 @@ class Transport(ABC):
 
     @abstractmethod
     def finish(self, handle: object) -> None: ...
-
-    def global_rank(self, group_rank: int) -> int:
-        return self._global[group_rank]
-
-    def close(self) -> None:
-        """Release what the transport holds (nothing by default)."""
 
 
 def require_backend(group: dist.ProcessGroup, backend: str, transport: str, use: str) -> None:
@@ -92,13 +129,25 @@ def transport_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_transport(name: str) -> type[Transport]:
+def registered() -> list[type[Transport]]:
+    """Every registered transport class, most preferred first."""
+    return sorted(_REGISTRY.values(), key=lambda c: (-c.preference, c.name))
+
+
+def transport_class(name: str) -> type[Transport]:
+    """The class registered as ``name``, available or not."""
     try:
-        cls = _REGISTRY[name]
+        return _REGISTRY[name]
     except KeyError:
         raise TransportError(
             f"unknown transport {name!r}; registered: {transport_names()}"
         ) from None
-    if not cls.available():
-        raise TransportError(f"transport {name!r} is not available on this machine")
+
+
+def get_transport(name: str) -> type[Transport]:
+    """The class registered as ``name``; raises, saying why, where it cannot run here."""
+    cls = transport_class(name)
+    ok = cls.available()
+    if not ok:
+        raise TransportError(f"transport {name!r} is not available on this machine: {ok.reason}")
     return cls

@@ -5,14 +5,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .base import Exchange, Transport, register_transport, require_backend
+from .base import Availability, Exchange, RoundsTransport, register_transport, require_backend
 
 __all__ = ["GlooTransport"]
 
 
 @register_transport
-class GlooTransport(Transport):
+class GlooTransport(RoundsTransport):
     name = "gloo"
+    preference = 0
     host_staged = True  # gloo reads and writes message bytes from the host
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
@@ -20,8 +21,10 @@ class GlooTransport(Transport):
         require_backend(group, "gloo", "gloo", "sends its messages")
 
     @classmethod
-    def available(cls) -> bool:
-        return dist.is_available() and dist.is_gloo_available()
+    def available(cls) -> Availability:
+        return Availability.first_missing([
+            (dist.is_available() and dist.is_gloo_available(), "this torch build has no Gloo"),
+        ])
 
     def wire_device(self) -> torch.device:
         return torch.device("cpu")

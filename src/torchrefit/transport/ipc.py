@@ -1,167 +1,169 @@
-"""CUDA IPC transport: receivers copy straight out of the senders' GPU memory.
+"""CUDA IPC transport (pull): receivers copy straight out of the senders' GPU memory.
 
 For processes on one machine (collocated trainer and engine processes sharing
-GPUs, the common RL layout): each sender exports CUDA IPC handles of the source
-tensors it sends from, once per compiled program; each receiver maps them once
-and then copies its regions device to device, like local copies, with no
-staging and no message packing. Per refit there is one small handshake per peer
-pair over the group's Gloo backend:
+GPUs, the common RL layout). A sender exports its source tensors once per
+compiled program, per allocation segment of PyTorch's caching allocator, not per
+tensor: one ``_share_cuda_()`` handle per segment plus each tensor's byte offset,
+dtype, shape and strides. A receiver opens each segment once (again only when a
+sender's storage moves to a segment it has not opened) and then copies its
+regions device to device on its own streams, like local copies: the executor
+captures them in a CUDA graph. Ordering tokens are interprocess CUDA events:
 
-1. the sender records an interprocess event on its current stream (after the
-   producer: the optimizer step), and sends a header (and, when its storage
-   moved, a new handle table);
-2. the receiver's current stream waits for that event (no stale reads), copies,
-   records its own interprocess event and acknowledges;
-3. the sender's current stream waits for the receiver's event, so work it
-   queues later (the next optimizer step) cannot overwrite sources still being
-   read (no torn reads).
+* ready: the sender records its event on its current stream (after the producer,
+  the optimizer step); the receiver's stream waits for it before reading;
+* done: the receiver records its event after queuing its copies; the sender's
+  stream waits for it, so its later writes (the next step) never overwrite sources
+  still being read.
 """
 
 from __future__ import annotations
 
-import pickle
-from dataclasses import dataclass, field
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.reductions import reduce_tensor
 
 from ..errors import TransportError
-from ..layout._types import Box
-from .base import Exchange, Transport, register_transport, require_backend, require_cuda
+from ..layout._types import dtype_from_name, dtype_name
+from .base import Availability, register_transport, require_cuda
+from .one_sided import OneSidedTransport, Table
 
-__all__ = ["IpcTransport", "Outgoing"]
+__all__ = ["IpcTransport", "Segment", "Exported", "export_segments"]
 
-_HEADER, _TABLE, _ACK = 31, 32, 33  # gloo tags of the three handshake messages
 _EVENT_BYTES = 64  # cudaIpcEventHandle_t
 
 
-@dataclass
-class Outgoing:
-    """What this rank sends one peer: source tensors and, per transfer in plan order,
-    (index of its tensor, region of that local tensor)."""
+@dataclass(frozen=True)
+class Segment:
+    """One exported allocation segment: ``torch.UntypedStorage._share_cuda_()``'s fields
+    for a storage inside it, rebased so the storage it opens spans ``nbytes`` from
+    the segment's base."""
 
-    tensors: list[torch.Tensor] = field(default_factory=list)
-    regions: list[tuple[int, Box]] = field(default_factory=list)
+    share: tuple  # (device, handle, size, offset, ref handle, ref offset, event handle, event sync)
+    nbytes: int
+
+    @property
+    def handle(self) -> bytes:
+        return self.share[1]
 
 
-@dataclass
-class _Mapped:
-    """A sender's table as opened by a receiver."""
+@dataclass(frozen=True)
+class Exported:
+    """An exported tensor: its segment, byte offset there, dtype, shape and strides."""
 
-    generation: int
-    views: list[torch.Tensor]
-    event: torch.cuda.Event
+    segment: int
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def export_segments(tensors: Sequence[torch.Tensor]) -> tuple[tuple[Segment, ...], tuple[Exported, ...]]:
+    """Export ``tensors`` per allocation segment: one IPC handle per segment they occupy.
+
+    Segments come from the caching allocator's snapshot; a tensor outside every
+    listed segment (memory the allocator does not own) is exported on its own.
+    """
+    starts, sizes = _segments()
+    by_base: dict[int, int] = {}
+    segments: list[list] = []  # [share fields, base address, end address]
+    out = []
+    for t in tensors:
+        ptr, end = t.data_ptr(), t.data_ptr() + _extent(t)
+        i = bisect.bisect_right(starts, ptr) - 1
+        base = starts[i] if i >= 0 and ptr < starts[i] + sizes[i] else None
+        index = by_base.get(base) if base is not None else None
+        if index is None:
+            share = t.untyped_storage()._share_cuda_()
+            base = t.untyped_storage().data_ptr() - share[3]
+            index = by_base.get(base)
+            if index is None:
+                index = by_base[base] = len(segments)
+                segments.append([share, base, end])
+        seg = segments[index]
+        seg[2] = max(seg[2], end)
+        out.append(Exported(index, ptr - seg[1], dtype_name(t.dtype), tuple(t.shape), tuple(t.stride())))
+    # the opened storage spans from the segment's base to the end of the last tensor in it
+    exported = tuple(Segment(tuple(share[:2]) + (end - base, 0) + tuple(share[4:]), end - base)
+                     for share, base, end in segments)
+    return exported, tuple(out)
+
+
+def _segments() -> tuple[list[int], list[int]]:
+    segs = sorted((s["address"], s["total_size"]) for s in torch.cuda.memory_snapshot())
+    return [a for a, _ in segs], [n for _, n in segs]
+
+
+def _extent(t: torch.Tensor) -> int:
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
 @register_transport
-class IpcTransport(Transport):
+class IpcTransport(OneSidedTransport):
     name = "ipc"
-    peer_mapped = True
+    pull = True
+    preference = 30  # no staging and no packing: copies at the device's copy bandwidth
+    needs_cuda = True
+    one_host = True
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
-        super().__init__(group, device)
         require_cuda(device, "ipc")
-        require_backend(group, "gloo", "ipc", "exchanges its small handshakes")
+        super().__init__(group, device)
         # two events, one per role, so a rank that both sends and receives never makes
         # its readers wait for its own reads
         self._ready = torch.cuda.Event(interprocess=True)  # sender: sources are final
-        self._read = torch.cuda.Event(interprocess=True)  # receiver: regions were read
-        self._ready_handle = _fixed(self._ready.ipc_handle(), _EVENT_BYTES)
-        self._read_handle = _fixed(self._read.ipc_handle(), _EVENT_BYTES)
-        self._sent: dict[int, int] = {}  # peer -> generation of the table it holds
-        self._mapped: dict[int, _Mapped] = {}
+        self._done = torch.cuda.Event(interprocess=True)  # receiver: regions were read
+        self._ready_handle = _fixed(self._ready.ipc_handle())
+        self._done_handle = _fixed(self._done.ipc_handle())
         self._peer_events: dict[bytes, torch.cuda.Event] = {}
-        self._pending: list = []
+        self._opened: dict[bytes, torch.UntypedStorage] = {}  # segment handle -> storage
 
     @classmethod
-    def available(cls) -> bool:
-        return dist.is_available() and dist.is_gloo_available() and torch.cuda.is_available()
+    def available(cls) -> Availability:
+        return Availability.first_missing([
+            (dist.is_available() and dist.is_gloo_available(), "this torch build has no Gloo (control messages)"),
+            (torch.cuda.is_available(), "no CUDA GPU is visible"),
+        ])
 
-    def wire_device(self) -> torch.device:
-        return self.device
+    # ------------------------------------------------------------- registering
+    def expose(self, tensors: Sequence[torch.Tensor]) -> object:
+        return export_segments([t.detach() for t in tensors])
 
-    def start(self, sends: Exchange, recvs: Exchange) -> object:
-        raise TransportError("the ipc transport maps peers' tensors; it has no message rounds")
+    def attach(self, peer: int, table: Table) -> tuple:
+        (segments, exported), regions = table
+        storages = [self._open(s) for s in segments]
+        tensors = [torch.empty(0, dtype=dtype_from_name(e.dtype), device=self.device).set_(
+            storages[e.segment], e.offset // dtype_from_name(e.dtype).itemsize, e.shape, e.stride)
+            for e in exported]
+        return tuple(tensors[i][box.slices()] for i, box in regions)
 
-    def finish(self, handle: object) -> None:
-        raise TransportError("the ipc transport maps peers' tensors; it has no message rounds")
+    def _open(self, segment: Segment) -> torch.UntypedStorage:
+        storage = self._opened.get(segment.handle)
+        if storage is None or storage.nbytes() < segment.nbytes:
+            storage = torch.UntypedStorage._new_shared_cuda(*segment.share)
+            self._opened[segment.handle] = storage
+        return storage
 
-    # ------------------------------------------------------------------ one refit
-    def post(self, outgoing: dict[int, Outgoing], generation: int, from_peers: list[int]) -> None:
-        """Sender side of step 1 for every peer, and the receives of headers and
-        acknowledgements. Call on every rank before :meth:`incoming`."""
-        cpu_works = []
-        if outgoing:
-            self._ready.record(torch.cuda.current_stream(self.device))
-        for peer, out in outgoing.items():
-            table = b"" if self._sent.get(peer) == generation else self._table(out, generation)
-            header = torch.tensor([generation, len(table)], dtype=torch.int64)
-            cpu_works.append((dist.isend(header, self.global_rank(peer), self.group, tag=_HEADER), header))
-            if table:
-                blob = torch.frombuffer(bytearray(table), dtype=torch.uint8)
-                cpu_works.append((dist.isend(blob, self.global_rank(peer), self.group, tag=_TABLE), blob))
-                self._sent[peer] = generation
-        acks = {p: torch.empty(_EVENT_BYTES, dtype=torch.uint8) for p in outgoing}
-        ack_works = {p: dist.irecv(t, self.global_rank(p), self.group, tag=_ACK) for p, t in acks.items()}
-        headers = {p: torch.empty(2, dtype=torch.int64) for p in from_peers}
-        header_works = {p: dist.irecv(t, self.global_rank(p), self.group, tag=_HEADER) for p, t in headers.items()}
-        self._pending = [cpu_works, acks, ack_works, headers, header_works]
+    # ---------------------------------------------------------------- ordering
+    def ready(self) -> bytes:
+        self._ready.record(torch.cuda.current_stream(self.device))
+        return self._ready_handle
 
-    def incoming(self, peer: int) -> list[torch.Tensor]:
-        """Receiver side of step 2 for ``peer``: its mapped regions (plan order), with the
-        current stream already waiting for the sender's event."""
-        _, _, _, headers, header_works = self._pending
-        header_works[peer].wait()
-        generation, size = (int(v) for v in headers[peer])
-        if size:
-            blob = torch.empty(size, dtype=torch.uint8)
-            dist.recv(blob, self.global_rank(peer), self.group, tag=_TABLE)
-            self._mapped[peer] = self._open(pickle.loads(bytes(blob.tolist())))
-        mapped = self._mapped.get(peer)
-        if mapped is None or mapped.generation != generation:
-            raise TransportError(f"ipc: rank {peer} sent generation {generation} without its table")
-        self._wait_ready(mapped.event)
-        return mapped.views
-
-    def _wait_ready(self, event: torch.cuda.Event) -> None:
+    def wait_ready(self, peer: int, token: bytes) -> None:
         # the only thing that keeps a receiver from reading sources the producer has
         # not finished writing (tests/test_gpu_stale_read.py removes it to prove that)
-        torch.cuda.current_stream(self.device).wait_event(event)
+        torch.cuda.current_stream(self.device).wait_event(self._peer_event(token))
 
-    def read(self, peer: int) -> None:
-        """Receiver side, after the copies from ``peer`` were queued: record and acknowledge."""
-        self._read.record(torch.cuda.current_stream(self.device))
-        ack = torch.frombuffer(bytearray(self._read_handle), dtype=torch.uint8)
-        self._pending[0].append((dist.isend(ack, self.global_rank(peer), self.group, tag=_ACK), ack))
+    def done(self) -> bytes:
+        self._done.record(torch.cuda.current_stream(self.device))
+        return self._done_handle
 
-    def complete(self) -> None:
-        """Sender side of step 3: wait for every acknowledgement and order this rank's
-        current stream after the receivers' reads."""
-        cpu_works, acks, ack_works, _, _ = self._pending
-        stream = torch.cuda.current_stream(self.device)
-        for peer, work in ack_works.items():
-            work.wait()
-            stream.wait_event(self._peer_event(bytes(acks[peer].tolist())))
-        for work, _ in cpu_works:
-            work.wait()
-        self._pending = []
-
-    # ----------------------------------------------------------------- handles
-    def _table(self, out: Outgoing, generation: int) -> bytes:
-        # reduce_tensor shares the storage once (the allocator keeps the block alive
-        # while any receiver maps it) and records where the tensor sits inside it
-        handles = [reduce_tensor(t.detach())[1] for t in out.tensors]
-        regions = [(i, box.offset, box.size) for i, box in out.regions]
-        return pickle.dumps((generation, handles, regions, self._ready_handle))
-
-    def _open(self, table) -> _Mapped:
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-        generation, handles, regions, event_handle = table
-        tensors = [rebuild_cuda_tensor(*args) for args in handles]
-        views = [tensors[i][Box(tuple(off), tuple(size)).slices()] for i, off, size in regions]
-        return _Mapped(generation, views, self._peer_event(event_handle))
+    def wait_done(self, peer: int, token: bytes) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self._peer_event(token))
 
     def _peer_event(self, handle: bytes) -> torch.cuda.Event:
         event = self._peer_events.get(handle)
@@ -170,11 +172,12 @@ class IpcTransport(Transport):
         return event
 
     def close(self) -> None:
-        self._mapped.clear()
+        super().close()
+        self._opened.clear()
         self._peer_events.clear()
 
 
-def _fixed(handle: bytes, size: int) -> bytes:
-    if len(handle) != size:
+def _fixed(handle: bytes) -> bytes:
+    if len(handle) != _EVENT_BYTES:
         raise TransportError(f"ipc: unexpected CUDA event handle of {len(handle)} bytes")
     return handle

@@ -10,14 +10,24 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .base import Exchange, Transport, register_transport, require_backend, require_cuda
+from .base import (
+    Availability,
+    Exchange,
+    RoundsTransport,
+    register_transport,
+    require_backend,
+    require_cuda,
+)
 
 __all__ = ["NcclTransport"]
 
 
 @register_transport
-class NcclTransport(Transport):
+class NcclTransport(RoundsTransport):
     name = "nccl"
+    preference = 20
+    needs_cuda = True
+    backend = "nccl"
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         super().__init__(group, device)
@@ -28,8 +38,11 @@ class NcclTransport(Transport):
         dist.all_reduce(torch.zeros(1, device=device), group=group)
 
     @classmethod
-    def available(cls) -> bool:
-        return dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()
+    def available(cls) -> Availability:
+        return Availability.first_missing([
+            (dist.is_available() and dist.is_nccl_available(), "this torch build has no NCCL"),
+            (torch.cuda.is_available(), "no CUDA GPU is visible"),
+        ])
 
     def wire_device(self) -> torch.device:
         return self.device

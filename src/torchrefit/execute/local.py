@@ -1,0 +1,184 @@
+"""Copies between tensors this rank can address, compiled once and replayed.
+
+Used for the plan's local copies and for a pull transport's copies out of mapped
+peer memory (``execute.one_sided``). Large copies run one by one on parallel side
+streams (graph branches), small ones in one ``torch._foreach_copy_`` per
+(destination dtype, source dtype, dense) group on a stream of their own; with
+``cuda_graph`` the whole set, fork and join included, is captured once and
+replayed with one launch. All stream ordering goes through ``streams.SideStreams``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+import torch
+
+from .runs import merge_local
+from .streams import SideStreams
+
+__all__ = ["Copy", "CopyGroup", "LocalCopies", "compile_copies", "balance_by_bytes", "same", "differing",
+           "SMALL_COPY_BYTES", "BRANCHES", "LANES"]
+
+#: copies below this size go through ``torch._foreach_copy_`` (one per dtype pair)
+SMALL_COPY_BYTES = 1 << 20
+#: large copies run on this many parallel side streams (graph branches): one copy's
+#: tail overlaps another's body (1.007x the flat-copy floor on an H200, against
+#: 1.035x on one stream; benchmarks/local_copy_lab.py). Eight, not two: models of many
+#: 2-20 MB tensors need more copies in flight (0.5 B dense: 1.17x with 2, 1.03x with 8;
+#: the seed's model 0.999x either way; benchmarks/diagnose_moe_copies.py). The small
+#: copies get one more stream of their own, so their many short kernels overlap the
+#: large copies instead of lengthening a branch (benchmarks/diagnose_megatron_copies.py).
+BRANCHES = 8
+_SMALL_LANE = BRANCHES
+#: side streams a program needs for its copies
+LANES = BRANCHES + 1
+
+
+class Copy(NamedTuple):
+    dst: torch.Tensor
+    src: torch.Tensor
+    name: str
+
+
+@dataclass(frozen=True)
+class CopyGroup:
+    """Small copies one ``torch._foreach_copy_`` moves in one fused kernel: the fused
+    path needs one destination dtype, one source dtype and dense pairs of equal
+    strides, else it falls back to a kernel per tensor (on an H200 1.4 ms instead of
+    0.05 ms for megatron-core's bf16 biases mixed with fp32 layer norms)."""
+
+    dst: tuple[torch.Tensor, ...]
+    src: tuple[torch.Tensor, ...]
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LocalCopies:
+    """A compiled set of copies: ``planned`` as the plan lists them (what verify
+    compares, naming the tensor that differs), and what runs: ``big`` with the side
+    stream (branch) of each, ``small`` fused groups, and the CUDA graph that replays
+    them all (or None). Runs contiguous on both sides may be merged into one big or
+    small copy (``runs.merge_local``)."""
+
+    planned: tuple[Copy, ...]
+    big: tuple[Copy, ...]
+    branch_of: tuple[int, ...]
+    small: tuple[CopyGroup, ...]
+    graph: torch.cuda.CUDAGraph | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.big or self.small)
+
+    def copies(self) -> Iterator[Copy]:
+        yield from self.big
+        for g in self.small:
+            yield from (Copy(*c) for c in zip(g.dst, g.src, g.names))
+
+    def copy(self, side: SideStreams) -> None:
+        """Inside a ``side.session()`` of all ``LANES`` streams: large copies spread over
+        the branches, small ones, one foreach per group, on a stream of their own."""
+        for branch, (dst, src, _) in zip(self.branch_of, self.big):
+            with side.placed(branch):
+                dst.copy_(src)
+        with side.placed(_SMALL_LANE):
+            for g in self.small:
+                torch._foreach_copy_(g.dst, g.src)
+
+    def run_in_session(self, side: SideStreams) -> None:
+        """Inside ``side.session()``: replay the graph on side stream 0, or copy."""
+        if self.graph is not None:
+            with side.placed(0):
+                self.graph.replay()
+        elif self:
+            self.copy(side)
+
+    def run_on_caller(self, side: SideStreams) -> None:
+        """Replay on the caller's stream (ordered by stream order; the branches inside
+        are the fork and join captured through ``SideStreams``), or copy in a session."""
+        if self.graph is not None:
+            self.graph.replay()
+        elif self:
+            with side.session():
+                self.copy(side)
+
+    def mismatches(self, where: str) -> list[str]:
+        return [f"{name} ({where})" for dst, src, name in self.planned if not same(dst, src)]
+
+
+def compile_copies(copies: Iterable[Copy], side: SideStreams, cuda_graph: bool,
+                   merge: bool = True) -> LocalCopies:
+    """Group ``copies`` (skipping those whose destination is the source itself, and,
+    with ``merge``, making runs contiguous on both sides one copy) and, with
+    ``cuda_graph`` on CUDA, capture them once."""
+    planned = []
+    for c in copies:
+        dst, src = c.dst, c.src
+        if src.dim() != dst.dim():  # one expert of stacked experts: unit dims differ
+            c = Copy(dst, src.view(dst.shape), c.name)
+        if dst.data_ptr() == c.src.data_ptr() and dst.stride() == c.src.stride() and dst.dtype == c.src.dtype:
+            continue  # the destination is the source itself: nothing to copy
+        planned.append(c)
+    big: list[Copy] = []
+    small: dict[tuple, list[Copy]] = defaultdict(list)
+    for c in (map(Copy._make, merge_local(planned)) if merge else planned):
+        dst, src = c.dst, c.src
+        if max(dst.nbytes, src.nbytes) >= SMALL_COPY_BYTES:
+            big.append(c)
+        else:
+            small[(dst.dtype, src.dtype, dst.is_contiguous() and src.is_contiguous())].append(c)
+    groups = tuple(CopyGroup(*(tuple(x) for x in zip(*g))) for g in small.values())
+    compiled = LocalCopies(tuple(planned), tuple(big),
+                           tuple(balance_by_bytes([c.dst.nbytes for c in big], BRANCHES)), groups)
+    if cuda_graph and side.streams and compiled:
+        return replace(compiled, graph=_capture(compiled, side))
+    return compiled
+
+
+def _capture(copies: LocalCopies, side: SideStreams) -> torch.cuda.CUDAGraph | None:
+    """Capture the copies (with their branches) once. Falls back to eager copies
+    where capture fails."""
+    graph = torch.cuda.CUDAGraph()
+    # capture_begin/end rather than torch.cuda.graph(): that context also runs
+    # gc.collect() and empties the allocator cache, side effects a trainer should
+    # not pay for; these copies allocate nothing.
+    capture = torch.cuda.Stream(device=side.device)
+    capture.wait_stream(torch.cuda.current_stream(side.device))
+    try:
+        with torch.no_grad(), torch.cuda.stream(capture):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                with side.session():  # captured as the graph's fork and join
+                    copies.copy(side)
+            finally:
+                graph.capture_end()
+    except RuntimeError as e:
+        warnings.warn(f"torchrefit: CUDA graph capture of local copies failed ({e}); "
+                      "copying eagerly", stacklevel=4)
+        return None
+    return graph
+
+
+def balance_by_bytes(sizes: list[int], lanes: int) -> list[int]:
+    """Lane of each copy: largest first onto the least loaded lane, so the lanes carry
+    about the same bytes and end together."""
+    load = [0] * lanes
+    lane = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        b = load.index(min(load))
+        lane[i] = b
+        load[b] += sizes[i]
+    return lane
+
+
+def same(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether ``dst`` holds what a refit would copy from ``src`` (cast and moved as it)."""
+    return torch.equal(dst, src.to(device=dst.device, dtype=dst.dtype))
+
+
+def differing(dsts, srcs, names) -> list[str]:
+    return [name for dst, src, name in zip(dsts, srcs, names) if not same(dst, src)]

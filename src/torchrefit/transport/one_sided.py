@@ -1,0 +1,156 @@
+"""The one-sided protocol: one side reads or writes memory its peer registered.
+
+Per pair of ranks one side is the *target* (its memory is registered and reached
+remotely) and the other the *initiator* (it moves the bytes). A pull transport
+(``ipc``) makes the receiver the initiator: it reads the sender's source tensors.
+A push transport (``nixl``, ``nvshmem``) makes the sender the initiator: it writes
+into the receiver's destination tensors.
+
+The order of one refit is written once, in ``execute.one_sided``; a transport
+supplies the primitives it calls, and this base class the small control messages
+(over the group's Gloo backend):
+
+1. target: ``ready()`` -> token, once everything queued on its current stream is
+   ordered before the peer's access (the sender's producer for pull; for push, the
+   receiver's readers of the old destination); a header carries the token, the
+   target's generation and, the first time, its table (``expose``);
+2. initiator: ``attach`` a new table, ``wait_ready(peer, token)`` (orders its
+   transfer after the target's token and, for push, after its own producer),
+   transfer, ``done()`` -> token, sent back;
+3. target: ``wait_done(peer, token)``: its later work (the next optimizer step,
+   the engine's reads) is ordered after the initiator's access.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import pickle
+from abc import abstractmethod
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from ..errors import TransportError
+from ..layout._types import Box
+from .base import Transport, require_backend
+
+__all__ = ["OneSidedTransport", "Table", "Header"]
+
+_HEADER, _TABLE, _DONE = 31, 32, 33  # gloo tags of the control messages
+_KEEP = 4  # tables remembered per peer: a refit and a verify program alternate
+
+#: what a target tells an initiator once per compiled program: the transport's
+#: description of its registered tensors, and per transfer (plan order) the index of
+#: its tensor there and the region of that tensor
+Table = tuple[object, tuple[tuple[int, Box], ...]]
+Header = tuple[int, bytes]  # (generation, ready token)
+
+
+class OneSidedTransport(Transport):
+    """Base of one-sided transports. Subclasses implement the primitives below; the
+    executor (``execute.one_sided``) calls them in the protocol's order."""
+
+    protocol = "one_sided"
+    #: True: receivers read senders' memory (ipc); False: senders write receivers' memory
+    pull: ClassVar[bool]
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        super().__init__(group, device)
+        require_backend(group, "gloo", self.name, "exchanges its small control messages")
+        self._announced: set[tuple[int, int]] = set()  # (peer, generation) whose table it holds
+        self._attached: dict[int, OrderedDict[int, tuple]] = {}  # peer -> generation -> remote regions
+        self._works: list = []  # posted gloo sends, with the tensors they read
+
+    # ---------------------------------------------------------- primitives
+    @abstractmethod
+    def expose(self, tensors: Sequence[torch.Tensor]) -> object:
+        """Target, at compile time: register ``tensors`` and return a picklable
+        description an initiator's :meth:`attach` opens."""
+
+    @abstractmethod
+    def attach(self, peer: int, table: Table) -> tuple:
+        """Initiator: open ``peer``'s table; one remote region per transfer (plan order).
+        Pull transports return tensors this rank can copy from."""
+
+    @abstractmethod
+    def ready(self) -> bytes:
+        """Target, per refit: a token recorded after this rank's current stream."""
+
+    @abstractmethod
+    def wait_ready(self, peer: int, token: bytes) -> None:
+        """Initiator: order this rank's transfer after ``peer``'s ready token (and, for
+        push, after this rank's own producer). The stale-read tests remove it."""
+
+    @abstractmethod
+    def done(self) -> bytes:
+        """Initiator, once its transfer is queued (pull) or has landed (push)."""
+
+    @abstractmethod
+    def wait_done(self, peer: int, token: bytes) -> None:
+        """Target: order this rank's later work after ``peer``'s transfer."""
+
+    def write(self, peer: int, local: Sequence[torch.Tensor], remote: tuple) -> None:
+        """Push only: write each local view into the matching remote region."""
+        raise TransportError(f"the {self.name} transport does not write (it is a pull transport)")
+
+    def finish_writes(self) -> None:
+        """Push only: return once every write posted since the last call has landed."""
+
+    # ------------------------------------------------- control messages (gloo)
+    def post_header(self, peer: int, generation: int, table: Table, token: bytes) -> None:
+        """Target: send ``peer`` the header, and the table the first time it needs it."""
+        new = (peer, generation) not in self._announced
+        blob = pickle.dumps(table) if new else b""
+        self._send(peer, pickle.dumps((generation, token, len(blob))), _HEADER)
+        if new:
+            self._send(peer, blob, _TABLE)
+            self._announced.add((peer, generation))
+
+    def recv_header(self, peer: int) -> tuple[int, bytes, tuple]:
+        """Initiator: ``peer``'s generation, ready token and remote regions."""
+        generation, token, size = pickle.loads(self._recv(peer, _HEADER))
+        regions = self._attached.setdefault(peer, OrderedDict())
+        if size:
+            regions[generation] = self.attach(peer, pickle.loads(self._recv(peer, _TABLE)))
+            while len(regions) > _KEEP:
+                regions.popitem(last=False)
+        if generation not in regions:
+            raise TransportError(f"{self.name}: rank {peer} sent generation {generation} without its table")
+        return generation, token, regions[generation]
+
+    def post_done(self, peer: int, token: bytes) -> None:
+        self._send(peer, token, _DONE)
+
+    def recv_done(self, peer: int) -> bytes:
+        return self._recv(peer, _DONE)
+
+    def settle(self) -> None:
+        """Wait for every control message this rank posted (end of a refit)."""
+        for work, _ in self._works:
+            work.wait()
+        self._works = []
+
+    def _send(self, peer: int, data: bytes, tag: int) -> None:
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        body = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        dst = self.global_rank(peer)
+        self._works.append((dist.isend(size, dst, self.group, tag=tag), size))
+        if data:
+            self._works.append((dist.isend(body, dst, self.group, tag=tag), body))
+
+    def _recv(self, peer: int, tag: int) -> bytes:
+        size = torch.empty(1, dtype=torch.int64)
+        src = self.global_rank(peer)
+        dist.recv(size, src, self.group, tag=tag)
+        if not int(size):
+            return b""
+        body = torch.empty(int(size), dtype=torch.uint8)
+        dist.recv(body, src, self.group, tag=tag)
+        return ctypes.string_at(body.data_ptr(), int(size))
+
+    def close(self) -> None:
+        self._attached.clear()
+        self._announced.clear()
