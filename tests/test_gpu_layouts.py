@@ -1,7 +1,10 @@
-"""The layout suite of ``test_layouts.py`` on 8 GPUs, one process per GPU, over NCCL.
+"""The layout suite of ``test_layouts.py`` on GPUs.
 
-Marked ``gpu``; skipped with a reason where fewer than 8 GPUs are present (the
-cases' meshes span 8 ranks).
+* 8 GPUs, one process per GPU, over NCCL (skipped where fewer than 8 are present);
+* one GPU shared by 8 processes, through every one-sided transport usable here
+  (``ipc``, ``nixl`` where its package is installed), in a Gloo world. A push
+  transport (nixl) writes bytes as sent: the two cases that convert a dtype on the
+  way must be refused, with the reason, on every rank.
 """
 
 from __future__ import annotations
@@ -10,11 +13,14 @@ import pytest
 import torch
 from test_layouts import CASES, WORLD, _world_cases, check_case
 
-from torchrefit.testing import run_world
+from torchrefit.testing import run_world, usable_transports
+from torchrefit.transport.base import transport_class
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < WORLD,
-    reason=f"needs {WORLD} CUDA GPUs")]
+pytestmark = pytest.mark.gpu
+EIGHT = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < WORLD,
+                           reason=f"needs {WORLD} CUDA GPUs")
+ONE_SIDED = usable_transports(cuda=True, one_sided_only=True) if torch.cuda.is_available() else []
+CASTS = {"buffer-fp32->bf16", "cast-fp32->bf16"}
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +28,25 @@ def results():
     return run_world(_world_cases, WORLD, CASES, True, backend="nccl", timeout=900)
 
 
+@EIGHT
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_layout_case_on_gpus(case, results) -> None:
+    check_case(case, results)
+
+
+@pytest.fixture(scope="module", params=ONE_SIDED or ["none"])
+def one_gpu(request):
+    if request.param == "none":
+        pytest.skip("no one-sided transport is usable here")
+    return request.param, run_world(_world_cases, WORLD, CASES, False, request.param, True,
+                                    backend="gloo", timeout=900)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_layout_case_one_gpu(case, one_gpu) -> None:
+    transport, results = one_gpu
+    if case.id in CASTS and not transport_class(transport).pull:
+        for rank, per_rank in enumerate(results):
+            assert "cannot convert" in per_rank[case.id].get("error", ""), f"rank {rank}: {per_rank[case.id]}"
+        return
     check_case(case, results)

@@ -8,12 +8,14 @@ one process (local copies on the side streams, replayed as a CUDA graph, and
 eagerly), Gloo with two processes on one GPU collocated (local copies on the side
 streams overlapping staged remote rounds), and Gloo non-collocated (GPU -> pinned
 host staging), and CUDA IPC with two processes on one GPU (collocated and not:
-receivers read the sender's memory after waiting for its interprocess event).
-NCCL cannot pair two ranks on one GPU; its remote path runs in the multi-GPU suite.
+receivers read the sender's memory after waiting for its interprocess event),
+and every other one-sided transport usable here (nixl: the sender's host waits for
+its producer before posting its WRITEs). NCCL cannot pair two ranks on one GPU;
+its remote path runs in the multi-GPU suite.
 
 Setting ``TORCHREFIT_BREAK_PRODUCER_WAIT=1`` removes the side stream's wait for the
-producer and the IPC receiver's wait for the sender (test-only monkeypatches) to
-show that the test then fails.
+producer and every one-sided transport's ``wait_ready`` (test-only monkeypatches)
+to show that the test then fails.
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ import torch
 
 import torchrefit as tr
 from torchrefit.bench.timing import sleep_cycles_per_ms
-from torchrefit.testing import Mesh, ModelSpec, build_toy, expected_local, run_world
+from torchrefit.testing import (
+    Mesh,
+    ModelSpec,
+    build_toy,
+    expected_local,
+    run_world,
+    usable_transports,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -54,9 +63,11 @@ def _break_producer_wait() -> None:
                 caller.wait_stream(stream)
 
     streams.SideStreams.session = session
-    from torchrefit.transport import ipc
+    from torchrefit.transport.base import registered
 
-    ipc.IpcTransport._wait_ready = lambda self, event: None  # receivers stop waiting for senders
+    for cls in registered():  # one-sided: initiators stop waiting for their producer's token
+        if cls.protocol == "one_sided":
+            cls.wait_ready = lambda self, peer, token: None
 
 
 def _stale_read(rank: int, world: int, src_mesh: Mesh, dst_mesh: Mesh, transport: str,
@@ -102,9 +113,10 @@ CASES = {
     "gloo-1proc-local-graph": (1, Mesh(1, ranks=1), Mesh(1, ranks=1), "gloo", True),
     "gloo-2proc-collocated-tp2->tp1": (2, Mesh(2, ranks=2), Mesh(1, ranks=2), "gloo", True),
     "gloo-2proc-noncollocated": (2, Mesh(1, ranks=1), Mesh(1, ranks=1, offset=1), "gloo", True),
-    "ipc-2proc-collocated-tp2->tp1": (2, Mesh(2, ranks=2), Mesh(1, ranks=2), "ipc", True),
-    "ipc-2proc-noncollocated": (2, Mesh(1, ranks=1), Mesh(1, ranks=1, offset=1), "ipc", True),
 }
+for _t in (usable_transports(cuda=True, one_sided_only=True) if torch.cuda.is_available() else ["ipc"]):
+    CASES[f"{_t}-2proc-collocated-tp2->tp1"] = (2, Mesh(2, ranks=2), Mesh(1, ranks=2), _t, True)
+    CASES[f"{_t}-2proc-noncollocated"] = (2, Mesh(1, ranks=1), Mesh(1, ranks=1, offset=1), _t, True)
 
 
 @pytest.mark.parametrize("name", list(CASES))

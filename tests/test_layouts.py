@@ -7,7 +7,9 @@ embeddings, persistent buffers with a dtype change, casts, virtual pipeline
 chunks, and non-collocated refits with idle ranks. Every case checks, on every
 rank, that each destination tensor differed from the source-derived expectation
 before the refit and equals it exactly after; that non-persistent buffers did not
-move; and that ``verify()`` passes. All cases run in one spawned world.
+move; and that ``verify()`` passes. All cases run in one spawned world per
+transport usable on CPU tensors here (gloo); ``test_gpu_layouts.py`` runs the same
+cases on GPUs through every GPU transport.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ import torch
 import torch.distributed as dist
 
 import torchrefit as tr
-from torchrefit.testing import Mesh, ModelSpec, build_toy, expected_local, run_world
+from torchrefit.testing import (
+    Mesh,
+    ModelSpec,
+    build_toy,
+    expected_local,
+    run_world,
+    usable_transports,
+)
 
 WORLD = 8
 SRC_SEED, DST_SEED = 1, 2
@@ -194,7 +203,7 @@ def _to(model, device: str):
     return [m.to(device) for m in model] if isinstance(model, list) else model.to(device)
 
 
-def _run_case(case: Case, rank: int, device: str = "cpu") -> dict:
+def _run_case(case: Case, rank: int, device: str = "cpu", transport: str = "auto") -> dict:
     src = _to(build_toy(case.spec, case.src, rank, SRC_SEED), device)
     dst = _to(_build_dst(case, rank), device)
     expected = {k: v.to(device) for k, v in _expected(case, rank).items()}
@@ -203,7 +212,7 @@ def _run_case(case: Case, rank: int, device: str = "cpu") -> dict:
         return {"error": f"toy bug: keys {sorted(set(state) ^ set(expected))[:4]}"}
     same_before = [k for k, v in state.items() if v.numel() and torch.equal(v.detach(), expected[k])]
     frozen = _non_persistent(dst)
-    r = tr.Refitter(src, dst, **case.kwargs)
+    r = tr.Refitter(src, dst, transport=transport, **case.kwargs)
     report = r.refit()
     r.refit()  # a second refit replays the compiled program
     wrong = [k for k, v in state.items() if not torch.equal(v.detach(), expected[k])]
@@ -213,24 +222,28 @@ def _run_case(case: Case, rank: int, device: str = "cpu") -> dict:
             "remote": report.bytes_remote, "version": r.version}
 
 
-def _world_cases(rank: int, world: int, cases: list[Case], on_gpus: bool = False) -> dict[str, dict]:
+def _world_cases(rank: int, world: int, cases: list[Case], on_gpus: bool = False, transport: str = "auto",
+                 one_gpu: bool = False) -> dict[str, dict]:
+    """Every case in this world: on CPU, on GPU ``rank`` (``on_gpus``) or all ranks on
+    GPU 0 (``one_gpu``)."""
     device = "cpu"
-    if on_gpus:
-        torch.cuda.set_device(rank)
-        device = f"cuda:{rank}"
+    if on_gpus or one_gpu:
+        gpu = 0 if one_gpu else rank
+        torch.cuda.set_device(gpu)
+        device = f"cuda:{gpu}"
     out = {}
     for case in cases:
         try:
-            out[case.id] = _run_case(case, rank, device)
+            out[case.id] = _run_case(case, rank, device, transport)
         except Exception as e:  # recorded per case; errors are agreed, so no rank hangs
             out[case.id] = {"error": f"{type(e).__name__}: {e}"}
         dist.barrier()
     return out
 
 
-@pytest.fixture(scope="module")
-def results() -> list[dict[str, dict]]:
-    return run_world(_world_cases, WORLD, CASES, timeout=900)
+@pytest.fixture(scope="module", params=usable_transports(cuda=False))
+def results(request) -> list[dict[str, dict]]:
+    return run_world(_world_cases, WORLD, CASES, False, request.param, timeout=900)
 
 
 def check_case(case: Case, results) -> None:

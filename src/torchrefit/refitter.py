@@ -34,6 +34,8 @@ from .plan.roster import encode_roster
 from .plan.types import RankPlan
 from .transforms.fp8 import Quantizer
 from .transport.base import Transport, get_transport, registered, transport_class
+from .transport.gloo import GlooTransport
+from .transport.one_sided import OneSidedTransport
 from .versions import stamp_version
 
 __all__ = ["Refitter", "RefitReport", "swap_model_weights", "clear_caches", "DEFAULT_STAGING_BYTES"]
@@ -174,12 +176,15 @@ class Refitter:
         self._phase_programs: list[Program] | None = None  # with a load_weights sink
         self._verifier: Program | None = None
         self._kinds = (layout_kind(src_model, src_layout), layout_kind(dst_model, dst_layout))
+        self._gloo: Transport | None = None  # verify's transport where the refit's cannot compare
         src, dst, error = self._describe(src_model, dst_model, src_layout, dst_layout)
         self._src, self._dst = src, dst
         infos = self._gather_infos(src, dst, error, staging_bytes)
         _raise_layout_errors(infos)
         _check_offsets(infos, src_rank_offset, dst_rank_offset)
         self.transport_name = _choose_transport(transport, infos, str(dist.get_backend(self.group)))
+        self._transport_cls = type(transport) if isinstance(transport, Transport) else transport_class(
+            self.transport_name)
         self.plan = self._plan(infos, name_map or Identity(), cast, skip, fp8_block)
         self._phases = self._bucket(infos)
         max_peers = self._agree()
@@ -229,13 +234,15 @@ class Refitter:
         self._plan_error: str | None = None
         try:
             self._quantizer = _quantizer(planner, self._dst)
-            return planner.plan_rank(
+            plan = planner.plan_rank(
                 self.rank, self.world,
                 self._src.layout if self._src else None, self._dst.layout if self._dst else None,
             )
         except Exception as e:  # reported to every rank by _agree()
             self._plan_error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
             return RankPlan(self.rank, self.world, (), (), ())
+        self._plan_error = self._transport_cls.plan_problem(plan)  # also via _agree()
+        return plan
 
     def _bucket(self, infos: list[_RankInfo]) -> list[tuple[tuple[str, ...], RankPlan]] | None:
         """Where any rank is a ``load_weights`` sink: the bucket sequence (pure, the same
@@ -271,7 +278,7 @@ class Refitter:
             if d is not None:
                 for t in d.tensors.values():
                     return t.device
-        if transport_class(self.transport_name).needs_cuda:
+        if self._transport_cls.needs_cuda:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
@@ -340,11 +347,21 @@ class Refitter:
             plan,
             self._src.tensors if self._src else {},
             self._quantizer.tensors(self._dst.tensors if self._dst else {}),
-            self._transport, self.message_limit, compare=compare,
+            self._verify_transport() if compare else self._transport, self.message_limit, compare=compare,
             cuda_graph=self.cuda_graph and not compare,
             # a sink's tensors are views of one reused buffer: they must not alias sources
             share_storage=self.share_storage and self._phases is None,
         )
+
+    def _verify_transport(self) -> Transport:
+        """Verify moves the bytes into scratch buffers and compares: a push transport
+        can only write into the destination, so its verify goes over Gloo rounds."""
+        t = self._transport
+        if isinstance(t, OneSidedTransport) and not t.pull:
+            if self._gloo is None:
+                self._gloo = GlooTransport(self.group, self._device())
+            return self._gloo
+        return t
 
     def verify(self) -> None:
         """Check that every destination region equals its source. Collective.

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..testing import build_toy, run_world
 from ..testing.toy import global_table
+from ..transport.base import transport_class
 from .config import VARIANTS, BenchConfig
 from .hf_models import build_hf_destination
 from .megatron_models import build_megatron_gpt, megatron_available, megatron_swap
@@ -34,8 +35,8 @@ def backend_for(cfg: BenchConfig) -> str:
         return "gloo"
     if cfg.transport == "gloo" or cfg.nproc > torch.cuda.device_count():
         return "gloo"
-    if cfg.transport == "ipc":  # handshakes over gloo, the link measurement over nccl
-        return "cpu:gloo,cuda:nccl"
+    if cfg.transport not in ("auto", "nccl") and transport_class(cfg.transport).protocol == "one_sided":
+        return "cpu:gloo,cuda:nccl"  # control messages over gloo, the link measurement over nccl
     return "nccl"
 
 
@@ -227,9 +228,9 @@ def _floor_ms(cfg: BenchConfig, row: dict | None, hbm: float | None, link: float
     One GPU per process: per GPU, the larger of its local bytes read and written over
     the HBM copy bandwidth and its remote bytes (the larger direction) over the link's
     per-direction bandwidth; the slowest GPU sets the floor. Several processes on one
-    GPU share its memory bandwidth and have no link: all-local refits, and CUDA IPC
-    refits (every received byte is then read and written once in that GPU's memory
-    too), get the HBM floor of all their bytes; over other transports, none.
+    GPU share its memory bandwidth and have no link: all-local refits, and one-sided
+    refits (ipc, nixl: every received byte is then read and written once in that
+    GPU's memory too), get the HBM floor of all their bytes; over rounds, none.
     """
     if row is None or not hbm:
         return None, "no torchrefit row"
@@ -237,8 +238,8 @@ def _floor_ms(cfg: BenchConfig, row: dict | None, hbm: float | None, link: float
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if cfg.nproc == 1 or (gpus and cfg.nproc > gpus):
         moved = sum(local + received for local, _, received in per_rank)
-        if row["transport"] == "ipc":
-            return 2 * moved / hbm * 1e3, "HBM copy floor of every byte (local and IPC), one GPU"
+        if transport_class(row["transport"]).protocol == "one_sided":
+            return 2 * moved / hbm * 1e3, f"HBM copy floor of every byte (local and {row['transport']}), one GPU"
         if any(sent or received for _, sent, received in per_rank):
             return None, "no floor: remote bytes between processes that share one device"
         return 2 * moved / hbm * 1e3, "HBM copy floor of the local bytes"

@@ -154,6 +154,8 @@ class Program:
                 # Nothing to overlap: replay on the caller's stream. A side stream here
                 # would cost ~0.2 ms of host time per refit on an H200.
                 c.local.graph.replay()
+            elif not c.local:
+                self._exchange(c, compare=False)  # on the caller's stream, ordered by stream order
             else:
                 with self.side.session(1 if c.local.graph is not None else None):
                     c.local.run_in_session(self.side)  # on side streams: overlaps the exchange

@@ -17,8 +17,9 @@ from .base import (
 from .gloo import GlooTransport
 from .ipc import IpcTransport
 from .nccl import NcclTransport
+from .nixl import NixlTransport
 from .one_sided import OneSidedTransport
 
 __all__ = ["Availability", "Transport", "RoundsTransport", "OneSidedTransport", "get_transport",
            "register_transport", "registered", "transport_names", "GlooTransport", "IpcTransport",
-           "NcclTransport"]
+           "NcclTransport", "NixlTransport"]

@@ -75,6 +75,12 @@ class Transport(ABC):
         """Whether this process can use the transport (package, device, backend)."""
         return Availability.first_missing([(dist.is_available(), "torch.distributed is not available")])
 
+    @classmethod
+    def plan_problem(cls, plan) -> str | None:
+        """Why this rank's plan cannot go through the transport, or None (checked on
+        every rank while planning)."""
+        return None
+
     def global_rank(self, group_rank: int) -> int:
         return self._global[group_rank]
 

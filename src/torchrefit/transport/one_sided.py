@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from ..errors import TransportError
 from ..layout._types import Box
+from ..plan.types import RankPlan
 from .base import Transport, require_backend
 
 __all__ = ["OneSidedTransport", "Table", "Header"]
@@ -63,6 +64,21 @@ class OneSidedTransport(Transport):
         self._announced: set[tuple[int, int]] = set()  # (peer, generation) whose table it holds
         self._attached: dict[int, OrderedDict[int, tuple]] = {}  # peer -> generation -> remote regions
         self._works: list = []  # posted gloo sends, with the tensors they read
+
+    @classmethod
+    def plan_problem(cls, plan: RankPlan) -> str | None:
+        """Why this rank's plan cannot go through the transport (checked on every rank
+        while planning, so all raise together), or None. A push transport writes bytes
+        as they are: it cannot convert a dtype on the way."""
+        if cls.pull:
+            return None
+        cast = [t for t in plan.recvs if t.wire_dtype != t.local_dtype]
+        if cast:
+            t = cast[0]
+            return (f"{t.name}{t.region} from rank {t.peer}: the {cls.name} transport writes bytes "
+                    f"as sent and cannot convert {t.wire_dtype} to {t.local_dtype} "
+                    f"({len(cast)} such regions); use transport 'ipc', 'nccl' or 'gloo'")
+        return None
 
     # ---------------------------------------------------------- primitives
     @abstractmethod

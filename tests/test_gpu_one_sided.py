@@ -1,11 +1,13 @@
-"""The CUDA IPC transport on a real GPU: two processes sharing one GPU (gloo group).
+"""The one-sided transports on a real GPU: two processes sharing one GPU (gloo group),
+for every one-sided transport usable here (ipc; nixl where its package is installed).
 
-Covers, in one world: collocated TP2 -> TP1 (each rank copies its own half locally
+Covers, in one world per transport: collocated TP2 -> TP1 (each rank copies its own half locally
 and maps the other half from its peer) and TP1 on rank 0 -> TP2 (rank 1 maps its
 half from rank 0). Each case asserts the destination
 differed before and is exact after, ``verify()`` passes, a storage move on the
 sender (new handles must be exported and mapped) and on the receiver is followed,
-and ``verify()`` catches a corrupted destination on every rank.
+and ``verify()`` catches a corrupted destination on every rank. For ipc it also
+checks that the sender exported far fewer allocation segments than tensors.
 """
 
 from __future__ import annotations
@@ -14,7 +16,14 @@ import pytest
 import torch
 
 import torchrefit as tr
-from torchrefit.testing import Mesh, ModelSpec, build_toy, expected_local, run_world
+from torchrefit.testing import (
+    Mesh,
+    ModelSpec,
+    build_toy,
+    expected_local,
+    run_world,
+    usable_transports,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -34,11 +43,16 @@ def _params(model) -> list:
     return [] if model is None else list(model.parameters())
 
 
-def _case(rank: int, src_mesh: Mesh, dst_mesh: Mesh) -> dict:
+def _case(rank: int, src_mesh: Mesh, dst_mesh: Mesh, transport: str) -> dict:
     src, dst = _build(src_mesh, rank, 1), _build(dst_mesh, rank, 2)
     out = {"differed": dst is None or not _equal(dst, expected_local(SPEC, dst_mesh, rank, 1))}
-    r = tr.Refitter(src, dst, transport="ipc")
+    r = tr.Refitter(src, dst, transport=transport)
     report = r.refit()
+    out["transport"] = report.transport
+    exposed = r._program.compiled.one_sided.compiled.exposed if r._program.compiled.one_sided else None
+    if transport == "ipc" and exposed is not None:
+        segments, tensors = exposed
+        out["segments"], out["tensors"] = len(segments), len(tensors)
     torch.cuda.synchronize()
     out["exact"] = _equal(dst, expected_local(SPEC, dst_mesh, rank, 1))
     out["received"] = report.bytes_received
@@ -64,20 +78,27 @@ def _case(rank: int, src_mesh: Mesh, dst_mesh: Mesh) -> dict:
     return out
 
 
-def _world(rank: int, world: int) -> dict:
+def _world(rank: int, world: int, transport: str) -> dict:
     torch.cuda.set_device(0)
     return {
-        "tp2->tp1": _case(rank, Mesh(2, ranks=2), Mesh(1, ranks=2)),
-        "tp1 on rank 0 -> tp2": _case(rank, Mesh(1, ranks=1), Mesh(2, ranks=2)),
+        "tp2->tp1": _case(rank, Mesh(2, ranks=2), Mesh(1, ranks=2), transport),
+        "tp1 on rank 0 -> tp2": _case(rank, Mesh(1, ranks=1), Mesh(2, ranks=2), transport),
     }
 
 
-def test_ipc_two_processes_one_gpu() -> None:
-    results = run_world(_world, 2, backend="gloo", timeout=240)
+TRANSPORTS = usable_transports(cuda=True, one_sided_only=True) if torch.cuda.is_available() else ["ipc"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_one_sided_two_processes_one_gpu(transport: str) -> None:
+    results = run_world(_world, 2, transport, backend="gloo", timeout=240)
     for rank, cases in enumerate(results):
         for name, got in cases.items():
             assert got["differed"] and got["exact"], f"rank {rank} {name}: {got}"
             assert got["moved_exact"], f"rank {rank} {name}: storage moves not followed"
             assert got["verify_caught"], f"rank {rank} {name}: verify missed a corruption"
+            assert got["transport"] == transport
+            if "segments" in got:  # exported per allocation segment, not per tensor
+                assert got["segments"] * 4 <= got["tensors"], f"rank {rank} {name}: {got}"
     for name in results[0]:
-        assert results[1][name]["received"] > 0, f"{name}: nothing came through ipc to rank 1"
+        assert results[1][name]["received"] > 0, f"{name}: nothing came through {transport} to rank 1"
