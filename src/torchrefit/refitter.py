@@ -98,12 +98,12 @@ class Refitter:
     Args:
         src_model / dst_model: this rank's model (or list of virtual-pipeline
             chunks), or None where the rank holds no such model.
-        transport: ``"auto"`` (NCCL where every model lives on CUDA, else Gloo),
-            a registered name (``"nccl"``, ``"gloo"``, ``"ipc"``), or a :class:`Transport`.
-            ``"ipc"``: every rank on one machine with CUDA tensors (collocated
-            trainer and engine processes); receivers copy straight from the senders'
-            GPU memory through CUDA IPC, with a small Gloo handshake per peer pair per
-            refit (the group needs a Gloo backend, e.g. ``"cpu:gloo,cuda:nccl"``).
+        transport: ``"auto"`` (the most preferred registered transport that fits every
+            rank: ``ipc``, ``nccl``, ``nixl``, then ``gloo``; ``report.transport`` says
+            which), a registered name (``"nccl"``, ``"gloo"``, ``"ipc"``, ``"nixl"``), or
+            a :class:`Transport`. ``"ipc"`` and ``"nixl"`` are one-sided (receivers read,
+            or senders write, the peer's registered GPU memory) and exchange small
+            control messages over the group's Gloo backend (e.g. ``"cpu:gloo,cuda:nccl"``).
         group: the process group spanning every participating rank (default: world),
             or the :class:`~torchrefit.connect.Connection` ``tr.connect`` returned (its
             joint group; its rank offsets replace ``src/dst_rank_offset`` left at 0).

@@ -77,7 +77,10 @@ def _bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
     device = _device(rank)
     src, dst = _models(cfg, rank, device)
     # measured once every rank is idle: processes sharing a GPU would otherwise build
-    # models during the measurement and lower the floor's bandwidth
+    # models during the measurement and lower the floor's bandwidth (a barrier alone
+    # leaves their queued initialisation running)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     dist.barrier()
     bandwidth = copy_bandwidth(device) if rank == 0 else None
     dist.barrier()

@@ -1,0 +1,93 @@
+"""Where a one-sided transport's first refit and its copies spend their time (one GPU).
+
+Two processes on one GPU, the seed's model (``--layers`` to shrink it), TP1 -> TP1
+non-collocated: rank 0 holds the source, rank 1 the destination. Each rank profiles
+construction plus the first refit with cProfile and prints its top functions; the
+receiver then times, with CUDA events and the device idle before each, (a) a whole
+refit, (b) the replay of its compiled copies out of the sender's memory alone (ipc),
+and (c) the same bytes copied locally by one flat copy (the floor's kernel).
+
+    python benchmarks/one_sided_first_refit.py --transport ipc [--layers 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+import torch.distributed as dist
+
+import torchrefit as tr
+from torchrefit.bench.config import spec_from_preset
+from torchrefit.testing import Mesh, build_toy, run_world
+
+
+def _device_ms(fn, iters: int = 20) -> float:
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def _rank(rank: int, world: int, transport: str, layers: int) -> str:
+    torch.cuda.set_device(0)
+    spec = spec_from_preset("gpt-4b", layers=layers)
+    src = build_toy(spec, Mesh(1, ranks=1), rank, 1, device="cuda", random_init=True)
+    dst = build_toy(spec, Mesh(1, ranks=1, offset=1), rank, 2, device="cuda", random_init=True)
+    torch.cuda.synchronize()
+    dist.barrier()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    r = tr.Refitter(src, dst, transport=transport)
+    t1 = time.perf_counter()
+    r.refit()
+    torch.cuda.synchronize()
+    prof.disable()
+    t2 = time.perf_counter()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(18)
+    lines = [f"rank {rank}: construct {t1 - t0:.3f} s, first refit {t2 - t1:.3f} s"]
+    whole = []
+    for _ in range(20):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t = time.perf_counter()
+        r.refit()
+        torch.cuda.synchronize()
+        whole.append((time.perf_counter() - t) * 1e3)
+    lines.append(f"rank {rank}: refit wall ms median {sorted(whole)[10]:.3f}")
+    one = r._program.compiled.one_sided
+    pulls = one._pulls[1] if one is not None and one._pulls is not None else None
+    if pulls is not None and pulls.graph is not None:
+        nbytes = sum(c.dst.nbytes for c in pulls.copies())
+        flat = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
+        lines.append(f"rank {rank}: {nbytes / 1e9:.2f} GB; mapped-copies graph replay {_device_ms(pulls.graph.replay):.3f} ms, "
+                     f"one flat local copy {_device_ms(lambda: flat[1].copy_(flat[0])):.3f} ms, "
+                     f"{len(pulls.big)} large + {sum(len(g.dst) for g in pulls.small)} small copies")
+    dist.barrier()
+    r.close()
+    return "\n".join(lines) + "\n" + "\n".join(out.getvalue().splitlines()[:40])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--transport", default="ipc")
+    p.add_argument("--layers", type=int, default=20)
+    args = p.parse_args()
+    for text in run_world(_rank, 2, args.transport, args.layers, backend="gloo", timeout=600):
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
