@@ -33,7 +33,7 @@ if has tests; then
   TORCHREFIT_BREAK_PRODUCER_WAIT=1 python -m pytest -q -p no:cacheprovider tests/test_gpu_stale_read.py
 fi
 if has bench; then
-  for t in ipc nixl; do
+  for t in ${TRANSPORTS:-ipc nixl}; do
     step "seed model TP1 -> TP1, 2 processes non-collocated on one GPU, $t"
     $B --nproc 2 --mode non-collocated --transport $t --label "gpt-4b tp1->tp1 2 procs non-collocated $t" \
        --json "$R/h200_transports_noncolloc_$t.json"
