@@ -9,7 +9,8 @@ against the toy's global values (an independent oracle), each refit twice and
 the order of the protocol's calls on every rank (initiators wait for the target's
 ready token before anything else and send done after; targets wait for done last);
 a push transport refusing a dtype conversion on every rank while planning; and
-which transport ``"auto"`` picks, with ``available()``'s reasons.
+which transport ``"auto"`` picks, with ``available()``'s reasons; and that building a
+Refitter of plain models does not import ``torch.distributed.tensor``.
 """
 
 from __future__ import annotations
@@ -141,7 +142,10 @@ def _auto(rank: int, world: int) -> dict:
         ipc = "no error"
     except tr.TransportError as e:
         ipc = str(e)
-    return {"auto": r.refit().transport, "reasons": reasons, "ipc": ipc}
+    import sys
+
+    return {"auto": r.refit().transport, "reasons": reasons, "ipc": ipc,
+            "dtensor_imported": "torch.distributed.tensor" in sys.modules}
 
 
 def test_auto_and_availability_reasons() -> None:
@@ -152,3 +156,6 @@ def test_auto_and_availability_reasons() -> None:
         assert got["reasons"]["ipc"] == "no CUDA GPU is visible"
         assert "needs CUDA tensors" in got["ipc"] and "ranks [0, 1" in got["ipc"], got["ipc"]
         assert got["reasons"]["nixl"] == "no CUDA GPU is visible"
+        # plain models: the DTensor check must not import torch.distributed.tensor
+        # (seconds of Python import on a cold machine, counted in the first refit)
+        assert not got["dtensor_imported"], f"rank {rank}"

@@ -25,6 +25,7 @@ the refit group may order or subset its ranks as it likes.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Mapping
 
 import torch
@@ -63,6 +64,11 @@ def _chunks(model) -> list:
 def is_dtensor_model(model) -> bool:
     """Whether any parameter or persistent buffer of ``model`` is a DTensor, or any of
     its modules is FSDP2's (which may hold only unsharded copies right now)."""
+    if "torch.distributed.tensor" not in sys.modules:
+        # no DTensor (nor FSDP2 module, which imports it) can exist yet; importing it
+        # only to check would cost seconds on a cold machine (sympy; an H200 run: 3.5 s
+        # of a Refitter's construction, benchmarks/one_sided_first_refit.py)
+        return False
     cls = _dtensor_type()
     chunks = _chunks(model)
     return cls is not None and (bool(_fsdp_modules(chunks)) or any(

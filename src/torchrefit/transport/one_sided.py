@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import pickle
+import struct
 from abc import abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -38,16 +39,16 @@ from ..layout._types import Box
 from ..plan.types import RankPlan
 from .base import Transport, require_backend
 
-__all__ = ["OneSidedTransport", "Table", "Header"]
+__all__ = ["OneSidedTransport", "Table"]
 
 _HEADER, _TABLE, _DONE = 31, 32, 33  # gloo tags of the control messages
 _KEEP = 4  # tables remembered per peer: a refit and a verify program alternate
+_FIXED = 128  # bytes of a header or token message (an interprocess event handle is 64)
 
 #: what a target tells an initiator once per compiled program: the transport's
 #: description of its registered tensors, and per transfer (plan order) the index of
 #: its tensor there and the region of that tensor
 Table = tuple[object, tuple[tuple[int, Box], ...]]
-Header = tuple[int, bytes]  # (generation, ready token)
 
 
 class OneSidedTransport(Transport):
@@ -120,17 +121,19 @@ class OneSidedTransport(Transport):
         """Target: send ``peer`` the header, and the table the first time it needs it."""
         new = (peer, generation) not in self._announced
         blob = pickle.dumps(table) if new else b""
-        self._send(peer, pickle.dumps((generation, token, len(blob))), _HEADER)
+        self._send(peer, struct.pack("<qq", generation, len(blob)) + token, _HEADER)
         if new:
-            self._send(peer, blob, _TABLE)
+            self._send(peer, blob, _TABLE, fixed=False)
             self._announced.add((peer, generation))
 
     def recv_header(self, peer: int) -> tuple[int, bytes, tuple]:
         """Initiator: ``peer``'s generation, ready token and remote regions."""
-        generation, token, size = pickle.loads(self._recv(peer, _HEADER))
+        data = self._recv(peer, _HEADER)
+        generation, size = struct.unpack_from("<qq", data)
+        token = data[16:]
         regions = self._attached.setdefault(peer, OrderedDict())
         if size:
-            regions[generation] = self.attach(peer, pickle.loads(self._recv(peer, _TABLE)))
+            regions[generation] = self.attach(peer, pickle.loads(self._recv(peer, _TABLE, fixed=False)))
             while len(regions) > _KEEP:
                 regions.popitem(last=False)
         if generation not in regions:
@@ -149,17 +152,33 @@ class OneSidedTransport(Transport):
             work.wait()
         self._works = []
 
-    def _send(self, peer: int, data: bytes, tag: int) -> None:
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        body = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    def _send(self, peer: int, data: bytes, tag: int, fixed: bool = True) -> None:
+        """Post ``data`` to ``peer``: in one fixed-size message (headers and tokens, one
+        network latency per refit step), or a size then the body (tables)."""
         dst = self.global_rank(peer)
+        if fixed:
+            if len(data) > _FIXED - 8:
+                raise TransportError(f"{self.name}: a {len(data)}-byte control message exceeds {_FIXED - 8}")
+            buf = torch.zeros(_FIXED, dtype=torch.uint8)
+            buf[:8] = torch.frombuffer(bytearray(struct.pack("<q", len(data))), dtype=torch.uint8)
+            if data:
+                buf[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            self._works.append((dist.isend(buf, dst, self.group, tag=tag), buf))
+            return
+        size = torch.tensor([len(data)], dtype=torch.int64)
         self._works.append((dist.isend(size, dst, self.group, tag=tag), size))
         if data:
+            body = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             self._works.append((dist.isend(body, dst, self.group, tag=tag), body))
 
-    def _recv(self, peer: int, tag: int) -> bytes:
-        size = torch.empty(1, dtype=torch.int64)
+    def _recv(self, peer: int, tag: int, fixed: bool = True) -> bytes:
         src = self.global_rank(peer)
+        if fixed:
+            buf = torch.empty(_FIXED, dtype=torch.uint8)
+            dist.recv(buf, src, self.group, tag=tag)
+            (n,) = struct.unpack_from("<q", ctypes.string_at(buf.data_ptr(), 8))
+            return ctypes.string_at(buf.data_ptr() + 8, n)
+        size = torch.empty(1, dtype=torch.int64)
         dist.recv(size, src, self.group, tag=tag)
         if not int(size):
             return b""
