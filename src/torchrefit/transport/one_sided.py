@@ -70,15 +70,17 @@ class OneSidedTransport(Transport):
     def plan_problem(cls, plan: RankPlan) -> str | None:
         """Why this rank's plan cannot go through the transport (checked on every rank
         while planning, so all raise together), or None. A push transport writes bytes
-        as they are: it cannot convert a dtype on the way."""
+        as they are: it converts no dtype, neither where the sender casts (``cast=``)
+        nor where the receiver would."""
         if cls.pull:
             return None
-        cast = [t for t in plan.recvs if t.wire_dtype != t.local_dtype]
-        if cast:
-            t = cast[0]
-            return (f"{t.name}{t.region} from rank {t.peer}: the {cls.name} transport writes bytes "
-                    f"as sent and cannot convert {t.wire_dtype} to {t.local_dtype} "
-                    f"({len(cast)} such regions); use transport 'ipc', 'nccl' or 'gloo'")
+        sends = [(t, t.local_dtype, t.wire_dtype, "to") for t in plan.sends if t.wire_dtype != t.local_dtype]
+        recvs = [(t, t.wire_dtype, t.local_dtype, "from") for t in plan.recvs if t.wire_dtype != t.local_dtype]
+        if sends or recvs:
+            t, a, b, way = (sends or recvs)[0]
+            return (f"{t.name}{t.region} {way} rank {t.peer}: the {cls.name} transport writes bytes "
+                    f"as they are and cannot convert {a} to {b} ({len(sends) + len(recvs)} such "
+                    f"regions on this rank); use transport 'ipc', 'nccl' or 'gloo'")
         return None
 
     # ---------------------------------------------------------- primitives
