@@ -30,6 +30,7 @@ from torchrefit.testing.toy import global_table, global_value
 SPEC = ModelSpec(layers=2, bias=False)  # Llama-shaped: no linear biases
 TRAINER = Mesh(tp=2, ranks=2)
 BUCKET = 12 * 1024  # several buckets for the toy's ~70 KB
+STAGING = 8 * 1024  # the Refitter's staging_bytes: each bucket alone stays under it
 SHARDED = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
@@ -84,14 +85,15 @@ def _recorders(rank: int) -> dict:
     recorder = Recorder(BUCKET)
     engine = nn.Module() if rank >= 2 else None  # stands for the engine: holds the version
     sink = tr.load_weights_sink(recorder, _wanted(rank), bucket_bytes=BUCKET) if rank >= 2 else None
-    r = tr.Refitter(src, engine, dst_layout=sink, skip=["extra.*"])
-    out: dict = {}
+    r = tr.Refitter(src, engine, dst_layout=sink, skip=["extra.*"], staging_bytes=STAGING)
+    out: dict = {"staging": []}
     for seed in (1, 2):
         if src is not None:
             _set(src, rank, seed)
         recorder.got.clear()
         calls = recorder.calls
         report = r.refit()
+        out["staging"].append(report.staging_bytes)
         out[f"calls{seed}"] = recorder.calls - calls
         if rank >= 2:
             names = [n for n, *_ in _wanted(rank) if n != "extra.weight"]
@@ -102,6 +104,10 @@ def _recorders(rank: int) -> dict:
     out["over_budget"] = recorder.over_budget
     out["version"] = tr.weight_version(engine) if engine is not None else report.version
     out["buffer"] = sink.buffer.numel() if sink is not None else 0
+    # staging memory the bucket programs hold, counted by storage: one shared pair
+    pools = {p.untyped_storage().data_ptr(): p.numel() for prog in r._phase_programs
+             for p in (prog.compiled.rounds.pools if prog.compiled.rounds else ()) if p.numel()}
+    out["staging_held"] = sum(pools.values())
     with pytest.raises(tr.VerificationError, match="load_weights sink"):
         r.verify()
     return out
@@ -181,6 +187,15 @@ def test_every_name_once_with_the_right_values(results) -> None:
         assert 0 < got["buffer"] <= BUCKET
         assert got["version"] == 2
     assert all(r["recorders"]["calls1"] == 0 for r in results[:2])
+
+
+def test_buckets_share_one_staging(results) -> None:
+    """Staging stays under staging_bytes however many buckets a sink refit runs: the
+    bucket programs share one pair of pools (one pair each would hold ~buckets x)."""
+    for rank, r in enumerate(results):
+        got = r["recorders"]
+        assert 0 < got["staging_held"] <= STAGING, (rank, got["staging_held"])
+        assert got["staging"] == [got["staging_held"]] * 2, (rank, got["staging"])
 
 
 def test_transformers_model_loads_through_the_sink(results) -> None:

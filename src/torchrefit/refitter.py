@@ -25,6 +25,7 @@ from ._collectives import all_gather_pickled, all_gather_rosters
 from .connect import Connection
 from .errors import LayoutError, PlanError, RefitError, TransportError, VerificationError
 from .execute.program import Program, RunStats
+from .execute.rounds import Staging
 from .layout import Described, LayoutArg, describe, layout_kind
 from .layout.sink import SinkDescribed
 from .maps import Identity, NameMap
@@ -326,7 +327,9 @@ class Refitter:
             if isinstance(self._dst, SinkDescribed):
                 self._dst.deliver([n for n in names if self._planner.segments(n) is not None])
             totals = [a + b for a, b in zip(totals, (stats.rounds, stats.messages_sent,
-                                                     stats.messages_received, stats.staging_bytes))]
+                                                     stats.messages_received, 0))]
+        # the buckets share one staging: its size, not a sum over buckets
+        totals[3] = max(p.compiled.stats().staging_bytes for p in self._phase_programs)
         return RunStats(*totals)
 
     def _next_version(self, version: int | None) -> int:
@@ -338,11 +341,17 @@ class Refitter:
 
     def _compile(self, compare: bool) -> Program:
         if self._phases is not None:  # one program per bucket; the whole plan's stays unused
-            self._phase_programs = [self._compile_plan(plan, compare) for _, plan in self._phases]
+            # one pair of staging pools for all buckets (they run one after another);
+            # a bucket that grew the pools leaves earlier ones holding smaller pools:
+            # compile those again so that only the shared pair stays alive
+            staging = Staging()
+            programs = [self._compile_plan(plan, compare, staging) for _, plan in self._phases]
+            self._phase_programs = [p if p.staging_current else self._compile_plan(plan, compare, staging)
+                                    for p, (_, plan) in zip(programs, self._phases)]
             return self._phase_programs[0]
         return self._compile_plan(self.plan, compare)
 
-    def _compile_plan(self, plan: RankPlan, compare: bool) -> Program:
+    def _compile_plan(self, plan: RankPlan, compare: bool, staging: Staging | None = None) -> Program:
         return Program(
             plan,
             self._src.tensors if self._src else {},
@@ -351,6 +360,7 @@ class Refitter:
             cuda_graph=self.cuda_graph and not compare,
             # a sink's tensors are views of one reused buffer: they must not alias sources
             share_storage=self.share_storage and self._phases is None,
+            staging=staging,
         )
 
     def _verify_transport(self) -> Transport:

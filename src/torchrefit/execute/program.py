@@ -32,7 +32,7 @@ from ..transport.base import RoundsTransport, Transport
 from ..transport.one_sided import OneSidedTransport
 from .local import LANES, Copy, LocalCopies, compile_copies, differing
 from .one_sided import OneSidedProgram, compile_one_sided
-from .rounds import Rounds, compile_rounds, run_rounds, unpack_round
+from .rounds import Rounds, Staging, compile_rounds, run_rounds, unpack_round
 from .streams import SideStreams
 from .views import Views
 
@@ -89,6 +89,7 @@ class Program:
         compare: bool = False,
         cuda_graph: bool = False,
         share_storage: bool = False,
+        staging: Staging | None = None,
     ) -> None:
         self.plan = plan
         self.src_tensors = src_tensors
@@ -98,6 +99,7 @@ class Program:
         self.compare = compare  # verify mode: receive into staging and compare, never write
         self.cuda_graph = cuda_graph
         self.share_storage = share_storage and not compare
+        self.staging = staging  # pools shared with programs run one after another, or None
         self.device = _device_of(plan, src_tensors, dst_tensors)
         self.side = SideStreams(self.device, LANES)
         self.compiled = self._compile()
@@ -117,7 +119,8 @@ class Program:
                 one_sided = OneSidedProgram(compile_one_sided(views, self.transport), self.transport,
                                             self.device, self.cuda_graph)
         elif remote or isinstance(self.transport, RoundsTransport):
-            rounds = compile_rounds(views, self.transport, self.message_limit, self.compare, self.device)
+            rounds = compile_rounds(views, self.transport, self.message_limit, self.compare, self.device,
+                                    self.staging)
         watched = tuple(views.used())  # after aliasing, which moves destination storage
         return Compiled(local, rounds, one_sided, tuple(shared), watched, [t.data_ptr() for t in watched])
 
@@ -129,6 +132,12 @@ class Program:
     @property
     def shared(self) -> tuple[str, ...]:
         return self.compiled.shared
+
+    @property
+    def staging_current(self) -> bool:
+        """False when the shared staging grew after this program took its pools."""
+        r = self.compiled.rounds
+        return self.staging is None or r is None or r.pools is self.staging.pools or not r.rounds
 
     # -------------------------------------------------------------------- running
     def storage_moved(self) -> bool:

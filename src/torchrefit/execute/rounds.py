@@ -25,7 +25,7 @@ from .messages import ALIGN, Message, cut_messages, rows_of
 from .streams import host_wait_current
 from .views import Views
 
-__all__ = ["Round", "Rounds", "compile_rounds", "run_rounds"]
+__all__ = ["Round", "Rounds", "Staging", "compile_rounds", "run_rounds"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,31 @@ class Rounds:
     messages_received: int
 
 
+class Staging:
+    """The two staging pools (even and odd rounds), shared by programs that run one
+    after another: a refit into a ``load_weights`` sink runs one program per bucket,
+    and each having its own pools would multiply the staging memory by the number
+    of buckets. Sharing is safe because a program's rounds finish (host-staged: the
+    host waits for the stream before the next message goes) before the next starts.
+
+    A request larger than the pools grows them; programs compiled before keep the
+    old, smaller pools (correct, but memory no longer shared) until recompiled."""
+
+    def __init__(self) -> None:
+        self.pools: tuple[torch.Tensor, ...] = ()
+
+    def take(self, sizes: list[int], wire: torch.device, pinned: bool) -> tuple[torch.Tensor, ...]:
+        have = [p.numel() for p in self.pools] or [0, 0]
+        if not self.pools or any(s > h for s, h in zip(sizes, have)) or self.pools[0].device != wire:
+            self.pools = _pools([max(s, h) for s, h in zip(sizes, have)], wire, pinned)
+        return self.pools
+
+
+
+def _pools(sizes: list[int], wire: torch.device, pinned: bool) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.empty(s, dtype=torch.uint8, device=wire, pin_memory=pinned and s > 0) for s in sizes)
+
+
 @dataclass(frozen=True)
 class _Placed:
     """A message of round m, its transfers and where its bytes live: ``staged`` at
@@ -64,7 +89,9 @@ class _Placed:
 
 
 def compile_rounds(views: Views, transport: RoundsTransport | None, limit: int, compare: bool,
-                   device: torch.device) -> Rounds:
+                   device: torch.device, staging: Staging | None = None) -> Rounds:
+    """Cut, place and lay out the plan's messages; pools from ``staging`` when given
+    (shared with other programs), else this program's own."""
     plan = views.plan
     sends, recvs = _by_peer(plan.sends), _by_peer(plan.recvs)
     msgs = {"send": {p: cut_messages(p, ts, limit) for p, ts in sends.items()},
@@ -77,9 +104,9 @@ def compile_rounds(views: Views, transport: RoundsTransport | None, limit: int, 
     transfers = {"send": sends, "recv": recvs}
     placed = [_place(m, msgs, transfers, views, wire, compare) for m in range(n)]
     sizes = [max((_used(p) for m, p in enumerate(placed) if m % 2 == parity), default=0) for parity in (0, 1)]
-    pools = tuple(torch.empty(s, dtype=torch.uint8, device=wire, pin_memory=pinned and s > 0) for s in sizes)
+    pools = staging.take(sizes, wire, pinned) if staging is not None else _pools(sizes, wire, pinned)
     rounds = tuple(_build_round(p, pools[m % 2], views) for m, p in enumerate(placed))
-    return Rounds(rounds, pools, sum(sizes),
+    return Rounds(rounds, pools, sum(p.numel() for p in pools),
                   sum(len(m) for m in msgs["send"].values()), sum(len(m) for m in msgs["recv"].values()))
 
 
