@@ -3,17 +3,22 @@
 shared storages, as ``ipc`` does on GPUs) and ``shm-push`` (senders write into the
 receivers' shared storages, as ``nixl`` does). Tensors must live in shared memory
 (``model.share_memory()``). Each rank logs the protocol calls it made, in order,
-so tests can check the cross-process ordering without a GPU.
+so tests can check the cross-process ordering without a GPU. ``shm-nvshmem`` is
+the ``nvshmem`` transport itself (inbox schedule, slots, signals, acknowledgements)
+with NVSHMEM's host bindings faked over CPU shared memory.
 """
 
 from __future__ import annotations
 
+import ctypes
+import time
 from collections.abc import Sequence
 
 import torch
 
 from torchrefit.layout._types import dtype_from_name, dtype_name
 from torchrefit.transport.base import Availability, register_transport
+from torchrefit.transport.nvshmem import NvshmemTransport
 from torchrefit.transport.one_sided import OneSidedTransport, Table
 
 LOG: list[str] = []  # this process's protocol calls
@@ -70,3 +75,78 @@ class ShmPush(_Shm):
         LOG.append(f"write:{peer}")
         for dst, src in zip(remote, local):
             dst.copy_(src)
+
+
+class _SymmetricHeaps:
+    """NVSHMEM's host bindings, faked on CPU: every PE's symmetric heap is one row of a
+    shared-memory tensor all processes map; a symmetric address is an address in this
+    PE's row, and an operation on PE ``pe`` lands at the same offset of row ``pe``.
+    Operations run at once on the host (CPU "streams" are program order); waits spin."""
+
+    class Cmp_type:  # noqa: N801 (the bindings' names)
+        CMP_GE = 5
+
+    class Signal_op:  # noqa: N801
+        SIGNAL_SET = 0
+
+    def __init__(self, rows: torch.Tensor, rank: int, slow: float) -> None:
+        self.rows, self.rank = rows, rank
+        self.base = rows[rank].data_ptr()
+        self.slow = slow  # seconds to dawdle before each wait: a missing wait then shows
+
+    def _at(self, addr: int, pe: int) -> int:
+        return self.rows[pe].data_ptr() + (addr - self.base)
+
+    def putmem_signal_on_stream(self, dst, src, nbytes, sig, value, op, pe, stream) -> None:
+        LOG.append(f"put:{pe}:{value}")
+        ctypes.memmove(self._at(dst, pe), src, nbytes)
+        ctypes.c_int64.from_address(self._at(sig, pe)).value = value  # x86: stores stay ordered
+
+    def signal_op_on_stream(self, sig, value, op, pe, stream) -> None:
+        LOG.append(f"ack:{pe}:{value}")
+        ctypes.c_int64.from_address(self._at(sig, pe)).value = value
+
+    def signal_wait_until_on_stream(self, sig, cmp, value, stream) -> None:
+        if self.slow:
+            time.sleep(self.slow)
+        deadline = time.monotonic() + 120
+        while ctypes.c_int64.from_address(sig).value < value:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank}: signal never reached {value}")
+            time.sleep(20e-6)
+
+
+@register_transport
+class ShmNvshmem(NvshmemTransport):
+    """The nvshmem transport's schedule, signals and flow control over CPU shared memory."""
+
+    name = "shm-nvshmem"
+    needs_cuda = False
+    preference = -10
+    slow_receiver = 0.0
+    shared_place = False  # every rank claims the same "GPU"
+
+    @classmethod
+    def available(cls) -> Availability:
+        return Availability(True)
+
+    def _where(self) -> tuple[str, str]:
+        return "cpu", "pe0" if self.shared_place else f"pe{self.rank}"
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        world = torch.distributed.get_world_size(self.group)
+        rows = torch.zeros(world, nbytes, dtype=torch.uint8).share_memory_() if self.rank == 0 else None
+        handle = [rows.untyped_storage()._share_filename_cpu_() if rows is not None else None]
+        torch.distributed.broadcast_object_list(handle, src=self.global_rank(0), group=self.group)
+        if rows is None:
+            storage = torch.UntypedStorage._new_shared_filename_cpu(*handle[0])
+            rows = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (world, nbytes), (nbytes, 1))
+        self.fake = _SymmetricHeaps(rows, self.rank, self.slow_receiver)
+        torch.distributed.barrier(group=self.group)  # every rank mapped it before rank 0 may drop its handle
+        return rows[self.rank]
+
+    def _bindings(self):
+        return self.fake
+
+    def _stream(self) -> int:
+        return 0

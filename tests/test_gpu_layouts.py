@@ -1,6 +1,7 @@
 """The layout suite of ``test_layouts.py`` on GPUs.
 
-* 8 GPUs, one process per GPU, over NCCL (skipped where fewer than 8 are present);
+* 8 GPUs, one process per GPU, over NCCL, and over NVSHMEM (8 PEs) where its package
+  is installed (skipped where fewer than 8 are present);
 * one GPU shared by 8 processes, through every one-sided transport usable here
   (``ipc``, ``nixl`` where its package is installed), in a Gloo world. A push
   transport (nixl) writes bytes as sent: the two cases that convert a dtype on the
@@ -32,6 +33,19 @@ def results():
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_layout_case_on_gpus(case, results) -> None:
     check_case(case, results)
+
+
+@pytest.fixture(scope="module")
+def nvshmem_results():
+    if not transport_class("nvshmem").available():
+        pytest.skip(f"nvshmem: {transport_class('nvshmem').available().reason}")
+    return run_world(_world_cases, WORLD, CASES, True, "nvshmem", backend="gloo", timeout=900)
+
+
+@EIGHT
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_layout_case_on_gpus_nvshmem(case, nvshmem_results) -> None:
+    check_case(case, nvshmem_results)
 
 
 @pytest.fixture(scope="module", params=ONE_SIDED or ["none"])

@@ -10,12 +10,17 @@ streams overlapping staged remote rounds), and Gloo non-collocated (GPU -> pinne
 host staging), and CUDA IPC with two processes on one GPU (collocated and not:
 receivers read the sender's memory after waiting for its interprocess event),
 and every other one-sided transport usable here (nixl: the sender's host waits for
-its producer before posting its WRITEs). NCCL cannot pair two ranks on one GPU;
+its producer before posting its WRITEs), and nvshmem on its one PE (one process). NCCL cannot pair two ranks on one GPU;
 its remote path runs in the multi-GPU suite.
 
 Setting ``TORCHREFIT_BREAK_PRODUCER_WAIT=1`` removes the side stream's wait for the
 producer and every one-sided transport's ``wait_ready`` (test-only monkeypatches)
 to show that the test then fails.
+
+The other direction: a one-sided sender's next step (queued right after ``refit()``
+returns) must not overwrite sources a receiver, its reads queued behind a gate,
+has not read yet; for ipc with the done token awaited on the sender's stream and on
+its host. ``TORCHREFIT_BREAK_DONE_WAIT=1`` removes every one-sided ``wait_done``.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from torchrefit.testing import (
     run_world,
     usable_transports,
 )
+from torchrefit.transport.base import transport_class
 
 pytestmark = pytest.mark.gpu
 
@@ -114,6 +120,8 @@ CASES = {
     "gloo-2proc-collocated-tp2->tp1": (2, Mesh(2, ranks=2), Mesh(1, ranks=2), "gloo", True),
     "gloo-2proc-noncollocated": (2, Mesh(1, ranks=1), Mesh(1, ranks=1, offset=1), "gloo", True),
 }
+if torch.cuda.is_available() and transport_class("nvshmem").available():  # one PE: one process per GPU
+    CASES["nvshmem-1proc-local-graph"] = (1, Mesh(1, ranks=1), Mesh(1, ranks=1), "nvshmem", True)
 for _t in (usable_transports(cuda=True, one_sided_only=True) if torch.cuda.is_available() else ["ipc"]):
     CASES[f"{_t}-2proc-collocated-tp2->tp1"] = (2, Mesh(2, ranks=2), Mesh(1, ranks=2), _t, True)
     CASES[f"{_t}-2proc-noncollocated"] = (2, Mesh(1, ranks=1), Mesh(1, ranks=1, offset=1), _t, True)
@@ -127,3 +135,57 @@ def test_refit_never_reads_stale_weights(name: str) -> None:
                         timeout=180)
     for rank, stale in enumerate(results):
         assert stale == [], f"rank {rank} read stale weights: {stale[:3]}"
+
+
+def _break_done_wait() -> None:
+    from torchrefit.transport.base import registered
+
+    for cls in registered():  # one-sided: targets stop waiting for their initiator's done token
+        if cls.protocol == "one_sided":
+            cls.wait_done = lambda self, peer, token: None
+
+
+def _early_overwrite(rank: int, world: int, transport: str, done_wait: str) -> list[str]:
+    """Rank 0 (source) refits into rank 1 (destination), whose reads are queued behind a
+    gate on its stream; rank 0 bumps its sources right after ``refit()`` returns (the
+    next optimizer step). Rank 1 must receive the values from before the bump."""
+    os.environ["TORCHREFIT_IPC_DONE"] = done_wait
+    if os.environ.get("TORCHREFIT_BREAK_DONE_WAIT") == "1":
+        _break_done_wait()
+    torch.cuda.set_device(0)
+    src_mesh, dst_mesh = Mesh(1, ranks=1), Mesh(1, ranks=1, offset=1)
+    src, dst = build_toy(SPEC, src_mesh, rank, seed=1), build_toy(SPEC, dst_mesh, rank, seed=2)
+    src, dst = (m.cuda() if m is not None else None for m in (src, dst))
+    refitter = tr.Refitter(src, dst, transport=transport)
+    refitter.refit()  # compile and warm up
+    if src is not None:
+        with torch.no_grad():
+            for p in src.parameters():
+                p.add_(0.0)  # load the bump's kernel now (see _stale_read)
+    torch.cuda.synchronize()
+    torch.distributed.barrier()
+    if dst is not None:
+        torch.cuda._sleep(int(GATE_MS * sleep_cycles_per_ms(torch.device("cuda"))))  # the engine still busy
+    refitter.refit()
+    if src is not None:
+        with torch.no_grad():
+            for p in src.parameters():  # the next step, queued at once
+                p.add_(BUMP)
+    torch.cuda.synchronize()
+    torch.distributed.barrier()
+    if dst is None:
+        return []
+    expected = expected_local(SPEC, dst_mesh, rank, seed=1)
+    return [f"{k}: max diff {(v.cpu() - expected[k]).abs().max().item():.1f}"
+            for k, v in dst.state_dict().items() if not torch.equal(v.cpu(), expected[k])]
+
+
+OVERWRITE = [("ipc", "stream"), ("ipc", "host")] + [
+    (t, "stream") for t in (usable_transports(cuda=True, one_sided_only=True) if torch.cuda.is_available() else [])
+    if t != "ipc"]
+
+
+@pytest.mark.parametrize("transport,done_wait", OVERWRITE, ids=[f"{t}-{w}" for t, w in OVERWRITE])
+def test_sender_never_overwrites_sources_being_read(transport: str, done_wait: str) -> None:
+    results = run_world(_early_overwrite, 2, transport, done_wait, backend="gloo", timeout=180)
+    assert results[1] == [], f"rank 1 read sources the next step had overwritten: {results[1][:3]}"

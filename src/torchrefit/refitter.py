@@ -192,6 +192,7 @@ class Refitter:
         self._transport = self._make_transport(transport)
         budget = min(i.staging_bytes for i in infos)
         self.message_limit = max(_MIN_MESSAGE, budget // (2 * max(1, max_peers)))
+        self._transport.prepare(self.plan, self.message_limit)  # collective
         self.plan_seconds = perf_counter() - t0
         _log.debug("rank %d: planned in %.3f s (transport %s)\n%s", self.rank, self.plan_seconds,
                    self.transport_name, self.plan)

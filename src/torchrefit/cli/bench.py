@@ -43,7 +43,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dst", default="tp1", help="destination layout, e.g. tp4 (default tp1)")
     p.add_argument("--mode", default="collocated", choices=["collocated", "non-collocated"])
     p.add_argument("--transport", default="auto",
-                   help="auto (the most preferred that fits), nccl, gloo, ipc or nixl")
+                   help="auto (the most preferred that fits), ipc, nccl, nvshmem, nixl or gloo")
     p.add_argument("--nproc", type=int, default=1, help="processes (one per GPU where there are enough)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)

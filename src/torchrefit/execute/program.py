@@ -6,9 +6,9 @@ types in :meth:`Program._compile`, the one place compiled state is built:
 * ``execute.local``: the plan's local copies (runs contiguous on both sides merged
   into one copy by ``execute.runs``, large ones on parallel side-stream branches,
   small ones fused per dtype pair; with ``cuda_graph`` captured once);
-* ``execute.rounds``: message rounds through a two-sided transport (nccl, gloo);
+* ``execute.rounds``: message rounds through a rounds transport (nccl, gloo, nvshmem);
 * ``execute.one_sided``: reads or writes of peers' registered memory through a
-  one-sided transport (ipc, nvshmem, nixl), with the cross-process ordering.
+  one-sided transport (ipc, nixl), with the cross-process ordering.
 
 Ordering, all through ``streams.SideStreams``: local copies run on side streams
 that first wait for the caller's stream and that the caller's stream waits for

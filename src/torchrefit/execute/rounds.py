@@ -1,4 +1,4 @@
-"""The two-sided program: message rounds through a ``RoundsTransport`` (nccl, gloo).
+"""The message-rounds program: rounds through a ``RoundsTransport`` (nccl, gloo, nvshmem).
 
 Compiling cuts each peer's regions into messages (``messages.cut_messages``; both
 ends cut the same ordered transfers, so message m of a pair goes in round m),

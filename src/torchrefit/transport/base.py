@@ -4,10 +4,10 @@ Every transport is one module with one class registered here by name. A class
 speaks one of two protocols, and the executor compiles one program per protocol
 (``execute.rounds`` and ``execute.one_sided``):
 
-* :class:`RoundsTransport`, two-sided message rounds (``nccl``, ``gloo``): per
+* :class:`RoundsTransport`, message rounds (``nccl``, ``gloo``, ``nvshmem``): per
   round a list of (peer, uint8 tensor) to send and one to receive into; the
   executor packs, unpacks and orders streams, the transport posts and completes.
-* ``transport.one_sided.OneSidedTransport`` (``ipc``, ``nvshmem``, ``nixl``): one
+* ``transport.one_sided.OneSidedTransport`` (``ipc``, ``nixl``): one
   side reads or writes memory its peer registered, with completion signalled
   separately.
 """
@@ -80,6 +80,11 @@ class Transport(ABC):
         """Why this rank's plan cannot go through the transport, or None (checked on
         every rank while planning)."""
         return None
+
+    def prepare(self, plan, message_limit: int) -> None:
+        """Collective: called once on every rank of the group right after construction,
+        with this rank's plan and the message limit of the rounds, for a transport that
+        plans shared state from every rank's plan (nvshmem's inbox). Nothing by default."""
 
     def global_rank(self, group_rank: int) -> int:
         return self._global[group_rank]

@@ -12,13 +12,19 @@ captures them in a CUDA graph. Ordering tokens are interprocess CUDA events:
 * ready: the sender records its event on its current stream (after the producer,
   the optimizer step); the receiver's stream waits for it before reading;
 * done: the receiver records its event after queuing its copies; the sender's
-  stream waits for it, so its later writes (the next step) never overwrite sources
-  still being read.
+  later writes (the next step) must not overwrite sources still being read. Two
+  ways, chosen per transport (``done_wait``, default from ``TORCHREFIT_IPC_DONE``):
+  ``"stream"`` (default): the sender's stream waits for the event, the host returns
+  at once; ``"host"``: the sender's host waits until the event completed and queues
+  nothing. Processes sharing a GPU without MPS are time-sliced by it, and a wait
+  pending in the sender's context while the receiver copies can cost context
+  switches (``benchmarks/h200_transports.sh`` measures both).
 """
 
 from __future__ import annotations
 
 import bisect
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -110,9 +116,12 @@ class IpcTransport(OneSidedTransport):
     needs_cuda = True
     one_host = True
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, done_wait: str | None = None) -> None:
         require_cuda(device, "ipc")
         super().__init__(group, device)
+        self.done_wait = done_wait or os.environ.get("TORCHREFIT_IPC_DONE", "stream")
+        if self.done_wait not in ("stream", "host"):
+            raise TransportError(f"ipc: done_wait must be 'stream' or 'host', not {self.done_wait!r}")
         # two events, one per role, so a rank that both sends and receives never makes
         # its readers wait for its own reads
         self._ready = torch.cuda.Event(interprocess=True)  # sender: sources are final
@@ -163,7 +172,13 @@ class IpcTransport(OneSidedTransport):
         return self._done_handle
 
     def wait_done(self, peer: int, token: bytes) -> None:
-        torch.cuda.current_stream(self.device).wait_event(self._peer_event(token))
+        # the token arrived after the peer recorded its event behind its reads: waiting
+        # for that record is waiting for the reads (tests/test_gpu_one_sided.py moves
+        # the sources right after a refit)
+        if self.done_wait == "host":
+            self._peer_event(token).synchronize()
+        else:
+            torch.cuda.current_stream(self.device).wait_event(self._peer_event(token))
 
     def _peer_event(self, handle: bytes) -> torch.cuda.Event:
         event = self._peer_events.get(handle)

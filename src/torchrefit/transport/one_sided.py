@@ -3,7 +3,7 @@
 Per pair of ranks one side is the *target* (its memory is registered and reached
 remotely) and the other the *initiator* (it moves the bytes). A pull transport
 (``ipc``) makes the receiver the initiator: it reads the sender's source tensors.
-A push transport (``nixl``, ``nvshmem``) makes the sender the initiator: it writes
+A push transport (``nixl``) makes the sender the initiator: it writes
 into the receiver's destination tensors.
 
 The order of one refit is written once, in ``execute.one_sided``; a transport
