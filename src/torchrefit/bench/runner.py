@@ -35,8 +35,9 @@ def backend_for(cfg: BenchConfig) -> str:
         return "gloo"
     if cfg.transport == "gloo" or cfg.nproc > torch.cuda.device_count():
         return "gloo"
-    if cfg.transport not in ("auto", "nccl") and transport_class(cfg.transport).protocol == "one_sided":
-        return "cpu:gloo,cuda:nccl"  # control messages over gloo, the link measurement over nccl
+    if cfg.transport not in ("auto", "nccl") and transport_class(cfg.transport).backend == "gloo":
+        # one-sided control messages and nvshmem's bootstrap over gloo, the link measurement over nccl
+        return "cpu:gloo,cuda:nccl"
     return "nccl"
 
 
