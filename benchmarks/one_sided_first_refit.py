@@ -4,7 +4,8 @@ Two processes on one GPU, the seed's model (``--layers`` to shrink it), TP1 -> T
 non-collocated: rank 0 holds the source, rank 1 the destination. Each rank profiles
 construction plus the first refit with cProfile and prints its top functions; the
 receiver then times, with CUDA events and the device idle before each, (a) a whole
-refit, (b) the replay of its compiled copies out of the sender's memory alone (ipc),
+refit (wall time; when its host returned; when the peer's header arrived, after
+which the copies can start; device time between events around it), (b) the replay of its compiled copies out of the sender's memory alone (ipc),
 and (c) the same bytes copied locally by one flat copy (the floor's kernel).
 
     python benchmarks/one_sided_first_refit.py --transport ipc [--layers 20]
@@ -58,15 +59,35 @@ def _rank(rank: int, world: int, transport: str, layers: int) -> str:
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(18)
     lines = [f"rank {rank}: construct {t1 - t0:.3f} s, first refit {t2 - t1:.3f} s"]
-    whole = []
+    whole, header, launched, device = [], [], [], []
+    transport = r._transport
+    recv_header = transport.recv_header
+    marks: list[float] = []
+
+    def timed_header(peer):  # when the peer's header arrived: the copies may start after it
+        got = recv_header(peer)
+        marks.append(time.perf_counter())
+        return got
+
+    transport.recv_header = timed_header
     for _ in range(20):
         torch.cuda.synchronize()
         dist.barrier()
+        marks.clear()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t = time.perf_counter()
+        a.record()
         r.refit()
+        launched.append((time.perf_counter() - t) * 1e3)
+        b.record()
         torch.cuda.synchronize()
         whole.append((time.perf_counter() - t) * 1e3)
-    lines.append(f"rank {rank}: refit wall ms median {sorted(whole)[10]:.3f}")
+        device.append(a.elapsed_time(b))
+        if marks:
+            header.append((marks[0] - t) * 1e3)
+    med = lambda xs: sorted(xs)[len(xs) // 2] if xs else float("nan")  # noqa: E731
+    lines.append(f"rank {rank}: refit wall ms median {med(whole):.3f}; host returned after {med(launched):.3f}, "
+                 f"header arrived after {med(header):.3f}; device start-to-end {med(device):.3f}")
     one = r._program.compiled.one_sided
     pulls = one._pulls[1] if one is not None and one._pulls is not None else None
     if pulls is not None and pulls.graph is not None:
