@@ -10,6 +10,7 @@ models (source and destination) fit one H200 next to each other.
 Run (GPU machine, megatron-core importable)::
 
     python benchmarks/shape_matrix.py --json benchmarks/results/h200/h200_shape_matrix.json
+    python benchmarks/shape_matrix.py --per-copy --no-megatron --only dense-0.5b --json F  # without the batched kernel
     python benchmarks/shape_matrix.py --report benchmarks/results/h200/h200_shape_matrix.json
 
 The second form writes the table into BENCHMARKS.md (between the ``shape_matrix``
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import time
 import traceback
@@ -50,7 +52,8 @@ def _config(name: str, layers: int | None, args):
                                 expert_ffn=32, dtype=torch.float32)
     else:
         spec = spec_from_preset(name, layers=layers)
-    compare = "megatron-core" if (torch.cuda.is_available() and megatron_available()) else None
+    compare = ("megatron-core" if (torch.cuda.is_available() and megatron_available() and not args.no_megatron)
+               else None)
     label = name + (f" ({layers} layers)" if layers else "")
     return BenchConfig(spec=spec, transport="nccl" if torch.cuda.is_available() else "gloo",
                        warmup=args.warmup, iters=args.iters, variants=("graph",), compare=compare,
@@ -59,10 +62,17 @@ def _config(name: str, layers: int | None, args):
 
 def run(args) -> None:
     from torchrefit.bench import run_bench
+    from torchrefit.execute.batched import kernel_available
 
-    out = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-           "torch": torch.__version__, "target_x_floor": TARGET, "shapes": []}
+    if args.per_copy:  # read when each program compiles, also in the bench's worker processes
+        os.environ["TORCHREFIT_BATCHED_COPY"] = "0"
+    cuda = torch.cuda.is_available()
+    out = {"device": torch.cuda.get_device_name(0) if cuda else "cpu",
+           "torch": torch.__version__, "target_x_floor": TARGET,
+           "batched_copy": cuda and kernel_available(torch.device("cuda")), "shapes": []}
     for name, layers in MATRIX:
+        if args.only and name not in args.only:
+            continue
         cfg = _config(name, layers, args)
         t0 = time.perf_counter()
         try:
@@ -138,6 +148,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=12)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (plumbing check)")
+    ap.add_argument("--only", action="append", help="run only this preset (repeatable)")
+    ap.add_argument("--no-megatron", action="store_true", help="torchrefit only")
+    ap.add_argument("--per-copy", action="store_true",
+                    help="without the batched-copy kernel (TORCHREFIT_BATCHED_COPY=0): the per-copy path")
     args = ap.parse_args()
     if args.report:
         report(args.report, Path(args.benchmarks_md))

@@ -12,6 +12,8 @@ exactly, also after the source's storage moved.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -37,7 +39,8 @@ def _models(seed: int) -> torch.nn.Module:
     return model
 
 
-def _graph_path(rank: int, world: int) -> dict:
+def _graph_path(rank: int, world: int, batched: str = "1") -> dict:
+    os.environ["TORCHREFIT_BATCHED_COPY"] = batched
     torch.cuda.set_device(0)
     src, dst = _models(1), _models(2)
     r = tr.Refitter(src, dst, transport="nccl", cuda_graph=True)
@@ -46,6 +49,7 @@ def _graph_path(rank: int, world: int) -> dict:
     torch.cuda.synchronize()
     out = {"differed": differed, "exact": _same(src, dst), "graph": r._program.local.graph is not None,
            "large": len(r._program.local.big),
+           "batched": len(r._program.local.batch.dst) if r._program.local.batch else 0,
            "groups": sorted({(str(g.dst[0].dtype), str(g.src[0].dtype)) for g in r._program.local.small})}
     r.verify()
     with torch.no_grad():
@@ -66,12 +70,17 @@ def _graph_path(rank: int, world: int) -> dict:
     return out
 
 
-def test_graph_path_exact_mixed_dtypes_and_storage_moves() -> None:
-    (got,) = run_world(_graph_path, 1, backend="nccl", timeout=180)
-    assert got["graph"] and got["large"] > 0
-    # one group per dtype pair; uint8: small runs merged into byte copies (execute.runs)
+@pytest.mark.parametrize("batched", ["1", "0"])
+def test_graph_path_exact_mixed_dtypes_and_storage_moves(batched: str) -> None:
+    """With the batched kernel (Triton) and without it (the per-copy path)."""
+    (got,) = run_world(_graph_path, 1, batched, backend="nccl", timeout=180)
+    assert got["graph"] and got["large"] + got["batched"] > 0
     pairs = {(d, d) for d in ("torch.bfloat16", "torch.float32", "torch.uint8")}
-    assert {("torch.bfloat16",) * 2, ("torch.float32",) * 2} <= set(got["groups"]) <= pairs
+    if batched == "0":  # one group per dtype pair; uint8: small runs merged (execute.runs)
+        assert got["large"] > 0 and got["batched"] == 0
+        assert {("torch.bfloat16",) * 2, ("torch.float32",) * 2} <= set(got["groups"]) <= pairs
+    else:  # every copy here is a plain aligned one below 32 MB: one batch, no groups left
+        assert got["batched"] > 0 and set(got["groups"]) <= pairs
     assert got["differed"] and got["exact"]
     assert got["after_moves_exact"] and got["again_exact"]
 
@@ -90,7 +99,7 @@ def _merged_runs(rank: int, world: int) -> dict:
     r.refit()
     torch.cuda.synchronize()
     p = r._program
-    names = [n for _, _, n in p.local.big] + [n for g in p.local.small for n in g.names]
+    names = [n for _, _, n in p.local.copies()]
     expected = expected_local(MOE, mesh, 0, 1)  # the oracle's values, cut on the CPU
     out = {"merged": sum("in one copy" in n for n in names), "copies": len(names),
            "planned": len(r.plan.local), "graph": p.local.graph is not None,

@@ -1,9 +1,11 @@
 """Copies between tensors this rank can address, compiled once and replayed.
 
 Used for the plan's local copies and for a pull transport's copies out of mapped
-peer memory (``execute.one_sided``). Large copies run one by one on parallel side
-streams (graph branches), small ones in one ``torch._foreach_copy_`` per
-(destination dtype, source dtype, dense) group on a stream of their own; with
+peer memory (``execute.one_sided``). Plain byte copies below 32 MB (aligned, same
+dtype, dense) run as one batched kernel launch (``execute.batched``) on a stream of
+their own; large copies run one by one on parallel side streams (graph branches);
+the remaining small ones (casts, strided, unaligned) in one ``torch._foreach_copy_``
+per (destination dtype, source dtype, dense) group on another stream; with
 ``cuda_graph`` the whole set, fork and join included, is captured once and
 replayed with one launch. All stream ordering goes through ``streams.SideStreams``.
 """
@@ -18,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from .batched import Batch, batchable, compile_batch, kernel_available
 from .runs import merge_local
 from .streams import SideStreams
 
@@ -35,8 +38,10 @@ SMALL_COPY_BYTES = 1 << 20
 #: large copies instead of lengthening a branch (benchmarks/diagnose_megatron_copies.py).
 BRANCHES = 8
 _SMALL_LANE = BRANCHES
+#: the batched kernel gets a stream of its own too: it overlaps the large copies
+_BATCH_LANE = BRANCHES + 1
 #: side streams a program needs for its copies
-LANES = BRANCHES + 1
+LANES = BRANCHES + 2
 
 
 class Copy(NamedTuple):
@@ -61,27 +66,35 @@ class CopyGroup:
 class LocalCopies:
     """A compiled set of copies: ``planned`` as the plan lists them (what verify
     compares, naming the tensor that differs), and what runs: ``big`` with the side
-    stream (branch) of each, ``small`` fused groups, and the CUDA graph that replays
-    them all (or None). Runs contiguous on both sides may be merged into one big or
-    small copy (``runs.merge_local``)."""
+    stream (branch) of each, ``small`` fused groups, ``batch``, the plain byte copies
+    one kernel launch moves (or None), and the CUDA graph that replays them all (or
+    None). Runs contiguous on both sides may be merged into one copy first
+    (``runs.merge_local``)."""
 
     planned: tuple[Copy, ...]
     big: tuple[Copy, ...]
     branch_of: tuple[int, ...]
     small: tuple[CopyGroup, ...]
+    batch: Batch | None = None
     graph: torch.cuda.CUDAGraph | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.big or self.small)
+        return bool(self.big or self.small or self.batch)
 
     def copies(self) -> Iterator[Copy]:
+        if self.batch is not None:
+            yield from (Copy(*c) for c in zip(self.batch.dst, self.batch.src, self.batch.names))
         yield from self.big
         for g in self.small:
             yield from (Copy(*c) for c in zip(g.dst, g.src, g.names))
 
     def copy(self, side: SideStreams) -> None:
-        """Inside a ``side.session()`` of all ``LANES`` streams: large copies spread over
-        the branches, small ones, one foreach per group, on a stream of their own."""
+        """Inside a ``side.session()`` of all ``LANES`` streams: the batched kernel on a
+        stream of its own, large copies spread over the branches, small ones, one
+        foreach per group, on another stream."""
+        if self.batch is not None:
+            with side.placed(_BATCH_LANE):
+                self.batch.launch()
         for branch, (dst, src, _) in zip(self.branch_of, self.big):
             with side.placed(branch):
                 dst.copy_(src)
@@ -113,8 +126,9 @@ class LocalCopies:
 def compile_copies(copies: Iterable[Copy], side: SideStreams, cuda_graph: bool,
                    merge: bool = True) -> LocalCopies:
     """Group ``copies`` (skipping those whose destination is the source itself, and,
-    with ``merge``, making runs contiguous on both sides one copy) and, with
-    ``cuda_graph`` on CUDA, capture them once."""
+    with ``merge``, making runs contiguous on both sides one copy; on CUDA with
+    Triton, plain byte copies below ``batched.BATCH_MAX_BYTES`` into one batch) and,
+    with ``cuda_graph`` on CUDA, capture them once."""
     planned = []
     for c in copies:
         dst, src = c.dst, c.src
@@ -125,15 +139,20 @@ def compile_copies(copies: Iterable[Copy], side: SideStreams, cuda_graph: bool,
         planned.append(c)
     big: list[Copy] = []
     small: dict[tuple, list[Copy]] = defaultdict(list)
+    batch: list[Copy] = []
+    can_batch = kernel_available(side.device)
     for c in (map(Copy._make, merge_local(planned)) if merge else planned):
         dst, src = c.dst, c.src
-        if max(dst.nbytes, src.nbytes) >= SMALL_COPY_BYTES:
+        if can_batch and batchable(dst, src):
+            batch.append(c)
+        elif max(dst.nbytes, src.nbytes) >= SMALL_COPY_BYTES:
             big.append(c)
         else:
             small[(dst.dtype, src.dtype, dst.is_contiguous() and src.is_contiguous())].append(c)
     groups = tuple(CopyGroup(*(tuple(x) for x in zip(*g))) for g in small.values())
     compiled = LocalCopies(tuple(planned), tuple(big),
-                           tuple(balance_by_bytes([c.dst.nbytes for c in big], BRANCHES)), groups)
+                           tuple(balance_by_bytes([c.dst.nbytes for c in big], BRANCHES)), groups,
+                           compile_batch(batch, side.device))
     if cuda_graph and side.streams and compiled:
         return replace(compiled, graph=_capture(compiled, side))
     return compiled

@@ -1,0 +1,70 @@
+"""Batched copies (``execute.batched``) on a real GPU, in this process.
+
+What the CPU suite cannot reach: the Triton kernel on device memory, launched
+eagerly and captured in the program's CUDA graph, moving copies spread over
+several allocations (runs merged across tensors by ``execute.runs`` included),
+next to copies that must stay per-copy (casts, strided views, misaligned views,
+one above the size bound). Every destination is compared with an oracle made by
+plain per-tensor copies; a replay after the sources changed copies the new values.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from torchrefit.execute.batched import BATCH_MAX_BYTES, kernel_available
+from torchrefit.execute.local import LANES, Copy, compile_copies
+from torchrefit.execute.streams import SideStreams
+
+pytestmark = pytest.mark.gpu
+
+
+def _copies(rng: random.Random) -> list[Copy]:
+    dev = torch.device("cuda")
+    out = []
+    for i in range(300):  # back to back in shared allocator segments, some with gaps
+        n = rng.choice([8, 1024, 4096 * 3, 1 << 20, (3 << 20) + 8, rng.randrange(8, 1 << 16, 8)])
+        s, d = torch.randn(n, device=dev).to(torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16, device=dev)
+        if rng.random() < 0.2:
+            torch.empty(rng.choice([8, 24, 512]), dtype=torch.bfloat16, device=dev)  # a gap on one side
+        out.append(Copy(d, s, f"t{i}"))
+    a, b = torch.randn(4096, device=dev), torch.zeros(4096, dtype=torch.bfloat16, device=dev)
+    out.append(Copy(b, a, "cast"))  # fp32 -> bf16
+    m, w = torch.randn(256, 256, device=dev), torch.zeros(256, 128, device=dev)
+    out.append(Copy(w, m[:, :128], "strided"))
+    u, v = torch.randn(4099, device=dev), torch.zeros(4099, device=dev)
+    out.append(Copy(v[1:], u[1:], "misaligned"))
+    big = BATCH_MAX_BYTES // 2 + 4096
+    out.append(Copy(torch.zeros(big, dtype=torch.bfloat16, device=dev),
+                    torch.randn(big, device=dev).to(torch.bfloat16), "large"))
+    return out
+
+
+def _exact(copies: list[Copy]) -> bool:
+    return all(torch.equal(c.dst, c.src.to(c.dst.dtype)) for c in copies)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_batched_copies_exact(graph: bool) -> None:
+    if not kernel_available(torch.device("cuda")):
+        pytest.skip("Triton not importable here (or TORCHREFIT_BATCHED_COPY=0)")
+    copies = _copies(random.Random(int(graph)))
+    side = SideStreams(torch.device("cuda"), LANES)
+    local = compile_copies(copies, side, cuda_graph=graph)
+    assert local.batch is not None and local.batch.tiles > len(local.batch.dst)
+    per_copy = {n for _, _, n in local.big} | {n for g in local.small for n in g.names}
+    assert {"cast", "strided", "misaligned", "large"} <= per_copy
+    assert (local.graph is not None) == graph
+    assert not _exact(copies)
+    local.run_on_caller(side)
+    torch.cuda.synchronize()
+    assert _exact(copies), [c.name for c in copies if not torch.equal(c.dst, c.src.to(c.dst.dtype))][:5]
+    with torch.no_grad():
+        for c in copies:
+            c.src.add_(1.0)
+    local.run_on_caller(side)  # the replay reads the new values
+    torch.cuda.synchronize()
+    assert _exact(copies)
