@@ -10,7 +10,8 @@ models (source and destination) fit one H200 next to each other.
 Run (GPU machine, megatron-core importable)::
 
     python benchmarks/shape_matrix.py --json benchmarks/results/h200/h200_shape_matrix.json
-    python benchmarks/shape_matrix.py --per-copy --no-megatron --only dense-0.5b --json F  # without the batched kernel
+    python benchmarks/shape_matrix.py --batched --json F  # with the opt-in batched-copy kernel
+    python benchmarks/shape_matrix.py --no-megatron --only dense-0.5b --json F  # toy models, one preset
     python benchmarks/shape_matrix.py --report benchmarks/results/h200/h200_shape_matrix.json
 
 The second form writes the table into BENCHMARKS.md (between the ``shape_matrix``
@@ -64,8 +65,8 @@ def run(args) -> None:
     from torchrefit.bench import run_bench
     from torchrefit.execute.batched import kernel_available
 
-    if args.per_copy:  # read when each program compiles, also in the bench's worker processes
-        os.environ["TORCHREFIT_BATCHED_COPY"] = "0"
+    if args.batched:  # read when each program compiles, also in the bench's worker processes
+        os.environ["TORCHREFIT_BATCHED_COPY"] = "1"
     cuda = torch.cuda.is_available()
     out = {"device": torch.cuda.get_device_name(0) if cuda else "cpu",
            "torch": torch.__version__, "target_x_floor": TARGET,
@@ -150,8 +151,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (plumbing check)")
     ap.add_argument("--only", action="append", help="run only this preset (repeatable)")
     ap.add_argument("--no-megatron", action="store_true", help="torchrefit only")
-    ap.add_argument("--per-copy", action="store_true",
-                    help="without the batched-copy kernel (TORCHREFIT_BATCHED_COPY=0): the per-copy path")
+    ap.add_argument("--batched", action="store_true",
+                    help="with the opt-in batched-copy kernel (TORCHREFIT_BATCHED_COPY=1)")
     args = ap.parse_args()
     if args.report:
         report(args.report, Path(args.benchmarks_md))

@@ -1,4 +1,4 @@
-"""Batched copies (``execute.batched``) on a real GPU, in this process.
+"""Batched copies (``execute.batched``, opt-in) on a real GPU, in this process.
 
 What the CPU suite cannot reach: the Triton kernel on device memory, launched
 eagerly and captured in the program's CUDA graph, moving copies spread over
@@ -48,9 +48,10 @@ def _exact(copies: list[Copy]) -> bool:
 
 
 @pytest.mark.parametrize("graph", [False, True])
-def test_batched_copies_exact(graph: bool) -> None:
+def test_batched_copies_exact(graph: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHREFIT_BATCHED_COPY", "1")  # opt-in
     if not kernel_available(torch.device("cuda")):
-        pytest.skip("Triton not importable here (or TORCHREFIT_BATCHED_COPY=0)")
+        pytest.skip("Triton not importable here")
     copies = _copies(random.Random(int(graph)))
     side = SideStreams(torch.device("cuda"), LANES)
     local = compile_copies(copies, side, cuda_graph=graph)

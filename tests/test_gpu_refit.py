@@ -72,7 +72,7 @@ def _graph_path(rank: int, world: int, batched: str = "1") -> dict:
 
 @pytest.mark.parametrize("batched", ["1", "0"])
 def test_graph_path_exact_mixed_dtypes_and_storage_moves(batched: str) -> None:
-    """With the batched kernel (Triton) and without it (the per-copy path)."""
+    """With the batched kernel (Triton, opt-in) and without it (the per-copy default)."""
     (got,) = run_world(_graph_path, 1, batched, backend="nccl", timeout=180)
     assert got["graph"] and got["large"] + got["batched"] > 0
     pairs = {(d, d) for d in ("torch.bfloat16", "torch.float32", "torch.uint8")}

@@ -6,8 +6,9 @@ kernel or graph node each), every copy pays its start and its drain: on an H200 
 parallel branches of such copies still ran 1.15x the floor for qwen3-shaped
 models (``benchmarks/diagnose_moe_copies.py``). Here every such copy is cut into
 fixed-size tiles and one kernel launch moves all tiles, one program per tile, so
-the device sees one copy of all their bytes; inside a CUDA graph it is one node
-(host launch time no longer grows with the number of copies either).
+the device sees one copy of all their bytes; inside a CUDA graph it is one node.
+Opt-in (``TORCHREFIT_BATCHED_COPY=1``): measured slower than the per-copy graph on an
+H200 so far (see :func:`kernel_available`).
 
 :func:`batchable` is the rule for which copies qualify, :func:`plan_tiles` the
 pure tiling (integer addresses in, a table out; the CPU suite checks it against
@@ -101,10 +102,16 @@ class Batch:
 
 
 def kernel_available(device: torch.device) -> bool:
-    """Whether batched copies can run on ``device``: CUDA, Triton importable, and not
-    switched off by ``TORCHREFIT_BATCHED_COPY=0`` (a diagnosis switch: the
-    benchmarks compare both paths in one process)."""
-    return (device.type == "cuda" and os.environ.get("TORCHREFIT_BATCHED_COPY", "1") != "0"
+    """Whether batched copies run on ``device``: switched on by
+    ``TORCHREFIT_BATCHED_COPY=1``, CUDA, and Triton importable.
+
+    Off by default: on one H200 (``benchmarks/results/h200/h200_shapes.log``) this kernel
+    was slower than the per-copy CUDA graph it replaces (qwen3-shaped MoE 1.348x the
+    floor against 1.29x; DeepSeek-V3-shaped 1.089x against 1.055x), and importing
+    Triton and loading the kernel added ~0.45 s to a process's first refit (1.3 s with
+    Triton's cache empty). It stays as a tested, opt-in path for tuning (tile size,
+    warps) against the per-copy graph."""
+    return (device.type == "cuda" and os.environ.get("TORCHREFIT_BATCHED_COPY", "0") == "1"
             and _kernel() is not None)
 
 

@@ -1,10 +1,11 @@
 """Copies between tensors this rank can address, compiled once and replayed.
 
 Used for the plan's local copies and for a pull transport's copies out of mapped
-peer memory (``execute.one_sided``). Plain byte copies below 32 MB (aligned, same
-dtype, dense) run as one batched kernel launch (``execute.batched``) on a stream of
-their own; large copies run one by one on parallel side streams (graph branches);
-the remaining small ones (casts, strided, unaligned) in one ``torch._foreach_copy_``
+peer memory (``execute.one_sided``). With ``TORCHREFIT_BATCHED_COPY=1`` (opt-in),
+plain byte copies below 32 MB (aligned, same dtype, dense) run as one batched kernel
+launch (``execute.batched``) on a stream of their own; large copies run one by one on
+parallel side streams (graph branches); small ones (the remaining ones where batched)
+in one ``torch._foreach_copy_``
 per (destination dtype, source dtype, dense) group on another stream; with
 ``cuda_graph`` the whole set, fork and join included, is captured once and
 replayed with one launch. All stream ordering goes through ``streams.SideStreams``.
@@ -126,8 +127,9 @@ class LocalCopies:
 def compile_copies(copies: Iterable[Copy], side: SideStreams, cuda_graph: bool,
                    merge: bool = True) -> LocalCopies:
     """Group ``copies`` (skipping those whose destination is the source itself, and,
-    with ``merge``, making runs contiguous on both sides one copy; on CUDA with
-    Triton, plain byte copies below ``batched.BATCH_MAX_BYTES`` into one batch) and,
+    with ``merge``, making runs contiguous on both sides one copy; where
+    ``batched.kernel_available``, plain byte copies below ``batched.BATCH_MAX_BYTES``
+    into one batch) and,
     with ``cuda_graph`` on CUDA, capture them once."""
     planned = []
     for c in copies:
