@@ -37,6 +37,10 @@ def build_megatron_gpt(spec: ModelSpec, tp: int = 1, pp: int = 1, seed: int = 12
         num_query_groups=spec.groups, ffn_hidden_size=spec.ffn, gated_linear_unit=spec.swiglu,
         params_dtype=spec.dtype, bf16=spec.dtype == torch.bfloat16, fp16=spec.dtype == torch.float16,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        # the preset's biases: megatron-core's default (add_bias_linear=True) gives every
+        # linear, each expert's too, a bias Llama, Qwen3 and DeepSeek do not have (twice
+        # the expert tensors of the preset)
+        add_bias_linear=spec.bias,
         num_moe_experts=spec.experts or None,
         moe_ffn_hidden_size=spec.expert_ffn if spec.experts else None,
     )
