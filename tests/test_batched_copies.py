@@ -6,7 +6,7 @@ tile, its last remainder included, offsets from the anchor that may be negative;
 misaligned copies are refused), the rule for which copies qualify (``batchable``:
 same dtype, dense, 16-byte aligned, below the size bound), and the Triton kernel
 itself run by Triton's interpreter on CPU tensors (skipped where Triton is not
-installed), against copies made directly.
+installed), against copies made directly; and that the kernel is opt-in.
 """
 
 from __future__ import annotations
@@ -115,3 +115,20 @@ def test_kernel_under_triton_interpreter() -> None:
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("EXACT"), out.stdout + out.stderr[-3000:]
+
+
+def test_batched_kernel_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off unless TORCHREFIT_BATCHED_COPY=1 (slower than the per-copy graph on an H200 so
+    far: BENCHMARKS.md), and never for CPU tensors."""
+    from torchrefit.execute.batched import kernel_available
+
+    cuda = torch.device("cuda")
+    monkeypatch.delenv("TORCHREFIT_BATCHED_COPY", raising=False)
+    assert not kernel_available(cuda)
+    monkeypatch.setenv("TORCHREFIT_BATCHED_COPY", "1")
+    assert not kernel_available(torch.device("cpu"))
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return
+    assert kernel_available(cuda)
