@@ -95,7 +95,7 @@ def _layout(name: str, shape, dtype: str, boxes) -> ModelLayout:
     return ModelLayout(((name, TensorLayout(name, shape, dtype, size, pieces)),))
 
 
-def _plan_fp8(w_rows: list[tuple[int, int]], s_rows: list[tuple[int, int]], grid=(3, 2)):
+def _plan_fp8(w_rows: list[tuple[int, int]], s_rows: list[tuple[int, int]], grid=(3, 2), **kw):
     """Two destination ranks: rank r holds rows ``w_rows[r]`` of an FP8 [24, 16] weight
     and rows ``s_rows[r]`` of its scale grid; the source holds the bf16 weight whole."""
     src = _layout("w", (24, 16), "bfloat16", [Box.whole((24, 16))])
@@ -104,7 +104,7 @@ def _plan_fp8(w_rows: list[tuple[int, int]], s_rows: list[tuple[int, int]], grid
         layout = _layout("w", (24, 16), "float8_e4m3fn", [Box((a, 0), (b - a, 16))])
         scale = _layout("w_scale_inv", grid, "float32", [Box((c, 0), (d - c, grid[1]))])
         dst.append(ModelLayout(layout.tensors + scale.tensors))
-    return plan_world([src, None], dst, fp8_block=(8, 8))
+    return plan_world([src, None], dst, fp8_block=(8, 8), **kw)
 
 
 @pytest.mark.parametrize("w_rows,s_rows,grid,match", [
@@ -118,11 +118,47 @@ def test_fp8_layouts_that_cut_blocks_or_misplace_scales(w_rows, s_rows, grid, ma
         _plan_fp8(w_rows, s_rows, grid)
 
 
-def test_fp8_block_aligned_shards_plan() -> None:
+def test_fp8_block_aligned_shards_are_quantized_by_the_sender() -> None:
+    """Whole blocks of one source piece: the sender quantizes into staging and sends FP8
+    values (1 byte an element) and float32 scales; a local piece is quantized straight
+    from the source; nothing is quantized on receipt."""
     plans = _plan_fp8([(0, 8), (8, 24)], [(0, 1), (1, 3)])
-    assert all(t.wire_dtype == "bfloat16" and t.local_dtype == "bfloat16"
-               for p in plans.values() for t in (*p.recvs, *p.sends))
-    assert sum(len(p.recvs) for p in plans.values()) == 1  # rank 0 copies locally
+    (values, scales), = [(a, b) for a, b in [plans[0].sends]]
+    assert (values.wire_dtype, values.local_dtype, values.nbytes) == ("float8_e4m3fn",) * 2 + (16 * 16,)
+    assert (scales.name, scales.region, scales.wire_dtype) == ("w_scale_inv", Box((1, 0), (2, 2)), "float32")
+    assert [(t.name, t.local_dtype) for t in plans[1].recvs] == [("w", "float8_e4m3fn"),
+                                                                 ("w_scale_inv", "float32")]
+    (local,), (staged,) = plans[0].quantize[:1], plans[0].quantize[1:]
+    assert not local.received and not local.staged and local.region == Box((0, 0), (8, 16))
+    assert staged.staged and staged.dst_key == values.key and staged.scale_key == scales.key
+    assert plans[0].fp8_bytes == (8 * 16, 0) and plans[1].fp8_bytes == (16 * 16, 0)
+    assert plans[1].bytes_received == 16 * 16 + 2 * 2 * 4  # a quarter of fp32's, plus scales
+
+
+def test_fp8_source_shards_that_cut_blocks_are_quantized_on_receipt() -> None:
+    """Source TP shards of 4 rows cut the 8-row blocks: the destination receives bf16
+    into a shadow and quantizes the whole piece after the exchange."""
+    src = [_layout("w", (24, 16), "bfloat16", [Box((r, 0), (4, 16))]) for r in range(0, 24, 4)]
+    dst = ModelLayout(_layout("w", (24, 16), "float8_e4m3fn", [Box.whole((24, 16))]).tensors
+                      + _layout("w_scale_inv", (3, 2), "float32", [Box.whole((3, 2))]).tensors)
+    plans = plan_world(src, [None] * 5 + [dst], fp8_block=(8, 8))
+    mine = plans[5]
+    assert {t.wire_dtype for t in mine.recvs} == {"bfloat16"} and len(mine.recvs) == 5
+    assert all(t.key == "w (shadow)" for t in mine.recvs) and mine.local[0].dst_key == "w (shadow)"
+    (step,) = mine.quantize
+    assert step.received and step.src_key == "w (shadow)" and step.region == Box.whole((24, 16))
+    assert mine.fp8_bytes == (0, 24 * 16)
+    assert "quantize" in mine.explain() and "bfloat16 -> float8_e4m3fn" in mine.explain()
+
+
+def test_fp8_through_a_one_sided_transport_is_quantized_on_receipt() -> None:
+    """One-sided transports move bytes as they are (sender_transforms=False): remote
+    aligned regions come in the source's dtype and are quantized on receipt; a local
+    region is still quantized straight from the source."""
+    plans = _plan_fp8([(0, 8), (8, 24)], [(0, 1), (1, 3)], sender_transforms=False)
+    assert plans[0].sends[0].wire_dtype == "bfloat16" and len(plans[0].sends) == 1
+    assert [q.received for q in plans[0].quantize] == [False]
+    assert plans[1].recvs[0].key == "w (shadow)" and plans[1].fp8_bytes == (0, 16 * 16)
 
 
 def test_narrowing_cast_goes_on_the_wire_in_the_destination_dtype() -> None:
@@ -138,26 +174,50 @@ def test_narrowing_cast_goes_on_the_wire_in_the_destination_dtype() -> None:
 
 
 # ------------------------------------------------------- one world of 4 ranks
+DENSE = ModelSpec(layers=2)
+MOE = ModelSpec(layers=2, experts=4, bias=False)
+VOCAB_PAD = 128
+
+
 @dataclass(frozen=True)
 class Case:
+    """``src``: the Megatron trainer's layout (default TP2 x DP2 over every rank), the
+    engine whole on ``dst_ranks``; ``receiver``: FP8 tensors quantized on receipt (a
+    pattern; the others on the sender), None where replicas share regions by rows
+    (cuts that depend on byte counts): then only the totals are checked."""
+
     id: str
     kind: str
     block: tuple[int, int] = (128, 128)
     error: str | None = None
+    spec: ModelSpec = DENSE
+    src: Mesh = Mesh(2, ranks=WORLD)
+    dst_ranks: tuple[int, ...] = tuple(range(WORLD))
+    receiver: str | None = None
 
 
-DENSE = ModelSpec(layers=2)
-MOE = ModelSpec(layers=2, experts=4, bias=False)
-VOCAB_PAD = 128
+# The toy's TP2 cuts: q rows at 12, k / v rows at 6, o columns at 12, gate / up rows at
+# 24, down columns at 24; lm_head (per-tensor scale) comes from two vocabulary shards.
+TP2_ALONE = {"src": Mesh(2, ranks=2), "dst_ranks": (2, 3)}
 CASES = [
     Case("cast-fp32-tp2->bf16", "cast"),
     Case("fp8-megatron-tp2->hf-whole", "fp8-hf", block=(5, 7)),
+    # ranks 0 and 1 hold a TP shard and the whole engine: half of it quantized straight from
+    # the local shard, half received; ranks 2 and 3 receive it all
+    Case("fp8-tp2->hf-sender", "fp8-hf", block=(6, 4), receiver=r"^lm_head", src=Mesh(2, ranks=2)),
+    Case("fp8-tp2->hf-receiver", "fp8-hf", block=(5, 7), receiver=r".", **TP2_ALONE),
+    Case("fp8-tp2->hf-mixed", "fp8-hf", block=(12, 8), receiver=r"[kvo]_proj|^lm_head",
+         src=Mesh(2, ranks=2)),
+    # EP2: whole experts per rank, stacked into [E, 2I, H] / [E, H, I] on the sender; q / k / v
+    # are 12- and 6-row strips of the fused QKV, which (5, 7) blocks straddle
+    Case("fp8-ep2->hf-stacked-experts", "fp8-hf", block=(5, 7), spec=MOE, src=Mesh(ep=2, ranks=2),
+         dst_ranks=(2, 3), receiver=r"[qkv]_proj"),
     Case("fp8-fsdp2-qwen2moe->vllm-tp2", "fp8-vllm", block=(6, 4)),
     Case("bad-fp8-grid", "fp8-hf", block=(4, 4),
          error="model.layers.0.mlp.down_proj.weight: model.layers.0.mlp.down_proj.weight_scale_inv "
                "[5, 7] is not the block grid [6, 12] of [24, 48] in blocks of [4, 4] (fp8_block=)"),
 ]
-FP8_HF = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
+FP8_HF = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$|\.experts\.(gate_up_proj|down_proj)$")
 
 
 def _cast(case: Case, rank: int) -> dict:
@@ -186,8 +246,8 @@ def _fp8_hf_engine(case: Case, full: dict[str, torch.Tensor]) -> dict[str, torch
         x = torch.randn(t.shape, generator=gen)
         if FP8_HF.search(n):
             out[n] = x.to(FP8)
-            out[n + "_scale_inv"] = torch.rand(-(-t.shape[0] // grid[0]), -(-t.shape[1] // grid[1]),
-                                               generator=gen)
+            cells = (-(-t.shape[-2] // grid[0]), -(-t.shape[-1] // grid[1]))
+            out[n + "_scale_inv"] = torch.rand(t.shape[:-2] + cells, generator=gen)
         elif n == "lm_head.weight":
             out[n] = x.to(FP8)
             out[n + "_scale"] = torch.rand(1, generator=gen)
@@ -213,13 +273,16 @@ def _want_fp8(full: dict[str, torch.Tensor], start: dict[str, torch.Tensor],
 
 
 def _fp8_hf(case: Case, rank: int) -> dict:
-    spec = DENSE
-    src = build_toy(spec, Mesh(2, ranks=WORLD), rank, SRC_SEED)
-    ref = reference(toy_globals(spec, SRC_SEED), spec.heads, spec.groups)
+    from test_maps_engines import stacked
+
+    spec = case.spec
+    src = build_toy(spec, case.src, rank, SRC_SEED)
+    ref = stacked(reference(toy_globals(spec, SRC_SEED), spec.heads, spec.groups), spec.layers,
+                  spec.experts)
     full = {n: t for n, t in ref.items() if not re.search(r"(qkv|gate_up)_proj\.", n)
             and (not n.endswith(".bias") or re.search(r"\.(q|k|v)_proj\.bias$", n))}
     start = _fp8_hf_engine(case, full)
-    dst = _module(start)
+    dst = _module(start) if rank in case.dst_ranks else None
     return _refit(case, rank, src, dst, tr.maps.megatron_to_hf(num_heads=spec.heads,
                                                                 num_query_groups=spec.groups),
                   _want_fp8(full, start, case.block), {})
@@ -250,17 +313,58 @@ def _fp8_vllm(case: Case, rank: int) -> dict:
 
 
 def _refit(case: Case, rank: int, src, dst, name_map, want, kwargs) -> dict:
-    before = {n: _bits(p.detach()).clone() for n, p in dst.named_parameters()}
+    params = dict(dst.named_parameters()) if dst is not None else {}
+    before = {n: _bits(p.detach()).clone() for n, p in params.items()}
     try:
         r = tr.Refitter(src, dst, name_map=name_map, fp8_block=case.block, **kwargs)
     except tr.RefitError as e:
         return {"raised": f"{type(e).__name__}: {e}", "unchanged": all(
-            torch.equal(_bits(p.detach()), before[n]) for n, p in dst.named_parameters())}
+            torch.equal(_bits(p.detach()), before[n]) for n, p in params.items())}
     report = r.refit()
-    got = {n: p.detach() for n, p in dst.named_parameters()}
+    verified = _verified(r)  # collective: every rank
+    if dst is None:
+        return {"verified": verified}
+    got = {n: p.detach() for n, p in params.items()}
     wrong = [n for n, t in want.items() if not torch.equal(_bits(got[n]), _bits(t))]
-    return {"wrong": wrong, "fp8": sorted(n for n, t in got.items() if t.dtype == FP8),
-            "quantized": report.fp8_on_receiver, "n": len(want)}
+    fp8 = sorted(n for n, t in got.items() if t.dtype == FP8)
+    wire: dict[str, list[int]] = {}  # bytes on the wire into each FP8 tensor, its elements
+    for t in r.plan.recvs:
+        if t.name in fp8:
+            w = wire.setdefault(t.name, [0, 0])
+            w[0], w[1] = w[0] + t.nbytes, w[1] + t.region.numel
+    if case.id.endswith("mixed"):
+        verified = _corrupted_and_caught(r, got, fp8, case.receiver)
+    return {"wrong": wrong, "fp8": fp8, "sender": report.fp8_on_sender,
+            "receiver": report.fp8_on_receiver, "n": len(want),
+            "split": {n: got[n].numel() for n in fp8},  # elements (= FP8 bytes) per tensor
+            "wire": wire, "verified": verified}
+
+
+def _corrupted_and_caught(r: tr.Refitter, got, fp8: list[str], on_receipt: str) -> str:
+    """Flip one FP8 value of a tensor quantized on the sender and of one quantized on
+    receipt, in turn: verify() must name each (the first is compared through the
+    exchange, the second against the torch quantization of its shadow)."""
+    names = [next(n for n in fp8 if not re.search(on_receipt, n)),
+             next(n for n in fp8 if re.search(on_receipt, n))]
+    for name in names:
+        bits = got[name].view(torch.uint8).view(-1)
+        bits[0] ^= 1
+        caught = _verified(r)
+        bits[0] ^= 1
+        if name not in caught:
+            return f"verify() missed a corrupted {name}: {caught}"
+    return _verified(r)
+
+
+def _verified(r: tr.Refitter) -> str:
+    try:
+        r.verify()
+    except tr.VerificationError as e:
+        return str(e)
+    except Exception:
+        import traceback
+        return traceback.format_exc()
+    return "ok"
 
 
 def _world(rank: int, world: int, cases: list[Case]) -> dict[str, dict]:
@@ -300,8 +404,17 @@ def test_transform_case(case: Case, results) -> None:
             assert fp32["received"] == 2 * bf16["received"]
             continue
         assert "raised" not in got, got.get("raised")
+        assert got["verified"] == "ok", got["verified"]
+        if rank not in case.dst_ranks:
+            continue
         assert got["wrong"] == [], f"rank {rank}: {got['wrong'][:6]}"
-        assert got["quantized"] == len(got["fp8"]) > 0
+        total = sum(got["split"].values())
+        assert got["fp8"] and got["sender"] + got["receiver"] == total, got
+        if case.receiver is not None:  # exactly the tensors the block cuts say
+            on_receipt = sum(n for name, n in got["split"].items() if re.search(case.receiver, name))
+            assert (got["sender"], got["receiver"]) == (total - on_receipt, on_receipt)
+            for name, (nbytes, elements) in got["wire"].items():  # FP8, or fp32 into shadows
+                assert nbytes == (4 if re.search(case.receiver, name) else 1) * elements, name
         if case.kind == "fp8-vllm":
             assert any(n.endswith("w13_weight") for n in got["fp8"])
             assert any(n.endswith("qkv_proj.weight") for n in got["fp8"])

@@ -25,6 +25,7 @@ from ._collectives import all_gather_pickled, all_gather_rosters
 from .connect import Connection
 from .errors import LayoutError, PlanError, RefitError, TransportError, VerificationError
 from .execute.program import Program, RunStats
+from .execute.quantize import fp8_buffers
 from .execute.rounds import Staging
 from .layout import Described, LayoutArg, describe, layout_kind
 from .layout.sink import SinkDescribed
@@ -33,7 +34,6 @@ from .plan.buckets import plan_buckets, split_plan
 from .plan.planner import CastPolicy, Planner
 from .plan.roster import encode_roster
 from .plan.types import RankPlan
-from .transforms.fp8 import Quantizer
 from .transport.base import Transport, get_transport, registered, transport_class
 from .transport.gloo import GlooTransport
 from .transport.one_sided import OneSidedTransport
@@ -68,8 +68,9 @@ class RefitReport:
     staging_bytes: int
     compiled: bool  # this call compiled the plan (the first refit)
     shared_tensors: int = 0  # destination tensors aliasing source storage (share_storage)
-    # FP8 destination tensors this rank quantized after receiving them in the source's
-    # dtype, and those quantized by their sender (FP8 on the wire; not done yet: 0)
+    # FP8 value bytes of this rank's destination quantized on the sender (from a local
+    # source, or received as FP8 and scales) and on this rank after receiving them in
+    # the source's dtype; RankPlan.explain() says which per tensor and region
     fp8_on_receiver: int = 0
     fp8_on_sender: int = 0
 
@@ -176,6 +177,7 @@ class Refitter:
         self._program: Program | None = None
         self._phase_programs: list[Program] | None = None  # with a load_weights sink
         self._verifier: Program | None = None
+        self._fp8_buffers: tuple[dict, dict] | None = None  # FP8 shadows and staging
         self._kinds = (layout_kind(src_model, src_layout), layout_kind(dst_model, dst_layout))
         self._gloo: Transport | None = None  # verify's transport where the refit's cannot compare
         src, dst, error = self._describe(src_model, dst_model, src_layout, dst_layout)
@@ -230,12 +232,12 @@ class Refitter:
     def _plan(self, infos, name_map: NameMap, cast, skip, fp8_block) -> RankPlan:
         planner = Planner.from_rosters([i.src for i in infos], [i.dst for i in infos], name_map,
                                        cast=cast, skip=tuple(skip), sides=_sides(infos),
-                                       fp8_block=fp8_block)
+                                       fp8_block=fp8_block,
+                                       sender_transforms=self._transport_cls.protocol != "one_sided")
         planner.validate()  # the same rosters on every rank: the same error everywhere
         self._planner = planner  # bucketed (load_weights sink) refits ask it per bucket
         self._plan_error: str | None = None
         try:
-            self._quantizer = _quantizer(planner, self._dst)
             plan = planner.plan_rank(
                 self.rank, self.world,
                 self._src.layout if self._src else None, self._dst.layout if self._dst else None,
@@ -301,7 +303,6 @@ class Refitter:
         if compiled:
             self._program = self._compile(compare=False)
         stats = self._program.run() if self._phases is None else self._run_phases()
-        self._quantizer.finish()  # FP8 destinations from the shadows the exchange filled
         if self._dst is not None and self._dst.after_refit is not None:
             self._dst.after_refit()  # e.g. FSDP2 drops unsharded copies of the old weights
         self.version = version
@@ -312,7 +313,7 @@ class Refitter:
             self.plan.bytes_received, self.transport_name, stats.rounds, stats.messages_sent,
             stats.messages_received, stats.staging_bytes, compiled,
             sum(len(p.shared) for p in self._phase_programs or [self._program]),
-            self._quantizer.count,
+            *reversed(self.plan.fp8_bytes),
         )
         _log.debug("rank %d: refit %d in %.3f s: %d B local, %d B sent, %d B received",
                    self.rank, report.version, report.seconds, report.bytes_local,
@@ -353,15 +354,21 @@ class Refitter:
         return self._compile_plan(self.plan, compare)
 
     def _compile_plan(self, plan: RankPlan, compare: bool, staging: Staging | None = None) -> Program:
+        src = self._src.tensors if self._src else {}
+        dst = self._dst.tensors if self._dst else {}
+        if self._fp8_buffers is None:  # once: verify compares against the refit's shadows
+            self._fp8_buffers = fp8_buffers(self.plan, src, dst)
+        shadows, fp8_staging = self._fp8_buffers
         return Program(
             plan,
-            self._src.tensors if self._src else {},
-            self._quantizer.tensors(self._dst.tensors if self._dst else {}),
+            {**src, **fp8_staging},
+            {**dst, **shadows},
             self._verify_transport() if compare else self._transport, self.message_limit, compare=compare,
             cuda_graph=self.cuda_graph and not compare,
             # a sink's tensors are views of one reused buffer: they must not alias sources
             share_storage=self.share_storage and self._phases is None,
             staging=staging,
+            fp8_block=self._planner.fp8_block,
         )
 
     def _verify_transport(self) -> Transport:
@@ -401,14 +408,6 @@ class Refitter:
     def __repr__(self) -> str:
         return (f"Refitter(rank {self.rank}/{self.world}, transport={self.transport_name}, "
                 f"version={self.version})\n{self.plan}")
-
-
-def _quantizer(planner: Planner, dst: Described | None) -> Quantizer:
-    """This rank's FP8 targets, each shadowed in the dtype of its first source."""
-    dtypes = {name: planner.src.tensors[planner.segments(name)[0].src_name].dtype
-              for name in planner.fp8}
-    return Quantizer(planner.fp8, dst.layout if dst else None, dst.tensors if dst else {},
-                     dtypes, planner.fp8_block)
 
 
 def _sides(infos: list[_RankInfo]) -> str:

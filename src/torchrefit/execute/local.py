@@ -198,6 +198,8 @@ def balance_by_bytes(sizes: list[int], lanes: int) -> list[int]:
 
 def same(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Whether ``dst`` holds what a refit would copy from ``src`` (cast and moved as it)."""
+    if dst.dtype == src.dtype and dst.dtype.itemsize == 1:  # FP8: torch.equal lacks it
+        return torch.equal(dst.view(torch.uint8), src.to(dst.device).view(torch.uint8))
     return torch.equal(dst, src.to(device=dst.device, dtype=dst.dtype))
 
 

@@ -8,7 +8,9 @@ types in :meth:`Program._compile`, the one place compiled state is built:
   small ones fused per dtype pair; with ``cuda_graph`` captured once);
 * ``execute.rounds``: message rounds through a rounds transport (nccl, gloo, nvshmem);
 * ``execute.one_sided``: reads or writes of peers' registered memory through a
-  one-sided transport (ipc, nixl), with the cross-process ordering.
+  one-sided transport (ipc, nixl), with the cross-process ordering;
+* ``execute.quantize``: the plan's FP8 quantize steps, before the exchange (from the
+  source) and after it (from shadows), on the caller's stream.
 
 Ordering, all through ``streams.SideStreams``: local copies run on side streams
 that first wait for the caller's stream and that the caller's stream waits for
@@ -32,6 +34,7 @@ from ..transport.base import RoundsTransport, Transport
 from ..transport.one_sided import OneSidedTransport
 from .local import LANES, Copy, LocalCopies, compile_copies, differing
 from .one_sided import OneSidedProgram, compile_one_sided
+from .quantize import Quantizes, compile_quantize
 from .rounds import Rounds, Staging, compile_rounds, run_rounds, unpack_round
 from .streams import SideStreams
 from .views import Views
@@ -59,6 +62,7 @@ class Compiled:
     shared: tuple[str, ...]
     watched: tuple[torch.Tensor, ...]
     pointers: list[int]
+    quantize: Quantizes
 
     @property
     def exchanges(self) -> bool:
@@ -90,6 +94,7 @@ class Program:
         cuda_graph: bool = False,
         share_storage: bool = False,
         staging: Staging | None = None,
+        fp8_block: tuple[int, int] = (128, 128),
     ) -> None:
         self.plan = plan
         self.src_tensors = src_tensors
@@ -100,6 +105,7 @@ class Program:
         self.cuda_graph = cuda_graph
         self.share_storage = share_storage and not compare
         self.staging = staging  # pools shared with programs run one after another, or None
+        self.fp8_block = fp8_block
         self.device = _device_of(plan, src_tensors, dst_tensors)
         self.side = SideStreams(self.device, LANES)
         self.compiled = self._compile()
@@ -121,8 +127,11 @@ class Program:
         elif remote or isinstance(self.transport, RoundsTransport):
             rounds = compile_rounds(views, self.transport, self.message_limit, self.compare, self.device,
                                     self.staging)
+        # verify quantizes with the torch reference: a witness independent of the kernel
+        quantize = compile_quantize(self.plan.quantize, views, self.fp8_block, kernel=not self.compare)
         watched = tuple(views.used())  # after aliasing, which moves destination storage
-        return Compiled(local, rounds, one_sided, tuple(shared), watched, [t.data_ptr() for t in watched])
+        return Compiled(local, rounds, one_sided, tuple(shared), watched,
+                        [t.data_ptr() for t in watched], quantize)
 
     # ------------------------------------------------------------ compiled state
     @property
@@ -159,6 +168,9 @@ class Program:
         self.check_storage()
         c = self.compiled
         with torch.no_grad():
+            # FP8 from the source first: the side streams and the exchange wait for the
+            # caller's stream, so they see the staging the sends carry
+            c.quantize.before.run()
             if not c.exchanges and c.local.graph is not None:
                 # Nothing to overlap: replay on the caller's stream. A side stream here
                 # would cost ~0.2 ms of host time per refit on an H200.
@@ -169,6 +181,7 @@ class Program:
                 with self.side.session(1 if c.local.graph is not None else None):
                     c.local.run_in_session(self.side)  # on side streams: overlaps the exchange
                     self._exchange(c, compare=False)
+            c.quantize.after.run()  # from the shadows, now joined into the caller's stream
         return c.stats()
 
     def mismatches(self) -> list[str]:
@@ -177,7 +190,9 @@ class Program:
         self.check_storage()
         c = self.compiled
         with torch.no_grad():
-            return c.local.mismatches("local copy") + self._exchange(c, compare=True)
+            c.quantize.stage()
+            return (c.local.mismatches("local copy") + self._exchange(c, compare=True)
+                    + c.quantize.mismatches())
 
     def _exchange(self, c: Compiled, compare: bool) -> list[str]:
         if c.one_sided is not None and not c.one_sided.idle:

@@ -44,4 +44,7 @@ class Views:
         plan = self.plan
         used = {("src", c.src_key) for c in plan.local} | {("dst", c.dst_key) for c in plan.local}
         used |= {("src", t.key) for t in plan.sends} | {("dst", t.key) for t in plan.recvs}
+        for q in plan.quantize:
+            out = "src" if q.staged else "dst"
+            used |= {("dst" if q.received else "src", q.src_key), (out, q.dst_key), (out, q.scale_key)}
         return [self.tensor(side, key) for side, key in sorted(used)]

@@ -93,11 +93,14 @@ def split_plan(plan: RankPlan, buckets: Sequence[Sequence[str]]) -> list[RankPla
     """This rank's plan cut into one plan per bucket (by destination global name);
     each keeps the agreed (peer, name, region) order of the whole plan."""
     phase = {name: i for i, names in enumerate(buckets) for name in names}
-    parts: list[tuple[list, list, list]] = [([], [], []) for _ in buckets]
+    parts: list[tuple[list, list, list, list]] = [([], [], [], []) for _ in buckets]
     for c in plan.local:
         parts[phase[c.name]][0].append(c)
     for t in plan.sends:
         parts[phase[t.name]][1].append(t)
     for t in plan.recvs:
         parts[phase[t.name]][2].append(t)
-    return [RankPlan(plan.rank, plan.world, tuple(lo), tuple(se), tuple(re)) for lo, se, re in parts]
+    for q in plan.quantize:
+        parts[phase[q.name]][3].append(q)
+    return [RankPlan(plan.rank, plan.world, tuple(lo), tuple(se), tuple(re), tuple(qu))
+            for lo, se, re, qu in parts]

@@ -26,10 +26,17 @@ from dataclasses import dataclass
 from ..errors import PlanError
 from ..layout._types import Box, ModelLayout, TensorLayout, dtype_from_name
 from ..maps import Identity, NameMap, Segment, relocate
-from ..transforms.fp8 import check_targets, fp8_targets
+from ..transforms.fp8 import (
+    FP8_DTYPE,
+    Target,
+    check_targets,
+    fp8_targets,
+    scale_cells,
+    whole_blocks,
+)
 from .index import RoleIndex, TensorInfo
 from .shares import ClassBlock, ShareLine
-from .types import LocalCopy, RankPlan, Transfer, itemsize
+from .types import LocalCopy, Quantize, RankPlan, Transfer, itemsize, shadow_key, staging_keys
 
 __all__ = ["Region", "RegionId", "Planner", "CastPolicy"]
 
@@ -94,6 +101,7 @@ class Planner:
         skip: Sequence[str] = (),
         sides: str = "",
         fp8_block: tuple[int, int] = (128, 128),
+        sender_transforms: bool = True,
     ) -> None:
         if cast not in (True, False, "buffers"):
             raise ValueError(f"cast must be True, False or 'buffers', not {cast!r}")
@@ -104,10 +112,16 @@ class Planner:
         self.skip = tuple(skip)
         self.sides = sides  # how each side's layout was detected, for error messages
         self.fp8_block = _block(fp8_block)
-        # FP8 destinations are fed in their source's dtype and quantized on the receiver
-        # (transforms.fp8); their scale tensors are derived, never mapped from a source.
+        # FP8 destinations (transforms.fp8) are quantized on the sender where whole blocks
+        # of one source piece fill them (see fp8_at_source), else received in the source's
+        # dtype and quantized on the receiver; their scale tensors are derived, never
+        # mapped from a source. One-sided transports move bytes as they are, with no
+        # sender step before them: sender_transforms=False quantizes their remote
+        # regions on the receiver.
         self.fp8 = fp8_targets(dst.tensors)
         self._derived = frozenset(t.scale for t in self.fp8.values())
+        self.sender_transforms = sender_transforms
+        self._at_source: dict[tuple[str, Box, int], bool] = {}
         # Memos, each filled on first use from the rosters alone (so every rank that asks
         # gets the same answer): what the name map says per destination tensor; the
         # regions of each held destination box; who reads each source tensor.
@@ -133,11 +147,13 @@ class Planner:
         skip: Sequence[str] = (),
         sides: str = "",
         fp8_block: tuple[int, int] = (128, 128),
+        sender_transforms: bool = True,
     ) -> Planner:
         """The planner over every rank's gathered roster bytes (None: the rank holds no
         such model), as each rank builds it after the gather."""
         return cls(RoleIndex("source", src), RoleIndex("destination", dst), name_map,
-                   cast=cast, skip=skip, sides=sides, fp8_block=fp8_block)
+                   cast=cast, skip=skip, sides=sides, fp8_block=fp8_block,
+                   sender_transforms=sender_transforms)
 
     # ----------------------------------------------------------------- validation
     def validate(self) -> None:
@@ -439,35 +455,113 @@ class Planner:
     ) -> RankPlan:
         """This rank's local copies, sends and receives (call after :meth:`validate`)."""
         src_by_name = {t.name: (k, t) for k, t in src} if src is not None else {}
-        local, recvs = self._receiving(rank, dst, src_by_name) if dst is not None else ([], [])
-        sends = self._sending(rank, src) if src is not None else []
-        return RankPlan.ordered(rank, world, local, sends, recvs)
+        local, recvs, steps = (self._receiving(rank, dst, src_by_name) if dst is not None
+                               else ([], [], []))
+        sends, staged = self._sending(rank, src) if src is not None else ([], [])
+        return RankPlan.ordered(rank, world, local, sends, recvs, steps + staged)
 
-    def _receiving(self, rank, dst: ModelLayout, src_by_name) -> tuple[list, list]:
+    def _receiving(self, rank, dst: ModelLayout, src_by_name) -> tuple[list, list, list]:
         local: list[LocalCopy] = []
         recvs: list[Transfer] = []
+        steps: list[Quantize] = []
+        by_name = {t.name: (k, t) for k, t in dst}
         for key, t in dst:
             if self.segments(t.name) is None:
                 continue  # skipped on purpose (validate() rejected the rest)
+            target = self.fp8.get(t.name)
             for piece in t.pieces:
-                for region in self.regions(t.name, piece.box):
-                    src_dtype = self.src.tensors[region.src_name].dtype
-                    dtype = self.local_dtype(t.name, src_dtype)
-                    wire = self.wire_dtype(region.src_name, t.name)
-                    for peer, part in self.sources(region, rank):
-                        local_box = part.moved(piece.box.offset, piece.local_offset)
-                        if peer == rank:
-                            src_key, src_box = _local_source(src_by_name, region)
-                            local.append(LocalCopy(t.name, part, src_key, src_box, key, local_box,
-                                                   src_dtype, dtype))
-                        else:
-                            recvs.append(Transfer(peer, t.name, part, key, local_box, wire, dtype))
-        return local, recvs
+                if target is None:
+                    self._fill(rank, t, key, piece, src_by_name, local, recvs)
+                elif self.fp8_at_source(t.name, piece.box, rank):
+                    self._fill_quantized(rank, t, key, piece, target, by_name, src_by_name,
+                                         recvs, steps)
+                else:  # the exchange fills a shadow in the source's dtype, quantized after
+                    self._fill(rank, t, shadow_key(key), piece, src_by_name, local, recvs)
+                    scale_key, scale_box = self._scale_place(by_name, target, piece, piece.box)
+                    src_dtype = self.local_dtype(t.name, self._first_src_dtype(t.name))
+                    steps.append(Quantize(t.name, piece.box, shadow_key(key), piece.local_box, key,
+                                          piece.local_box, scale_key, scale_box, src_dtype,
+                                          target.per_tensor, received=True))
+        return local, recvs, steps
 
-    def _sending(self, rank: int, src: ModelLayout) -> list[Transfer]:
+    def _fill(self, rank, t: TensorLayout, key: str, piece, src_by_name, local, recvs) -> None:
+        """Copies and receives that fill ``piece`` of ``t`` into local tensor ``key``."""
+        for region in self.regions(t.name, piece.box):
+            src_dtype = self.src.tensors[region.src_name].dtype
+            dtype = self.local_dtype(t.name, src_dtype)
+            wire = self.wire_dtype(region.src_name, t.name)
+            for peer, part in self.sources(region, rank):
+                local_box = part.moved(piece.box.offset, piece.local_offset)
+                if peer == rank:
+                    src_key, src_box = _local_source(src_by_name, region)
+                    local.append(LocalCopy(t.name, part, src_key, src_box, key, local_box,
+                                           src_dtype, dtype))
+                else:
+                    recvs.append(Transfer(peer, t.name, part, key, local_box, wire, dtype))
+
+    def _fill_quantized(self, rank, t: TensorLayout, key: str, piece, target: Target, by_name,
+                        src_by_name, recvs, steps) -> None:
+        """Quantize ``piece`` from a local source, or receive it as FP8 and scales."""
+        scale_dtype = self.dst.tensors[target.scale].dtype
+        for region in self.regions(t.name, piece.box):
+            for peer, part in self.sources(region, rank):
+                local_box = part.moved(piece.box.offset, piece.local_offset)
+                scale_key, scale_box = self._scale_place(by_name, target, piece, part)
+                if peer == rank:
+                    src_key, src_box = _local_source(src_by_name, region)
+                    steps.append(Quantize(t.name, part, src_key, src_box, key, local_box,
+                                          scale_key, scale_box,
+                                          self.src.tensors[region.src_name].dtype,
+                                          target.per_tensor, received=False))
+                else:
+                    recvs.append(Transfer(peer, t.name, part, key, local_box, FP8_DTYPE, FP8_DTYPE))
+                    recvs.append(Transfer(peer, target.scale, self._cells(target, part),
+                                          scale_key, scale_box, scale_dtype, scale_dtype))
+
+    def _cells(self, target: Target, part: Box) -> Box:
+        """The scale cells of ``part``: its block cells, or the one per-tensor scale."""
+        if target.per_tensor:
+            return Box.whole(self.dst.tensors[target.scale].shape)
+        return scale_cells(part, self.fp8_block)
+
+    def _scale_place(self, by_name, target: Target, piece, part: Box) -> tuple[str, Box]:
+        """Local key and box of the scales of ``part`` (inside ``piece``) on this rank."""
+        key, sl = by_name[target.scale]
+        if target.per_tensor:
+            return key, sl.pieces[0].local_box
+        cells, held = scale_cells(part, self.fp8_block), scale_cells(piece.box, self.fp8_block)
+        sp = next(p for p in sl.pieces if p.box == held)  # check_targets made sure it exists
+        return key, cells.moved(sp.box.offset, sp.local_offset)
+
+    def _first_src_dtype(self, dst_name: str) -> str:
+        return self.src.tensors[self.segments(dst_name)[0].src_name].dtype
+
+    def fp8_at_source(self, name: str, dst_piece: Box, rank: int) -> bool:
+        """Whether destination ``rank``'s piece ``dst_piece`` of FP8 target ``name`` is
+        quantized from the source: every part that fills it (:meth:`sources`) is whole
+        blocks (for a per-tensor scale, the whole tensor) of one source piece, and, where
+        a part comes from another rank, the transport lets senders transform. Else the
+        piece is received in the source's dtype and quantized on the receiver. Senders
+        ask it about their receivers, receivers about themselves: the same answer."""
+        key = (name, dst_piece, rank)
+        got = self._at_source.get(key)
+        if got is None:
+            target, shape = self.fp8[name], self.dst.tensors[name].shape
+            got = all(
+                (peer == rank or self.sender_transforms)
+                and (part == Box.whole(shape) if target.per_tensor
+                     else whole_blocks(part, shape, self.fp8_block))
+                for region in self.regions(name, dst_piece)
+                for peer, part in self.sources(region, rank))
+            self._at_source[key] = got
+        return got
+
+    def _sending(self, rank: int, src: ModelLayout) -> tuple[list[Transfer], list[Quantize]]:
         sends: list[Transfer] = []
+        staged: dict[tuple[str, Box], Quantize] = {}
         for key, t in src:
             for name in self.consumers(t.name):
+                target = self.fp8.get(name)
                 for dst_box in self.dst.tensors[name].boxes:
                     for region in self.regions(name, dst_box):
                         if region.src_name != t.name:
@@ -476,8 +570,29 @@ class Planner:
                         for peer, part in self.destinations(region, rank):
                             src_box = _box_in(t, relocate(part, region.dst_box.offset,
                                                           region.src_box.offset))
-                            sends.append(Transfer(peer, name, part, key, src_box, wire, t.dtype))
-        return sends
+                            if target is not None and self.fp8_at_source(name, dst_box, peer):
+                                self._send_quantized(peer, name, part, key, src_box, t.dtype,
+                                                     target, sends, staged)
+                            else:
+                                sends.append(Transfer(peer, name, part, key, src_box, wire,
+                                                      t.dtype))
+        return sends, list(staged.values())
+
+    def _send_quantized(self, peer: int, name: str, part: Box, key: str, src_box: Box,
+                        src_dtype: str, target: Target, sends, staged) -> None:
+        """Send ``part`` as FP8 and scales, quantized once into staging buffers (several
+        receivers of the same part share them)."""
+        cells = self._cells(target, part)
+        step = staged.get((name, part))
+        if step is None:
+            values, scales = staging_keys(name, part)
+            step = staged[(name, part)] = Quantize(
+                name, part, key, src_box, values, Box.whole(part.size), scales,
+                Box.whole(cells.size), src_dtype, target.per_tensor, received=False, staged=True)
+        scale_dtype = self.dst.tensors[target.scale].dtype
+        sends.append(Transfer(peer, name, part, step.dst_key, step.dst_box, FP8_DTYPE, FP8_DTYPE))
+        sends.append(Transfer(peer, target.scale, cells, step.scale_key, step.scale_box,
+                              scale_dtype, scale_dtype))
 
 
 def _narrows(src: str, dst: str) -> bool:

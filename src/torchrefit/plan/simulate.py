@@ -25,13 +25,15 @@ def plan_world(
     cast: CastPolicy = "buffers",
     ranks: Sequence[int] | None = None,
     fp8_block: tuple[int, int] = (128, 128),
+    sender_transforms: bool = True,
 ) -> dict[int, RankPlan]:
     """The plans of ``ranks`` (default: all) of a world whose rank r holds ``src[r]``
     and ``dst[r]``; validates the whole refit first, as every rank would."""
     world = len(src)
     planner = Planner.from_rosters([encode_roster(s) if s is not None else None for s in src],
                                    [encode_roster(d) if d is not None else None for d in dst],
-                                   name_map, cast=cast, fp8_block=fp8_block)
+                                   name_map, cast=cast, fp8_block=fp8_block,
+                                   sender_transforms=sender_transforms)
     planner.validate()
     chosen = range(world) if ranks is None else ranks
     return {r: planner.plan_rank(r, world, src[r], dst[r]) for r in chosen}

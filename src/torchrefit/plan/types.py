@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from .._format import format_bytes as _fmt
 from ..layout._types import Box, dtype_from_name
 
-__all__ = ["Transfer", "LocalCopy", "RankPlan", "itemsize"]
+__all__ = ["Transfer", "LocalCopy", "Quantize", "RankPlan", "itemsize", "shadow_key", "staging_keys"]
 
 _ITEMSIZE: dict[str, int] = {}
 
@@ -65,6 +65,51 @@ class LocalCopy:
         return self.region.numel * itemsize(self.dst_dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class Quantize:
+    """Box ``region`` of FP8 destination ``name`` quantized on this rank: values read
+    from ``src_key`` [``src_box``] (dtype ``src_dtype``), FP8 written to ``dst_key``
+    [``dst_box``] and the scales to ``scale_key`` [``scale_box``].
+
+    ``received`` False: before the exchange, from this rank's source (the region is
+    whole blocks of one source piece): into the destination itself where the source is
+    local, or into staging buffers (``staged``; keys from :func:`staging_keys`) that the
+    sends then carry as FP8 and scales. ``received`` True: after the exchange, a whole
+    destination piece from the shadow (:func:`shadow_key`) the exchange filled in the
+    source's dtype (some block of it spans source pieces, or the transport is one-sided).
+    """
+
+    name: str
+    region: Box
+    src_key: str
+    src_box: Box
+    dst_key: str
+    dst_box: Box
+    scale_key: str
+    scale_box: Box
+    src_dtype: str
+    per_tensor: bool
+    received: bool
+    staged: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """FP8 bytes written (one per element)."""
+        return self.region.numel
+
+
+def shadow_key(key: str) -> str:
+    """The destination key under which a rank holds an FP8 tensor's high-precision
+    shadow (the executor fills it; a ``received`` :class:`Quantize` reads it)."""
+    return f"{key} (shadow)"
+
+
+def staging_keys(name: str, region: Box) -> tuple[str, str]:
+    """Source-side keys of the FP8 values and scales a sender quantizes ``region`` of
+    destination ``name`` into before sending them."""
+    return f"{name}{region} (fp8)", f"{name}{region} (scale)"
+
+
 @dataclass(frozen=True)
 class RankPlan:
     """Everything rank ``rank`` does in a refit: local copies, sends and receives.
@@ -78,24 +123,35 @@ class RankPlan:
     local: tuple[LocalCopy, ...]
     sends: tuple[Transfer, ...]
     recvs: tuple[Transfer, ...]
+    quantize: tuple[Quantize, ...] = ()
     bytes_local: int = field(init=False)
     bytes_sent: int = field(init=False)
     bytes_received: int = field(init=False)
 
     @classmethod
     def ordered(cls, rank: int, world: int, local: Iterable[LocalCopy],
-                sends: Iterable[Transfer], recvs: Iterable[Transfer]) -> RankPlan:
+                sends: Iterable[Transfer], recvs: Iterable[Transfer],
+                quantize: Iterable[Quantize] = ()) -> RankPlan:
         """The plan with its copies and transfers in the one order every rank uses:
         sender and receiver of a pair sort the same regions by the same key, so message
         m of the pair holds the same regions at both ends."""
         return cls(rank, world, tuple(sorted(local, key=_copy_order)),
                    tuple(sorted(sends, key=_transfer_order)),
-                   tuple(sorted(recvs, key=_transfer_order)))
+                   tuple(sorted(recvs, key=_transfer_order)),
+                   tuple(sorted(quantize, key=_quantize_order)))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bytes_local", sum(c.nbytes for c in self.local))
         object.__setattr__(self, "bytes_sent", sum(t.nbytes for t in self.sends))
         object.__setattr__(self, "bytes_received", sum(t.nbytes for t in self.recvs))
+
+    @property
+    def fp8_bytes(self) -> tuple[int, int]:
+        """FP8 value bytes of this rank's destination quantized on the sender (straight
+        from a local source, or received as FP8) and quantized here on receipt."""
+        sender = sum(q.nbytes for q in self.quantize if not q.received and not q.staged)
+        sender += sum(t.nbytes for t in self.recvs if t.local_dtype == "float8_e4m3fn")
+        return sender, sum(q.nbytes for q in self.quantize if q.received)
 
     @property
     def send_peers(self) -> tuple[int, ...]:
@@ -144,10 +200,15 @@ class RankPlan:
             rows.setdefault(t.name, []).append(
                 (2, t.region, f"rank {self.rank} -> rank {t.peer}", t.local_dtype, t.wire_dtype,
                  t.nbytes))
+        for q in self.quantize:
+            where = "received" if q.received else "to send" if q.staged else "from source"
+            rows.setdefault(q.name, []).append(
+                (3, q.region, f"rank {self.rank} ({where})", q.src_dtype, "float8_e4m3fn",
+                 q.nbytes))
         lines = [self.summary().partition("\n")[0]]
         for name in sorted(rows if tensors is None else set(rows) & set(tensors)):
             moved = sorted(rows[name], key=lambda r: (r[0], r[1].offset, r[2]))
-            totals = [0, 0, 0]
+            totals = [0] * len(_EXPLAIN_KINDS)
             for kind, *_, nbytes in moved:
                 totals[kind] += nbytes
             lines.append(f"{name}: " + ", ".join(
@@ -159,11 +220,16 @@ class RankPlan:
         return "\n".join(lines)
 
 
-_EXPLAIN_KINDS = (("copy", "copied locally"), ("receive", "received"), ("send", "sent"))
+_EXPLAIN_KINDS = (("copy", "copied locally"), ("receive", "received"), ("send", "sent"),
+                  ("quantize", "quantized"))
 
 
 def _transfer_order(t: Transfer) -> tuple:
     return (t.peer, t.name, t.region.offset)
+
+
+def _quantize_order(q: Quantize) -> tuple:
+    return (q.received, q.staged, q.name, q.region.offset)
 
 
 def _copy_order(c: LocalCopy) -> tuple:

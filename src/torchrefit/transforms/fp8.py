@@ -1,27 +1,29 @@
-"""FP8 destinations: quantize what a refit delivers, block by block, on the receiver.
+"""FP8 destinations: which tensors, the rules their layouts follow, and the arithmetic.
 
 A destination tensor of dtype ``float8_e4m3fn`` is an FP8 *target* when it has a
-sibling scale tensor in the same model:
+sibling scale tensor (float32) in the same model:
 
 * ``<name>_scale_inv`` of block-grid shape ``[ceil(rows / br), ceil(cols / bc)]``
   (``fp8_block=(br, bc)``; the last two dims are blocked, leading dims such as
-  stacked experts' ``E`` kept: ``w13_weight_scale_inv`` ``[E, 2I / br, H / bc]``): the DeepSeek-V3 / vLLM block convention, per block
+  stacked experts' ``E`` kept: ``w13_weight_scale_inv`` ``[E, 2I / br, H / bc]``):
+  the DeepSeek-V3 / vLLM block convention, per block
   ``s = amax(|w|).clamp(min=1e-4) / 448``, ``q = (w / s).to(float8_e4m3fn)``,
   ``<name>_scale_inv = s``;
 * ``<name>_scale`` with one element: per tensor, the same formula over the whole tensor.
 
-Who calls what: the planner calls :func:`fp8_targets` and :func:`check_targets`
-on every rank over the same rosters (bad grids raise :class:`PlanError` everywhere
-before any byte moves) and gives an FP8 target's transfers the source's dtype; the
-``Refitter`` builds one :class:`Quantizer` per rank after planning, hands the
-executor ``quantizer.tensors(dst_tensors)`` (a high-precision shadow in place of
-each FP8 tensor it holds) and calls ``quantizer.finish()`` after every exchange,
-which writes the FP8 tensors and their scales from the shadows.
+Who calls what: the planner calls :func:`fp8_targets` and :func:`check_targets` on
+every rank over the same rosters (bad grids raise :class:`PlanError` everywhere before
+any byte moves) and decides per destination piece where it is quantized
+(``Planner.fp8_at_source``): on the sender where whole blocks of one source piece fill
+it (the wire carries FP8 and scales), else on the receiver from a shadow in the
+source's dtype. ``execute.quantize`` runs the plan's ``Quantize`` steps with
+:func:`quantize_blocks` / :func:`quantize_tensor` (on CPU, and as verify's witness) or
+the Triton kernel of ``fp8_kernel`` (on CUDA), which computes the same bits.
 
 Bit-identical to quantizing the whole global tensor: every piece a rank holds must
-start and end on block boundaries (or the tensor's end), so each block is quantized
-from all of its elements by the same float32 arithmetic. Quantization happens on
-the receiver: the wire carries the source's dtype.
+start and end on block boundaries (or the tensor's end), and every step quantizes
+whole blocks, so each block is quantized from all of its elements by the same
+float32 arithmetic wherever that happens.
 """
 
 from __future__ import annotations
@@ -31,12 +33,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout._types import Box, ModelLayout
+from ..layout._types import Box
 
-__all__ = ["FP8_DTYPES", "FP8_MAX", "fp8_targets", "check_targets", "quantize_blocks",
-           "quantize_tensor", "Quantizer", "scale_cells"]
+__all__ = ["FP8_DTYPE", "FP8_DTYPES", "FP8_MAX", "Target", "fp8_targets", "check_targets",
+           "quantize_blocks", "quantize_tensor", "scale_cells", "whole_blocks"]
 
-FP8_DTYPES = frozenset({"float8_e4m3fn"})
+FP8_DTYPE = "float8_e4m3fn"
+FP8_DTYPES = frozenset({FP8_DTYPE})
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _MIN_AMAX = 1e-4
 
@@ -87,6 +90,8 @@ def check_targets(targets: Mapping[str, Target], dst, block: tuple[int, int]) ->
 
 
 def _per_tensor_problem(info, sinfo) -> str | None:
+    if sinfo.dtype != "float32":
+        return f"its scale {sinfo.name} is {sinfo.dtype}; FP8 scales are float32"
     if sinfo.shape not in ((), (1,)):
         return f"a per-tensor scale {sinfo.name} holds one element, not {list(sinfo.shape)}"
     whole = Box.whole(info.shape)
@@ -99,6 +104,8 @@ def _per_tensor_problem(info, sinfo) -> str | None:
 def _block_problem(info, sinfo, block, dst) -> str | None:
     if len(info.shape) < 2:
         return f"block FP8 quantizes weights of 2 or more dims, not {list(info.shape)}"
+    if sinfo.dtype != "float32":
+        return f"its scale {sinfo.name} is {sinfo.dtype}; FP8 scales are float32"
     br, bc = block
     rows, cols = info.shape[-2:]
     grid = tuple(info.shape[:-2]) + (-(-rows // br), -(-cols // bc))
@@ -129,6 +136,12 @@ def _key(b: Box):
     return (b.offset, b.size)
 
 
+def whole_blocks(box: Box, shape, block) -> bool:
+    """Whether ``box`` of a tensor of ``shape`` is made of whole blocks: over the last
+    two dims it starts on block boundaries and ends on one or at the tensor's end."""
+    return _aligned(box, shape, block)
+
+
 def _aligned(box: Box, shape, block) -> bool:
     return all(o % k == 0 and (e % k == 0 or e == n)
                for o, e, k, n in zip(box.offset[-2:], box.end[-2:], block, shape[-2:]))
@@ -144,67 +157,19 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tens
     padded = x.new_zeros(*lead, gr * br, gc * bc)  # |0| never raises an amax
     padded[..., :rows, :cols] = x
     amax = padded.view(*lead, gr, br, gc, bc).abs().amax(dim=(-3, -1))
-    s = amax.clamp(min=_MIN_AMAX) / FP8_MAX
+    s = _scale_of(amax)
     full = s.repeat_interleave(br, -2).repeat_interleave(bc, -1)[..., :rows, :cols]
     return (x / full).to(torch.float8_e4m3fn), s
+
+
+def _scale_of(amax: torch.Tensor) -> torch.Tensor:
+    # divide by a tensor, not a Python number: CUDA turns division by a host scalar into
+    # multiplication by its rounded reciprocal, which differs in the last bit
+    return amax.clamp(min=_MIN_AMAX) / torch.full((), FP8_MAX, device=amax.device)
 
 
 def quantize_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn values, float32 scalar scale) of a whole tensor."""
     x = w.to(torch.float32)
-    s = x.abs().amax().clamp(min=_MIN_AMAX) / FP8_MAX
+    s = _scale_of(x.abs().amax())
     return (x / s).to(torch.float8_e4m3fn), s
-
-
-class Quantizer:
-    """One rank's FP8 targets: shadows the executor fills, quantized by :meth:`finish`."""
-
-    def __init__(self, targets: Mapping[str, Target], layout: ModelLayout | None,
-                 tensors: Mapping[str, torch.Tensor], shadow_dtypes: Mapping[str, str],
-                 block: tuple[int, int]) -> None:
-        from ..layout._types import dtype_from_name
-        self.block = block
-        self.shadows: dict[str, torch.Tensor] = {}
-        self._work: list[tuple] = []
-        if layout is None:
-            return
-        keys = {t.name: (k, t) for k, t in layout}
-        for name, target in sorted(targets.items()):
-            if name not in keys:
-                continue
-            key, tl = keys[name]
-            scale_key, sl = keys[target.scale]
-            dst = tensors[key].detach()
-            shadow = torch.empty(dst.shape, dtype=dtype_from_name(shadow_dtypes[name]),
-                                 device=dst.device)
-            self.shadows[key] = shadow
-            scale = tensors[scale_key].detach()
-            for piece in tl.pieces:
-                lb = piece.local_box.slices()
-                if target.per_tensor:
-                    self._work.append((shadow[lb], dst[lb], scale, None))
-                    continue
-                cells = scale_cells(piece.box, block)
-                sp = next(p for p in sl.pieces if p.box == cells)
-                self._work.append((shadow[lb], dst[lb], scale, sp.local_box.slices()))
-
-    @property
-    def count(self) -> int:
-        return len(self.shadows)
-
-    def tensors(self, dst_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The destination tensors the executor writes: shadows in place of FP8 targets."""
-        return {**dst_tensors, **self.shadows}
-
-    @torch.no_grad()
-    def finish(self) -> None:
-        """Quantize every shadow into its FP8 tensor and scale (after the exchange, on
-        the caller's stream, which the exchange's copies are ordered before)."""
-        for shadow, dst, scale, cells in self._work:
-            if cells is None:
-                q, s = quantize_tensor(shadow)
-                scale.copy_(s.reshape(scale.shape))
-            else:
-                q, s = quantize_blocks(shadow, self.block)
-                scale[cells].copy_(s)
-            dst.copy_(q)

@@ -1,0 +1,115 @@
+"""FP8 quantize lab (one GPU): how fast can a refit quantize the seed's model to block FP8?
+
+Builds every projection of the seed model (gpt-4b: 20 layers of q/k/v/o 4096x4096,
+up 16384x4096, down 4096x16384) in bf16 and their float8_e4m3fn destinations with
+128x128 scale grids, then measures (median of ``--iters``, device synchronized around
+each): the HBM copy floor of the bytes read (bf16) and written (FP8 + scales); the
+torch reference ``quantize_blocks`` tensor by tensor; and the Triton block table
+(``transforms.fp8_kernel``) in one launch, also with q/k/v read as 128-row strips of a
+fused QKV source (how megatron_to_hf feeds them). Checks the Triton values and scales
+bit for bit against the torch reference on every tensor. Prints JSON; ``--json`` keeps it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from torchrefit.bench.timing import copy_bandwidth
+from torchrefit.transforms.fp8 import quantize_blocks
+from torchrefit.transforms.fp8_kernel import BlockTable, launch
+
+BLOCK = (128, 128)
+
+
+def device_ms(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    out = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=20)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--json")
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    h, f = 4096, 16384
+    shapes = {"q": (h, h), "k": (h, h), "v": (h, h), "o": (h, h), "up": (f, h), "down": (h, f)}
+    srcs, dsts, scales = [], [], []
+    fused = []  # per layer: a Megatron-style fused QKV [32 groups x (q, k, v) 128 rows, h]
+    for _ in range(args.layers):
+        qkv = torch.randn(3 * h, h, device=dev, dtype=torch.bfloat16)
+        fused.append(qkv)
+        for name, shape in shapes.items():
+            srcs.append(torch.randn(shape, device=dev, dtype=torch.bfloat16) * (0.01 if name == "o" else 1))
+            dsts.append(torch.empty(shape, device=dev, dtype=torch.float8_e4m3fn))
+            scales.append(torch.empty(shape[0] // 128, shape[1] // 128, device=dev))
+    moved = sum(s.nbytes + d.nbytes + c.nbytes for s, d, c in zip(srcs, dsts, scales))
+    bw = copy_bandwidth(dev)
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "layers": args.layers, "bytes": moved, "copy_bandwidth_gbs": bw / 1e9,
+           "floor_ms": moved / bw * 1e3}
+
+    def torch_ref() -> None:
+        for s, d, c in zip(srcs, dsts, scales):
+            q, sc = quantize_blocks(s, BLOCK)
+            d.copy_(q)
+            c.copy_(sc)
+
+    out["torch_ref_ms"] = device_ms(torch_ref, max(2, args.iters // 4))
+    torch_ref()
+    want = [(d.clone(), c.clone()) for d, c in zip(dsts, scales)]
+    for d in dsts:
+        d.zero_()
+    tables = BlockTable.build(list(zip(srcs, dsts, scales)), BLOCK)
+    out["blocks"] = sum(t.blocks for t in tables)
+    out["triton_ms"] = device_ms(lambda: [launch(t) for t in tables], args.iters)
+    same = [torch.equal(d.view(torch.uint8), w.view(torch.uint8)) and torch.equal(c, wc)
+            for d, c, (w, wc) in zip(dsts, scales, want)]
+    out["triton_bit_identical"] = all(same)
+    out["triton_mismatching_tensors"] = same.count(False)
+    if not all(same):
+        d, c, (w, wc) = next((x for x, ok in zip(zip(dsts, scales, want), same) if not ok))
+        out["first_mismatch"] = {
+            "values_differ": int((d.view(torch.uint8) != w.view(torch.uint8)).sum()),
+            "scales_differ": int((c != wc).sum())}
+    # q/k/v as 32 strips of 128 rows each out of the fused QKV (one item per strip)
+    strips = []
+    for layer, qkv in enumerate(fused):
+        for part in range(3):
+            i = layer * len(shapes) + part
+            for g in range(32):
+                rows = slice(g * 384 + part * 128, g * 384 + (part + 1) * 128)
+                strips.append((qkv[rows], dsts[i][g * 128:(g + 1) * 128], scales[i][g:g + 1]))
+    strip_tables = BlockTable.build(strips, BLOCK)
+    qkv_bytes = sum(s.nbytes + d.nbytes + c.nbytes for s, d, c in strips)
+    out["strips_ms"] = device_ms(lambda: [launch(t) for t in strip_tables], args.iters)
+    out["strips_floor_ms"] = qkv_bytes / bw * 1e3
+    ok = True
+    for s, d, c in strips:
+        q, sc = quantize_blocks(s, BLOCK)
+        ok &= torch.equal(q.view(torch.uint8), d.view(torch.uint8)) and torch.equal(sc, c)
+    out["strips_bit_identical"] = bool(ok)
+    out["triton_vs_floor"] = out["triton_ms"] / out["floor_ms"]
+    out["torch_ref_vs_floor"] = out["torch_ref_ms"] / out["floor_ms"]
+    print(json.dumps(out, indent=1))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
