@@ -12,6 +12,8 @@ export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 exec > >(tee "$R/h200_fp8.log") 2>&1
 B="python -m torchrefit bench"
 python -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+echo "=== fp8 kernel lab: the seed's projections, torch reference vs one Triton launch ($(date +%T))"
+python benchmarks/fp8_kernel_lab.py --json "$R/h200_fp8_kernel_lab.json"
 echo "=== gpt-4b megatron -> hf names, bf16 -> block fp8 ($(date +%T))"
 $B --model gpt-4b --map hf --fp8 --variant plain --variant graph --warmup 3 --iters 20 \
    --label "gpt-4b megatron->hf fp8" --json "$R/h200_gpt4b_map_hf_fp8.json"

@@ -75,7 +75,13 @@ def test_bench_map_hf_fp8_quantizes_and_reports_its_floor(tmp_path) -> None:
                  "--iters", "2", "--variant", "plain", "--map", "hf", "--fp8",
                  "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["configs"]
-    # q, k, v, o of one layer and its two stacked expert tensors
-    assert row["fp8_on_receiver"] == 6 and row["fp8"] and row["name_map"] == "hf"
+    # q, k, v, o of one layer and its two stacked expert tensors, one byte an element:
+    # q / k / v are 64-row strips of the fused QKV, which 128-row blocks straddle (quantized
+    # on receipt); o and the experts are whole blocks of one piece (from the source)
+    h = 256
+    assert row["fp8_on_receiver"] == 3 * h * h and row["fp8_on_sender"] > h * h
+    assert row["fp8"] and row["name_map"] == "hf"
     assert row["floor_ms"] > 0 and row["floor_note"].startswith("HBM floor: source bytes read")
-    assert row["dst_bytes"] < row["bytes_local"]  # FP8 engine smaller than the bf16 source
+    read = row["bytes_local"] + row["bytes_quantize_read"]
+    assert row["floor_ms"] == pytest.approx((read + row["dst_bytes"]) / row["copy_bandwidth_gbs"] / 1e6)
+    assert row["dst_bytes"] < read  # FP8 engine smaller than the bf16 source

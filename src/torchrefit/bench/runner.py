@@ -17,6 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..plan.types import itemsize
 from ..testing import build_toy, run_world
 from ..testing.toy import global_table
 from ..transport.base import transport_class
@@ -161,7 +162,10 @@ def _time_refitter(tr, src, dst, cfg: BenchConfig, variant: str, device: torch.d
                 "staging_bytes": report.staging_bytes, "bytes_local": report.bytes_local,
                 "bytes_sent": report.bytes_sent, "bytes_received": report.bytes_received,
                 "shared_tensors": report.shared_tensors, "plan_seconds": refitter.plan_seconds,
-                "fp8_on_receiver": report.fp8_on_receiver})
+                "fp8_on_sender": report.fp8_on_sender, "fp8_on_receiver": report.fp8_on_receiver,
+                # source bytes FP8 steps read (the local copies' are in bytes_local)
+                "bytes_quantize_read": sum(q.region.numel * itemsize(q.src_dtype)
+                                           for q in refitter.plan.quantize if not q.received)})
     refitter.close()
     return row
 
@@ -204,7 +208,8 @@ def _aggregate(cfg: BenchConfig, per_rank: list[dict]) -> list[dict]:
     if cfg.name_map and floor_ms is not None and cfg.nproc == 1:
         # a mapped (and quantized) engine: read the source's bytes once, write the
         # engine's (FP8 values and scales where quantized) once
-        floor_ms = (torch_rows[0]["bytes_local"] + per_rank[0]["dst_bytes"]) / bandwidth * 1e3
+        read = torch_rows[0]["bytes_local"] + torch_rows[0].get("bytes_quantize_read", 0)
+        floor_ms = (read + per_rank[0]["dst_bytes"]) / bandwidth * 1e3
         note = "HBM floor: source bytes read + engine bytes written (FP8 and scales), one GPU"
     meg = next((r for r in rows if r["impl"] == "megatron-core"), None)
     for r in rows:
