@@ -72,7 +72,8 @@ def _shared(rank: int, world: int) -> str:
     src = build_toy(SPEC, Mesh(1, ranks=1), rank, seed=1)
     dst = build_toy(SPEC, Mesh(1, ranks=1, offset=1), rank, seed=2)
     try:
-        tr.Refitter(src.cuda() if src else None, dst.cuda() if dst else None, transport="nvshmem")
+        tr.Refitter(src.cuda() if src is not None else None, dst.cuda() if dst is not None else None,
+                    transport="nvshmem")
         return "no error"
     except tr.TransportError as e:
         return str(e)
