@@ -34,6 +34,9 @@ class TensorInfo:
     def disjoint(self) -> bool:
         """Whether the distinct boxes held of this tensor never overlap (the usual case)."""
         if self._disjoint is None:
+            if len(self.boxes) == 1:
+                self._disjoint = True
+                return True
             bs = list(self.boxes)
             self._disjoint = not any(
                 a.intersect(b) is not None for i, a in enumerate(bs) for b in bs[i + 1:]
@@ -54,6 +57,8 @@ class RoleIndex:
         # One Box per distinct (offset, size): layers and experts repeat the same boxes.
         self._boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], Box] = {}
         self._geometries: dict[tuple, int] = {}
+        self._by_holders: dict[tuple[int, ...], list[str]] | None = None
+        self._overlapping: set[str] = set()
         self.rank_class: dict[int, int] = {}
         by_bytes: dict[bytes, int] = {}
         for rank, blob in enumerate(rosters):
@@ -122,6 +127,29 @@ class RoleIndex:
             key = (info.shape, info.dtype, info.is_buffer, tuple(info.boxes))
             gid = info._geometry = self._geometries.setdefault(key, len(self._geometries))
         return gid
+
+    def held_by(self, holders: tuple[int, ...]) -> list[str]:
+        """The tensors of which some region may have exactly the classes ``holders`` as its
+        holders: those with a box held by exactly those classes, and those whose boxes
+        overlap (their regions are cut into cells of any holder combination). The
+        planner's share lines start here rather than scanning a holder's every tensor
+        (at 16k ranks a DeepSeek-V3 stage's dense tensors sat beside each expert set's)."""
+        if self._by_holders is None:
+            table: dict[tuple[int, ...], list[str]] = {}
+            for name, info in self.tensors.items():
+                if not info.disjoint:
+                    self._overlapping.add(name)
+                    continue
+                for cids in info.boxes.values():
+                    names = table.setdefault(tuple(cids), [])
+                    if not names or names[-1] != name:
+                        names.append(name)
+            self._by_holders = table
+        got = self._by_holders.get(holders, [])
+        if not self._overlapping:
+            return got
+        mine = self.names[holders[0]]
+        return got + sorted(n for n in self._overlapping.intersection(mine) if n not in got)
 
     def ranks(self, class_ids: Sequence[int]) -> tuple[int, ...]:
         """The ranks of some classes, ascending (cached: few distinct combinations recur)."""

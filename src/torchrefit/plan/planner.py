@@ -371,7 +371,7 @@ class Planner:
             return [(rank, region.dst_box)]
         if len(holders) == 1:
             return [(holders[0], region.dst_box)]
-        parts = self._share_line(region.holders).senders(self.dst.rank_class[rank], rank,
+        parts = self.share_line(region.holders).senders(self.dst.rank_class[rank], rank,
                                                          region.id)
         return [(holders[h], region.dst_box.rows(lo, hi)) for h, lo, hi in parts]
 
@@ -384,27 +384,14 @@ class Planner:
             return []
         if len(holders) == 1:
             return [(d, region.dst_box) for d in self._remote_receivers(region)]
-        sent = self._share_line(region.holders).sent_by(k).get(region.id, ())
+        sent = self.share_line(region.holders).sent_by(k).get(region.id, ())
         return [(d, region.dst_box.rows(lo, hi)) for d, lo, hi in sent]
 
-    def remote_transfers(self, region: Region) -> list[tuple[int, int, int]]:
-        """``(source rank, destination rank, bytes)`` of every transfer of ``region``
-        between two ranks, as the ranks' plans have them (for whole-world summaries)."""
-        holders = self.src.ranks(region.holders)
-        remote = self._remote_receivers(region)
-        size = self.wire_bytes(region)
-        if len(holders) == 1 or not remote:
-            return [(holders[0], d, size) for d in remote]
-        line, rid = self._share_line(region.holders), region.id
-        row_bytes = size // region.rows
-        cls = self.dst.rank_class
-        return [(holders[h], d, (hi - lo) * row_bytes) for d in remote
-                for h, lo, hi in line.senders(cls[d], d, rid)]
-
-    def local_ranks(self, region: Region) -> list[int]:
-        """Destination ranks holding the region's box that copy it from their own source."""
-        held = set(self.src.ranks(region.holders))
-        return [r for r in self.dst.ranks(region.dst_classes) if r in held]
+    def local_ranks(self, dst_classes: tuple[int, ...], holders: tuple[int, ...]) -> list[int]:
+        """Destination ranks of ``dst_classes`` that hold what source classes ``holders``
+        hold, so copy such regions locally (for whole-world summaries)."""
+        held = set(self.src.ranks(holders))
+        return [r for r in self.dst.ranks(dst_classes) if r in held]
 
     def wire_bytes(self, region: Region) -> int:
         """Bytes of one transfer of a whole region (in the wire dtype)."""
@@ -423,16 +410,16 @@ class Planner:
             return src
         return dst
 
-    def _share_line(self, holders: tuple[int, ...]) -> ShareLine:
+    def share_line(self, holders: tuple[int, ...]) -> ShareLine:
         """The share line of a holder set (see :mod:`.shares`), built on first use.
 
-        Every class of the set holds all of the set's regions, so the tensors of its
-        first class are where to look: work in proportion to what one holder holds.
+        Only the source tensors some of whose boxes the set holds can hold its regions
+        (:meth:`RoleIndex.held_by`): work in proportion to what the set holds.
         """
         line = self._share_lines.get(holders)
         if line is not None:
             return line
-        regions = [r for src_name in self.src.names[holders[0]]
+        regions = [r for src_name in self.src.held_by(holders)
                    for name in self.consumers(src_name)
                    for box in self.dst.tensors[name].boxes
                    for r in self.regions(name, box)

@@ -22,7 +22,7 @@ time proportional to what the holder set holds and the classes it serves.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from heapq import merge
 
@@ -51,6 +51,16 @@ class ClassBlock:
         self.sizes.append(size)
         self.rows.append(rows)
         self.width += size
+
+    def before(self, x: int) -> int:
+        """Bytes of this block before block position ``x``, each pair cut at the row
+        :meth:`ShareLine.senders` cuts it (the pairs before the one holding ``x`` whole,
+        that one to its nearest row)."""
+        j = bisect_right(self.offsets, x) - 1
+        if j < 0:
+            return 0
+        size, rows = self.sizes[j], self.rows[j]
+        return self.offsets[j] + size // rows * _cut(x, self.offsets[j], size, rows)
 
 
 class ShareLine:
@@ -90,11 +100,39 @@ class ShareLine:
             got = self._sent[i] = self._share(i)
         return got
 
+    def bytes_by_pair(self) -> Iterator[tuple[int, int, int]]:
+        """``(holder index, destination rank, bytes)`` for each holder and destination
+        between which bytes move: what :meth:`senders` gives, summed over the
+        destination's whole block in closed form (a holder's rows of each pair run
+        from cut to cut, so the sum telescopes to :meth:`ClassBlock.before` at the two
+        cuts). For whole-world totals: one step per destination rank, not per region."""
+        cut = self.cut
+        pos = 0
+        for rank, cls in self._line_order():
+            b = self.blocks[cls]
+            end = pos + b.width
+            i = bisect_right(cut, pos) - 1
+            if end <= cut[i + 1]:  # the block lies in one holder's stretch (the usual case)
+                yield i, rank, b.width
+            else:
+                done = 0
+                while i < self.n and cut[i] < end:
+                    upto = b.before(cut[i + 1] - pos)
+                    if upto > done:
+                        yield i, rank, upto - done
+                    done = upto
+                    i += 1
+            pos = end
+
+    def _line_order(self) -> Iterator[tuple[int, int]]:
+        """``(destination rank, its class)`` in line order: ascending rank."""
+        return merge(*([(r, c) for r in b.ranks] for c, b in self.blocks.items()))
+
     def _share(self, i: int) -> dict[Key, list[tuple[int, int, int]]]:
         a, e = self.cut[i], self.cut[i + 1]
         out: dict[Key, list[tuple[int, int, int]]] = {}
         pos = 0
-        for rank, cls in merge(*([(r, c) for r in b.ranks] for c, b in self.blocks.items())):
+        for rank, cls in self._line_order():
             b = self.blocks[cls]
             if pos + b.width > a:
                 self._sends_of_block(b, rank, pos, a, e, out)
