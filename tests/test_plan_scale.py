@@ -125,6 +125,75 @@ def test_traffic_matches_the_ranks_plans(case: str) -> None:
         assert w.traffic.local[r] == plan.bytes_local
 
 
+SMALL = [
+    # (preset, layers, src, dst, world): every rank planned
+    ("llama-70b", 4, "tp8pp2", "tp4", 64),
+    ("llama-70b", 4, "tp2pp4@0:48", "tp8@40:64", 64),  # overlapping ranges
+    ("llama-70b", 3, "tp4pp3@0:60", "tp8@56:64", 64),  # 5 replicas per region: rows split at cuts
+    ("deepseek-v3", 5, "pp4ep8", "tp8ep8", 64),
+    ("deepseek-v3", 5, "tp2pp2ep4@0:32", "tp4ep2@32:64", 64),
+]
+
+
+def _summed_plans(plans: dict) -> tuple[dict, list[int]]:
+    """Bytes per (sender, receiver) from the senders' plans and per rank copied locally,
+    checked against the receivers' plans: the oracle the whole-world traffic must equal."""
+    pairs: dict = {}
+    for r, plan in plans.items():
+        for (kind, peer), n in plan.bytes_by_peer().items():
+            key = (r, peer) if kind == "send" else (peer, r)
+            assert pairs.setdefault(key, n) == n, f"ranks {key}: sender and receiver differ"
+    return pairs, [plans[r].bytes_local for r in sorted(plans)]
+
+
+@pytest.mark.parametrize("case", SMALL, ids=lambda c: f"{c[0]}-{c[2]}-{c[3]}")
+def test_traffic_is_every_ranks_plan_summed(case) -> None:
+    """The closed-form traffic (per holder set and destination rank) equals the bytes
+    of every rank's own plan, pair by pair, at a world small enough to plan every rank."""
+    name, layers, src, dst, world = case
+    shape = preset(name).with_overrides(layers=layers)
+    s = simulated_role(shape, parse_mesh(src, world), world)
+    d = simulated_role(shape, parse_mesh(dst, world), world)
+    planner = Planner.from_rosters(s.rosters(), d.rosters())
+    planner.validate()
+    plans = {r: planner.plan_rank(r, world, s.layout(r), d.layout(r)) for r in range(world)}
+    pairs, local = _summed_plans(plans)
+    t = traffic(planner, world)
+    assert {k: n for k, n in t.pairs.items() if n} == pairs
+    assert list(t.local) == local
+
+
+def test_traffic_over_overlapping_source_boxes() -> None:
+    """Source ranks whose boxes overlap (one holds the whole tensor, two its halves,
+    one its columns): regions are cut into cells of every holder combination, and
+    share lines and traffic still find them (RoleIndex.held_by's overlapping path)."""
+    from torchrefit.layout._types import Box, ModelLayout, Piece, TensorLayout
+    from torchrefit.plan.roster import encode_roster
+
+    def held(*boxes):
+        pieces, row = [], 0
+        for off, size in boxes:  # stacked along dim 0 in the local tensor
+            pieces.append(Piece(Box(off, size), (row, 0)))
+            row += size[0]
+        width = boxes[0][1][1]
+        return ModelLayout((("w", TensorLayout("w", (8, 6), "float32", (row, width),
+                                                tuple(pieces))),), ())
+
+    src = [held(((0, 0), (8, 6))), held(((0, 0), (4, 6))), held(((4, 0), (4, 6))),
+           held(((0, 0), (8, 3))), None, None, None, None]
+    dst = [None, None, None, None] + [held(((2 * i, 0), (2, 6))) for i in range(4)]
+    enc = [[None if x is None else encode_roster(x) for x in side] for side in (src, dst)]
+    planner = Planner.from_rosters(*enc)
+    planner.validate()
+    assert not planner.src.tensors["w"].disjoint
+    plans = {r: planner.plan_rank(r, 8, src[r], dst[r]) for r in range(8)}
+    check_agreement(plans, dst)
+    pairs, local = _summed_plans(plans)
+    t = traffic(planner, 8)
+    assert {k: n for k, n in t.pairs.items() if n} == pairs and list(t.local) == local
+    assert sum(pairs.values()) == 8 * 6 * 4
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_replicas_share_the_sending(case: str) -> None:
     """Within 1.1x of the least the busiest sender could send under any replica choice
@@ -196,6 +265,15 @@ def test_sharing_covers_every_pair_once_and_evenly(seed: int) -> None:
                 for i, lo, hi in parts:
                     load[i] += (hi - lo) * (size // rows)
     assert not from_senders
+    summed: dict = {}
+    for c, b in blocks.items():
+        for d in b.ranks:
+            for key, size, rows in zip(b.keys, b.sizes, b.rows):
+                for i, lo, hi in line.senders(c, d, key):
+                    if hi > lo:
+                        summed[i, d] = summed.get((i, d), 0) + (hi - lo) * (size // rows)
+    closed = {(i, d): n for i, d, n in line.bytes_by_pair()}
+    assert closed == summed, "the closed-form pair bytes differ from the senders' rows"
     biggest_row = max(s // r for b in blocks.values() for s, r in zip(b.sizes, b.rows))
     assert max(load) - min(load) <= 2 * biggest_row + 1
 
