@@ -67,7 +67,10 @@ class Box:
                 return None
             off.append(lo)
             size.append(hi - lo)
-        return Box(tuple(off), tuple(size))
+        off_t, size_t = tuple(off), tuple(size)
+        if off_t == self.offset and size_t == self.size:
+            return self  # inside the other box (the usual case): no new box to build
+        return Box(off_t, size_t)
 
     def contains(self, other: Box) -> bool:
         return all(
