@@ -35,7 +35,7 @@ from torchrefit.bench.config import spec_from_preset
 from torchrefit.bench.megatron_models import build_megatron_gpt
 from torchrefit.bench.timing import copy_bandwidth, median_host_ms, time_calls
 from torchrefit.execute.local import balance_by_bytes
-from torchrefit.testing.toy import Mesh, build_toy
+from torchrefit.testing import Mesh, build_toy
 
 DEV = torch.device("cuda", 0)
 MiB2 = 2 << 20

@@ -40,7 +40,7 @@ import torchrefit as tr
 from torchrefit.bench.config import spec_from_preset
 from torchrefit.bench.timing import copy_bandwidth, median_host_ms, time_calls
 from torchrefit.execute import program
-from torchrefit.testing.toy import Mesh, build_toy
+from torchrefit.testing import Mesh, build_toy
 
 sys.path.insert(0, os.path.dirname(__file__))
 from diagnose_megatron_copies import capture, device_ms, per_copy  # noqa: E402

@@ -148,15 +148,15 @@ def _megatron_rosters(utils, shape, s, d, world: int) -> list:
 def _groups(mesh, rank: int, cache: dict) -> dict:
     """Megatron's process group rank lists of ``rank`` (TP fastest, then DP, then PP;
     experts: expert-TP, EP, expert-DP), deduplicated as Megatron does."""
-    r = rank - mesh.start
+    r = rank - mesh.offset
     per_stage = mesh.ranks // mesh.pp
     stage, e = r // per_stage, r % per_stage
-    tp_i, first = r % mesh.tp, mesh.start + stage * per_stage
+    tp_i, first = r % mesh.tp, mesh.offset + stage * per_stage
     etp_i, ep_i, edp_i = e % mesh.etp, (e // mesh.etp) % mesh.ep, e // (mesh.etp * mesh.ep)
     lists = {
-        "tp": [mesh.start + r - tp_i + i for i in range(mesh.tp)],
+        "tp": [mesh.offset + r - tp_i + i for i in range(mesh.tp)],
         "dp": [first + tp_i + k * mesh.tp for k in range(mesh.dp)],
-        "pp": [mesh.start + s * per_stage + e for s in range(mesh.pp)],
+        "pp": [mesh.offset + s * per_stage + e for s in range(mesh.pp)],
         "ep": [first + edp_i * mesh.etp * mesh.ep + j * mesh.etp + etp_i for j in range(mesh.ep)],
         "etp": [first + edp_i * mesh.etp * mesh.ep + ep_i * mesh.etp + i for i in range(mesh.etp)],
     }

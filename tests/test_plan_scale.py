@@ -286,12 +286,12 @@ def test_split_pair_rounds_to_rows() -> None:
 
 def test_layout_strings() -> None:
     m = parse_mesh("tp8pp4", 1024)
-    assert (m.tp, m.pp, m.ep, m.etp, m.dp, m.start, m.end) == (8, 4, 1, 8, 32, 0, 1024)
+    assert (m.tp, m.pp, m.ep, m.etp, m.dp, m.offset, m.end) == (8, 4, 1, 8, 32, 0, 1024)
     m = parse_mesh("tp8ep8", 1024)
     assert (m.tp, m.ep, m.etp, m.dp) == (8, 8, 1, 128)
     assert [m.coords(r).ep for r in range(8, 16)] == list(range(8))  # engines of 8 ranks
     m = parse_mesh("TP4 x PP2 @512:1024", 1024)
-    assert (m.tp, m.pp, m.start, m.end, m.coords(511)) == (4, 2, 512, 1024, None)
+    assert (m.tp, m.pp, m.offset, m.end, m.coords(511)) == (4, 2, 512, 1024, None)
     for bad in ("tp3", "tq8", "tp8@0:2000", "tp8dp5"):
         with pytest.raises(ValueError):
             parse_mesh(bad, 1024)

@@ -1,14 +1,22 @@
-"""The toy GPT that tests and benchmarks build: its pipeline split is the simulator's.
+"""The toy GPT that tests and benchmarks build stands on the simulator's mesh and split.
 
-Where PP does not divide the layer count, the stages together still hold every
-layer exactly once (the split is ``simulate.shapes.stage_layers``, as even as can
-be), and each stage numbers its layers from its first global layer.
+* Its pipeline split: where PP does not divide the layer count, the stages
+  together still hold every layer exactly once (the split is
+  ``simulate.shapes.stage_layers``, as even as can be), and each stage numbers its
+  layers from its first global layer.
+* Its mesh is the one mesh (``testing.Mesh`` is ``simulate.Mesh``, layout strings
+  included): every rank's process-group indices follow Megatron-core's order,
+  checked against an enumeration of that order written with nested loops.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
+import torchrefit.simulate as sim
+import torchrefit.testing as testing
 from torchrefit.simulate.shapes import stage_layers
 from torchrefit.testing import Mesh, ModelSpec, build_toy
 
@@ -23,3 +31,28 @@ def test_pipeline_stages_hold_every_layer_once(layers: int, pp: int) -> None:
         assert [n - 1 for n in numbers] == list(stage_layers(layers, pp, stage))
         held += numbers
     assert sorted(held) == list(range(1, layers + 1))
+
+
+def _megatron_order(tp: int, pp: int, ep: int, etp: int, ranks: int) -> dict[int, dict[str, int]]:
+    """Rank -> group indices, enumerated in Megatron-core's order: TP fastest, then DP,
+    then PP; for experts expert-TP fastest, then EP, then expert-DP, then PP."""
+    dp, edp = ranks // (tp * pp), ranks // (etp * ep * pp)
+    out: dict[int, dict[str, int]] = {}
+    for rank, (p, d, t) in enumerate(itertools.product(range(pp), range(dp), range(tp))):
+        out[rank] = {"tp": t, "dp": d, "pp": p}
+    for rank, (p, _, e, t) in enumerate(itertools.product(range(pp), range(edp), range(ep), range(etp))):
+        out[rank].update(ep=e, expt_tp=t)
+    return out
+
+
+@pytest.mark.parametrize("layout,ranks", [("tp2pp2", 8), ("tp2ep2", 4), ("tp2pp2ep4etp1", 16),
+                                          ("tp4ep2etp2", 8), ("pp2ep2", 4)])
+def test_toy_groups_follow_megatron_order(layout: str, ranks: int) -> None:
+    mesh = sim.parse_mesh(layout, ranks)
+    assert Mesh is sim.Mesh and testing.Coords is sim.Coords
+    spec = ModelSpec(layers=2, hidden=8, heads=2, groups=1, ffn=8, vocab=16, experts=4, expert_ffn=8)
+    want = _megatron_order(mesh.tp, mesh.pp, mesh.ep, mesh.etp, ranks)
+    for rank in range(ranks):
+        pg = build_toy(spec, mesh, rank, seed=1).pg_collection
+        got = {k: getattr(pg, k).rank() for k in ("tp", "dp", "pp", "ep", "expt_tp")}
+        assert got == want[rank], (layout, rank)

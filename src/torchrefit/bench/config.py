@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..simulate.meshes import min_ranks, parse_mesh
+from ..simulate.meshes import Mesh, min_ranks, parse_mesh
 from ..simulate.shapes import preset
-from ..testing.toy import Mesh, ModelSpec
+from ..testing.toy import ModelSpec
 
 __all__ = ["BenchConfig", "spec_from_preset", "VARIANTS"]
 
@@ -82,12 +82,9 @@ class BenchConfig:
                 raise ValueError(f"non-collocated {src} -> {dst} needs {ns + nd} processes, "
                                  f"got {self.nproc}")
             src, dst = f"{src}@0:{ns}", f"{dst}@{ns}:{ns + nd}"
-        return _toy_mesh(parse_mesh(src, self.nproc)), _toy_mesh(parse_mesh(dst, self.nproc))
+        return parse_mesh(src, self.nproc), parse_mesh(dst, self.nproc)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.spec.dtype
 
-
-def _toy_mesh(m) -> Mesh:
-    return Mesh(tp=m.tp, pp=m.pp, ep=m.ep, etp=m.etp, ranks=m.ranks, offset=m.start)

@@ -38,18 +38,26 @@ class Coords:
 
 @dataclass(frozen=True)
 class Mesh:
-    """A parallel layout over ranks ``start`` .. ``end - 1``."""
+    """A model's parallel layout over ``ranks`` consecutive ranks from ``offset``.
+
+    The one mesh of the package: toy models (tests, ``torchrefit demo``, benchmarks)
+    are built on it and the simulator plans on it. ``etp`` None is Megatron-core's
+    default, expert TP = TP; it is resolved at construction, so meshes compare equal
+    however they were written.
+    """
 
     tp: int = 1
     pp: int = 1
     ep: int = 1
-    etp: int = 1
-    start: int = 0
-    end: int = 1
+    etp: int | None = None
+    ranks: int = 1
+    offset: int = 0
 
     def __post_init__(self) -> None:
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
         n = self.ranks
-        if min(self.tp, self.pp, self.ep, self.etp) < 1 or n < 1 or self.start < 0:
+        if min(self.tp, self.pp, self.ep, self.etp) < 1 or n < 1 or self.offset < 0:
             raise ValueError(f"{self}: sizes and the rank range must be positive")
         if n % (self.tp * self.pp) or n % (self.etp * self.ep * self.pp):
             raise ValueError(
@@ -58,8 +66,9 @@ class Mesh:
             )
 
     @property
-    def ranks(self) -> int:
-        return self.end - self.start
+    def end(self) -> int:
+        """One past the mesh's last rank."""
+        return self.offset + self.ranks
 
     @property
     def dp(self) -> int:
@@ -67,13 +76,17 @@ class Mesh:
 
     def coords(self, rank: int) -> Coords | None:
         """What rank ``rank`` (a world rank) holds, or None outside the mesh."""
-        r = rank - self.start
+        r = rank - self.offset
         if not 0 <= r < self.ranks:
             return None
         per_stage = self.ranks // self.pp
         e = r % per_stage
         return Coords(tp=r % self.tp, pp=r // per_stage, ep=(e // self.etp) % self.ep,
                       etp=e % self.etp)
+
+    def dp_index(self, rank: int) -> int:
+        """The data-parallel replica ``rank`` belongs to (it holds what the others do)."""
+        return ((rank - self.offset) // self.tp) % self.dp
 
     def describe(self) -> str:
         parts = [f"TP{self.tp}"]
@@ -82,7 +95,7 @@ class Mesh:
         if self.ep > 1 or self.etp != self.tp:
             parts += [f"EP{self.ep}", f"ETP{self.etp}"]
         parts.append(f"DP{self.dp}")
-        return " ".join(parts) + f" on ranks {self.start}-{self.end - 1}"
+        return " ".join(parts) + f" on ranks {self.offset}-{self.end - 1}"
 
 
 def _sizes(text: str, body: str) -> dict[str, int]:
@@ -111,12 +124,12 @@ def min_ranks(text: str) -> int:
 
 
 def parse_mesh(text: str, world: int) -> Mesh:
-    """``"tp8pp4"`` -> Mesh(tp=8, pp=4, start=0, end=world); raises ValueError saying why not."""
+    """``"tp8pp4"`` -> Mesh(tp=8, pp=4, ranks=world); raises ValueError saying why not."""
     body, _, where = text.strip().lower().partition("@")
     start, end = _range(where, world, text)
     sizes = _sizes(text, body)
     try:
-        mesh = Mesh(sizes["tp"], sizes["pp"], sizes["ep"], sizes["etp"], start, end)
+        mesh = Mesh(sizes["tp"], sizes["pp"], sizes["ep"], sizes["etp"], end - start, start)
     except ValueError as e:
         raise ValueError(f"layout {text!r}: {e}") from None
     if "dp" in sizes and sizes["dp"] != mesh.dp:

@@ -4,8 +4,9 @@ Used by torchrefit's own tests, by ``torchrefit demo`` and by the benchmarks; us
 can use them to test their own refits the same way.
 """
 
+from ..simulate.meshes import Coords, Mesh
 from .failures import attempt_refit, check_failed_everywhere
-from .toy import Coords, Mesh, ModelSpec, build_toy, expected_local, global_value
+from .toy import ModelSpec, build_toy, expected_local, global_value
 from .transports import usable_transports
 from .world import WorldError, run_world
 

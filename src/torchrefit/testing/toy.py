@@ -20,11 +20,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..simulate.meshes import Mesh as SimMesh
+from ..simulate.meshes import Coords, Mesh
 from ..simulate.shapes import stage_layers
 
-__all__ = ["ModelSpec", "Mesh", "Coords", "TensorDef", "global_table", "global_value",
-           "build_toy", "expected_local", "FakeGroup", "PGCollection"]
+__all__ = ["ModelSpec", "TensorDef", "global_table", "global_value", "build_toy", "expected_local",
+           "FakeGroup", "PGCollection"]
 
 
 @dataclass(frozen=True)
@@ -51,58 +51,6 @@ class ModelSpec:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
-
-
-@dataclass(frozen=True)
-class Coords:
-    tp: int
-    dp: int
-    pp: int
-    ep: int
-    etp: int
-    tp_size: int
-    pp_size: int
-    ep_size: int
-    etp_size: int
-
-
-@dataclass(frozen=True)
-class Mesh:
-    """A model's parallel layout over ``ranks`` consecutive ranks starting at ``offset``.
-
-    Megatron's default order: TP fastest, then DP, then PP; experts: expert-TP,
-    then EP, then expert-DP, then PP.
-    """
-
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: int | None = None
-    ranks: int = 1
-    offset: int = 0
-
-    def __post_init__(self) -> None:
-        etp = self.tp if self.etp is None else self.etp
-        if self.ranks % (self.tp * self.pp) or self.ranks % (self.pp * self.ep * etp):
-            raise ValueError(f"mesh {self} does not divide {self.ranks} ranks")
-
-    @property
-    def etp_size(self) -> int:
-        return self.tp if self.etp is None else self.etp
-
-    @property
-    def dp(self) -> int:
-        return self.ranks // (self.tp * self.pp)
-
-    def coords(self, rank: int) -> Coords | None:
-        """Where ``rank`` sits; the rank order is ``simulate.meshes.Mesh``'s (Megatron's)."""
-        c = SimMesh(self.tp, self.pp, self.ep, self.etp_size, self.offset,
-                    self.offset + self.ranks).coords(rank)
-        if c is None:
-            return None
-        dp = ((rank - self.offset) // self.tp) % self.dp
-        return Coords(tp=c.tp, dp=dp, pp=c.pp, ep=c.ep, etp=c.etp, tp_size=self.tp,
-                      pp_size=self.pp, ep_size=self.ep, etp_size=self.etp_size)
 
 
 @dataclass(frozen=True)
@@ -216,26 +164,26 @@ def _oracle_shard(g: torch.Tensor, d: TensorDef, rank: int, size: int) -> torch.
     return torch.cat(chunks[rank::size], d.dim)
 
 
-def _layers_of(spec: ModelSpec, c: Coords) -> range:
+def _layers_of(spec: ModelSpec, mesh: Mesh, c: Coords) -> range:
     """The stage's global layers: the one pipeline split (uneven where PP does not
     divide the layers, never dropping one)."""
-    return stage_layers(spec.layers, c.pp_size, c.pp)
+    return stage_layers(spec.layers, mesh.pp, c.pp)
 
 
-def _held(spec: ModelSpec, c: Coords, name: str, d: TensorDef) -> str | None:
+def _held(spec: ModelSpec, mesh: Mesh, c: Coords, name: str, d: TensorDef) -> str | None:
     """The local name under which rank ``c`` holds global tensor ``name``, or None."""
     if d.stage == "first" and c.pp != 0:
         return None
-    if d.stage == "last" and c.pp != c.pp_size - 1:
+    if d.stage == "last" and c.pp != mesh.pp - 1:
         return None
     local = name
     if d.layer is not None:
-        layers = _layers_of(spec, c)
+        layers = _layers_of(spec, mesh, c)
         if d.layer not in layers:
             return None
         local = local.replace(f"decoder.layers.{d.layer}.", f"decoder.layers.{d.layer - layers[0]}.", 1)
     if d.expert is not None:
-        n_local = spec.experts // c.ep_size
+        n_local = spec.experts // mesh.ep
         if d.expert // n_local != c.ep:
             return None
         k = d.expert % n_local
@@ -246,9 +194,9 @@ def _held(spec: ModelSpec, c: Coords, name: str, d: TensorDef) -> str | None:
     return local
 
 
-def _table_for(spec: ModelSpec, c: Coords) -> dict[str, TensorDef]:
+def _table_for(spec: ModelSpec, mesh: Mesh) -> dict[str, TensorDef]:
     table = global_table(spec)
-    if spec.tie and c.pp_size > 1:  # Megatron keeps a copy of the embedding on the last stage
+    if spec.tie and mesh.pp > 1:  # Megatron keeps a copy of the embedding on the last stage
         table["output_layer.weight"] = TensorDef((spec.vocab, spec.hidden), "tp", stage="last")
     return table
 
@@ -259,7 +207,7 @@ def _local_shape(d: TensorDef, size: int) -> tuple[int, ...]:
     return d.shape[: d.dim] + (d.shape[d.dim] // size,) + d.shape[d.dim + 1:]
 
 
-def _local_tensors(spec: ModelSpec, c: Coords, seed: int, value_spec: ModelSpec,
+def _local_tensors(spec: ModelSpec, mesh: Mesh, c: Coords, seed: int, value_spec: ModelSpec,
                    device: torch.device | str | None = None, random_init: bool = False,
                    ) -> dict[str, tuple[str, TensorDef, torch.Tensor]]:
     """Local name -> (global name, definition, local tensor) for what rank ``c`` holds.
@@ -271,11 +219,11 @@ def _local_tensors(spec: ModelSpec, c: Coords, seed: int, value_spec: ModelSpec,
     if random_init:
         gen = torch.Generator(device=device or "cpu").manual_seed(seed * 7919 + c.tp * 131 + c.pp * 17 + c.ep)
     out = {}
-    for name, d in _table_for(spec, c).items():
-        local = _held(spec, c, name, d)
+    for name, d in _table_for(spec, mesh).items():
+        local = _held(spec, mesh, c, name, d)
         if local is None:
             continue
-        rank, size = (c.etp, c.etp_size) if d.group == "etp" else (c.tp, c.tp_size)
+        rank, size = (c.etp, mesh.etp) if d.group == "etp" else (c.tp, mesh.tp)
         dtype = spec.buffer_dtype if d.buffer else spec.dtype
         if random_init:
             value = torch.empty(_local_shape(d, size), dtype=dtype, device=device)
@@ -295,7 +243,7 @@ def expected_local(spec: ModelSpec, mesh: Mesh, rank: int, seed: int,
     c = mesh.coords(rank)
     if c is None:
         return {}
-    got = _local_tensors(spec, c, seed, value_spec or spec)
+    got = _local_tensors(spec, mesh, c, seed, value_spec or spec)
     return {k: v for k, (_, d, v) in got.items() if d.persistent}
 
 
@@ -333,9 +281,10 @@ class _Config:
 class ToyGPT(nn.Module):
     """The toy model one rank holds; ``forward`` runs for dense TP-only layouts."""
 
-    def __init__(self, spec: ModelSpec, coords: Coords, pg: PGCollection, tp_group=None) -> None:
+    def __init__(self, spec: ModelSpec, mesh: Mesh, coords: Coords, pg: PGCollection,
+                 tp_group=None) -> None:
         super().__init__()
-        self.spec, self.coords, self.pg_collection = spec, coords, pg
+        self.spec, self.mesh, self.coords, self.pg_collection = spec, mesh, coords, pg
         self.config = _Config(spec.experts or None)
         self.share_embeddings_and_output_weights = spec.tie
         self._tp_group = tp_group
@@ -355,12 +304,12 @@ def build_toy(spec: ModelSpec, mesh: Mesh, rank: int, seed: int, *, tp_group=Non
     c = mesh.coords(rank)
     if c is None:
         return None
-    pg = PGCollection(tp=FakeGroup(c.tp, c.tp_size), pp=FakeGroup(c.pp, c.pp_size),
-                      ep=FakeGroup(c.ep, c.ep_size), dp=FakeGroup(c.dp, mesh.dp),
-                      expt_tp=FakeGroup(c.etp, c.etp_size))
-    model = ToyGPT(spec, c, pg, tp_group)
-    layers = _layers_of(spec, c)
-    for local, (_, d, value) in _local_tensors(spec, c, seed, spec, device, random_init).items():
+    pg = PGCollection(tp=FakeGroup(c.tp, mesh.tp), pp=FakeGroup(c.pp, mesh.pp),
+                      ep=FakeGroup(c.ep, mesh.ep), dp=FakeGroup(mesh.dp_index(rank), mesh.dp),
+                      expt_tp=FakeGroup(c.etp, mesh.etp))
+    model = ToyGPT(spec, mesh, c, pg, tp_group)
+    layers = _layers_of(spec, mesh, c)
+    for local, (_, d, value) in _local_tensors(spec, mesh, c, seed, spec, device, random_init).items():
         _register(model, local, value, d)
     for i, module in enumerate(_layer_modules(model)):
         module.layer_number = layers[0] + i + 1
@@ -390,7 +339,7 @@ def _register(model: nn.Module, local: str, value: torch.Tensor, d: TensorDef) -
 
 
 def _size_of(model: ToyGPT, d: TensorDef) -> int:
-    return model.coords.etp_size if d.group == "etp" else model.coords.tp_size
+    return model.mesh.etp if d.group == "etp" else model.mesh.tp
 
 
 def _layer_modules(model: nn.Module) -> list[nn.Module]:
@@ -414,7 +363,7 @@ def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _forward(m: ToyGPT, tokens: torch.Tensor) -> torch.Tensor:
     spec, c, group = m.spec, m.coords, m._tp_group
-    if c.pp_size > 1 or spec.experts or spec.mamba:
+    if m.mesh.pp > 1 or spec.experts or spec.mamba:
         raise NotImplementedError("the toy forward runs dense tensor-parallel layouts only")
     emb = m.embedding.word_embeddings.weight
     start = c.tp * emb.shape[0]
@@ -427,9 +376,9 @@ def _forward(m: ToyGPT, tokens: torch.Tensor) -> torch.Tensor:
     h = _rms(h, m.decoder.final_layernorm.weight)
     out = emb if spec.tie else m.output_layer.weight
     logits = h @ out.t()
-    if group is None or c.tp_size == 1:
+    if group is None or m.mesh.tp == 1:
         return logits
-    parts = [torch.empty_like(logits) for _ in range(c.tp_size)]
+    parts = [torch.empty_like(logits) for _ in range(m.mesh.tp)]
     dist.all_gather(parts, logits.contiguous(), group=group)
     return torch.cat(parts, -1)
 
