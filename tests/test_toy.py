@@ -40,7 +40,7 @@ def _megatron_order(tp: int, pp: int, ep: int, etp: int, ranks: int) -> dict[int
     out: dict[int, dict[str, int]] = {}
     for rank, (p, d, t) in enumerate(itertools.product(range(pp), range(dp), range(tp))):
         out[rank] = {"tp": t, "dp": d, "pp": p}
-    for rank, (p, _, e, t) in enumerate(itertools.product(range(pp), range(edp), range(ep), range(etp))):
+    for rank, (_, _, e, t) in enumerate(itertools.product(range(pp), range(edp), range(ep), range(etp))):
         out[rank].update(ep=e, expt_tp=t)
     return out
 
