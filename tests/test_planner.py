@@ -21,8 +21,9 @@ from torchrefit.layout import megatron, shard_pieces
 from torchrefit.layout._types import Box
 from torchrefit.plan.simulate import check_agreement, plan_world
 from torchrefit.plan.types import Transfer
+from torchrefit.simulate.shapes import GlobalTensor
 from torchrefit.testing import Mesh, ModelSpec, build_toy
-from torchrefit.testing.toy import TensorDef, _oracle_shard
+from torchrefit.testing.toy import _oracle_shard
 
 
 def _layouts(spec: ModelSpec, mesh: Mesh, world: int):
@@ -78,7 +79,7 @@ def test_shard_pieces_match_megatron_oracle(seed: int) -> None:
     parts = None if rng.random() < 0.5 else tuple(world * rng.randint(1, 3) for _ in range(rng.randint(2, 4)))
     rows = sum(parts) if parts else world * stride * rng.randint(1, 3)
     g = torch.arange(rows * 3).view(rows, 3)
-    d = TensorDef((rows, 3), "tp", 0, stride if parts is None else 1, parts)
+    d = GlobalTensor("t", (rows, 3), "tp", 0, stride if parts is None else 1, parts=parts)
     rebuilt = torch.full_like(g, -1)
     for r in range(world):
         local = _oracle_shard(g, d, r, world)

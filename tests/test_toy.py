@@ -7,6 +7,11 @@
 * Its mesh is the one mesh (``testing.Mesh`` is ``simulate.Mesh``, layout strings
   included): every rank's process-group indices follow Megatron-core's order,
   checked against an enumeration of that order written with nested loops.
+* Its tensors are the simulator's: every rank of a grid of shapes (dense, biases,
+  GELU, tied, MoE with and without router buffers, grouped experts, Mamba, layers
+  PP does not divide) and meshes describes itself, through the Megatron adapter
+  reading the toy's parameter attributes, as the very layout
+  ``simulate.layout_of`` cuts from the shape's table without a tensor.
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 import torchrefit.simulate as sim
 import torchrefit.testing as testing
+from torchrefit.layout import describe
 from torchrefit.simulate.shapes import stage_layers
 from torchrefit.testing import Mesh, ModelSpec, build_toy
 
@@ -56,3 +63,32 @@ def test_toy_groups_follow_megatron_order(layout: str, ranks: int) -> None:
         pg = build_toy(spec, mesh, rank, seed=1).pg_collection
         got = {k: getattr(pg, k).rank() for k in ("tp", "dp", "pp", "ep", "expt_tp")}
         assert got == want[rank], (layout, rank)
+
+
+SHAPES = {
+    "dense": ModelSpec(), "no-bias": ModelSpec(bias=False), "gelu": ModelSpec(swiglu=False),
+    "tied": ModelSpec(tie=True), "moe": ModelSpec(experts=4), "moe-router-bias": ModelSpec(experts=4, router_bias=True),
+    "moe-grouped": ModelSpec(experts=4, grouped_experts=True, swiglu=False), "mamba": ModelSpec(mamba=True),
+    "5-layers": ModelSpec(layers=5), "bf16": ModelSpec(dtype=torch.bfloat16),
+}
+MESHES = ["tp2", "tp2pp2", "pp3@1:4", "tp2ep2", "ep4", "tp2pp2ep2etp1"]
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_toy_rosters_are_the_simulators(name: str) -> None:
+    spec = SHAPES[name]
+    for layout in MESHES:
+        mesh = sim.parse_mesh(layout, 8 if "etp" in layout else 4)
+        if (mesh.ep > 1) != bool(spec.experts):
+            continue
+        for rank in range(mesh.end):
+            model = build_toy(spec, mesh, rank, seed=1)
+            c = mesh.coords(rank)
+            if c is None:
+                assert model is None
+                continue
+            toy = describe(model, None).layout
+            simulated = sim.layout_of(spec.shape(), mesh, c)
+            # the same entries (module order may differ: the planner sorts by name)
+            assert dict(toy.tensors) == dict(simulated.tensors), (name, layout, rank)
+            assert len(toy.tensors) == len(simulated.tensors) and toy.aliases == simulated.aliases

@@ -164,7 +164,7 @@ def simulate(shape: ModelShape, src: Mesh, dst: Mesh, world: int, *, model: str 
         alloc = _alloc_peak(src_blobs, dst_blobs, slowest.rank, world, s, d)
     finally:
         gc.unfreeze()
-    tensors = global_tensors(shape)
+    tensors = [t for t in global_tensors(shape) if t.persistent]  # what a refit moves
     report = _report(shape, model, s, d, world, moves, timings, slowest, alloc, tensors,
                      predict(moves, hardware or Hardware()),
                      (time.perf_counter() - t0, time.process_time() - c0))

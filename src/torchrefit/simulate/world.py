@@ -17,7 +17,7 @@ from ..layout.megatron import TIED_OUTPUT, WORD_EMBEDDING
 from ..layout.sharding import shard_pieces
 from ..plan.roster import encode_roster
 from .meshes import Coords, Mesh
-from .shapes import GlobalTensor, ModelShape, global_tensors, stage_layers
+from .shapes import GlobalTensor, ModelShape, TensorIndex, global_tensors, held_tensors
 
 __all__ = ["SimulatedRole", "simulated_role", "layout_of"]
 
@@ -35,7 +35,7 @@ class SimulatedRole:
     world: int
     classes: list[Coords]
     class_of: list[int | None]
-    _tensors: _ByLayer | None = field(default=None, repr=False)
+    _tensors: TensorIndex | None = field(default=None, repr=False)
     _layouts: dict[int, ModelLayout] = field(default_factory=dict, repr=False)
     _blobs: dict[int, bytes] = field(default_factory=dict, repr=False)
 
@@ -46,7 +46,7 @@ class SimulatedRole:
         got = self._layouts.get(cid)
         if got is None:
             if self._tensors is None:
-                self._tensors = _ByLayer(global_tensors(self.shape))
+                self._tensors = TensorIndex(global_tensors(self.shape))
             got = self._layouts[cid] = layout_of(self.shape, self.mesh, self.classes[cid],
                                                  self._tensors)
         return got
@@ -93,71 +93,21 @@ def _check_fits(shape: ModelShape, mesh: Mesh) -> None:
         raise ValueError(f"{mesh.describe()}: EP {mesh.ep} does not divide {shape.experts} experts")
 
 
-class _ByLayer:
-    """Global tensors grouped by layer and expert, so a rank's share is found without
-    scanning the 30,000 tensors of a large MoE model once per distinct rank."""
-
-    def __init__(self, tensors: list[GlobalTensor]) -> None:
-        self.outer: list[GlobalTensor] = []
-        self.layers: dict[int, list[GlobalTensor]] = {}
-        self.experts: dict[int, dict[int, list[GlobalTensor]]] = {}
-        for t in tensors:
-            if t.layer is None:
-                self.outer.append(t)
-            elif t.expert is None:
-                self.layers.setdefault(t.layer, []).append(t)
-            else:
-                self.experts.setdefault(t.layer, {}).setdefault(t.expert, []).append(t)
-
-    def held(self, layers: range, experts: range) -> list[GlobalTensor]:
-        """Tensors outside layers, then each layer's own, then its experts in ``experts``."""
-        out = list(self.outer)
-        for i in layers:
-            out += self.layers.get(i, ())
-            by_expert = self.experts.get(i, {})
-            for e in experts:
-                out += by_expert.get(e, ())
-        return out
-
-
-def layout_of(shape: ModelShape, mesh: Mesh, c: Coords, tensors: _ByLayer | None = None) -> ModelLayout:
-    """What a rank at ``c`` holds: Megatron-local keys, global names and pieces."""
-    layers = stage_layers(shape.layers, mesh.pp, c.pp)
-    per_ep = shape.experts // mesh.ep if shape.experts else 0
-    index = tensors if tensors is not None else _ByLayer(global_tensors(shape))
-    out = []
-    for t in index.held(layers, range(c.ep * per_ep, (c.ep + 1) * per_ep)):
-        key = _local_key(t, c, mesh, layers, per_ep)
-        if key is not None:
-            out.append((key, _tensor_layout(shape, t, mesh, c)))
-    if shape.tie and mesh.pp > 1 and c.pp == mesh.pp - 1:
-        # Megatron keeps a copy of the word embedding on the last stage as the output layer.
-        emb = GlobalTensor(TIED_OUTPUT, (shape.vocab, shape.hidden), "tp")
-        out.append((TIED_OUTPUT, _tensor_layout(shape, emb, mesh, c)))
+def layout_of(shape: ModelShape, mesh: Mesh, c: Coords, tensors: TensorIndex | None = None) -> ModelLayout:
+    """What a rank at ``c`` holds: Megatron-local keys, global names and pieces, as the
+    Megatron adapter describes the toy GPT built from the same tensors (non-persistent
+    buffers are held, never refitted)."""
+    out = [(key, _tensor_layout(shape, t, mesh, c))
+           for key, t in held_tensors(shape, mesh, c, tensors) if t.persistent]
     aliases = ((TIED_OUTPUT, WORD_EMBEDDING),) if shape.tie else ()
     return ModelLayout(tuple(out), aliases)
 
 
-def _local_key(t: GlobalTensor, c: Coords, mesh: Mesh, layers: range, per_ep: int) -> str | None:
-    """The local parameter name, or None where this rank does not hold ``t``."""
-    if (t.stage == "first" and c.pp != 0) or (t.stage == "last" and c.pp != mesh.pp - 1):
-        return None
-    key = t.name
-    if t.layer is not None:
-        if t.layer not in layers:
-            return None
-        key = key.replace(f"layers.{t.layer}.", f"layers.{t.layer - layers.start}.", 1)
-    if t.expert is not None:
-        if t.expert // per_ep != c.ep:
-            return None
-        key = key.replace(f"local_experts.{t.expert}.", f"local_experts.{t.expert % per_ep}.", 1)
-    return key
-
-
 @lru_cache(maxsize=4096)  # many tensors share a cut: shapes repeat per layer and expert
-def _cut(local: tuple[int, ...], dim: int, rank: int, size: int,
-         stride: int) -> tuple[tuple[int, ...], tuple[Piece, ...]]:
-    return shard_pieces(local, dim, rank, size, stride=stride)
+def _cut(local: tuple[int, ...], dim: int, rank: int, size: int, stride: int,
+         parts: tuple[int, ...] | None) -> tuple[tuple[int, ...], tuple[Piece, ...]]:
+    sizes = None if parts is None else [p // size for p in parts]
+    return shard_pieces(local, dim, rank, size, stride=stride, sizes=sizes)
 
 
 def _tensor_layout(shape: ModelShape, t: GlobalTensor, mesh: Mesh, c: Coords) -> TensorLayout:
@@ -167,6 +117,6 @@ def _tensor_layout(shape: ModelShape, t: GlobalTensor, mesh: Mesh, c: Coords) ->
         raise ValueError(f"{t.name}: dim {t.dim} of {list(t.shape)} does not divide into "
                          f"{size} shards (stride {t.stride}) of {mesh.describe()}")
     local = t.shape[:t.dim] + (extent // size,) + t.shape[t.dim + 1:]
-    gshape, pieces = _cut(local, t.dim, rank, size, t.stride)
+    gshape, pieces = _cut(local, t.dim, rank, size, t.stride, t.parts)
     assert gshape == t.shape, (t.name, gshape, t.shape)
     return TensorLayout(t.name, t.shape, t.dtype or shape.dtype, local, pieces, t.buffer)

@@ -1,7 +1,9 @@
 """A Megatron-like toy GPT: real parameter names and sharding attributes, tiny sizes.
 
 ``build_toy(spec, mesh, rank, seed)`` builds the model one rank holds in a given
-parallel layout (TP, PP, EP, expert-TP, DP), with its local tensors cut from
+parallel layout (TP, PP, EP, expert-TP, DP): the tensors are the simulator's
+(``simulate.shapes.held_tensors`` of ``spec.shape()``, Transformer Engine names),
+the mesh is ``simulate.meshes.Mesh``. Its local tensors are cut from
 deterministic global values by an *oracle* written with plain torch ops
 (``torch.chunk`` / ``torch.split``), independently of torchrefit's layout code.
 ``expected_local`` gives what a destination rank must hold after a refit, from
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..simulate.meshes import Coords, Mesh
-from ..simulate.shapes import stage_layers
+from ..simulate.shapes import GlobalTensor, ModelShape, global_tensors, held_tensors, stage_layers
 
-__all__ = ["ModelSpec", "TensorDef", "global_table", "global_value", "build_toy", "expected_local",
+__all__ = ["ModelSpec", "global_table", "global_value", "build_toy", "expected_local",
            "FakeGroup", "PGCollection"]
 
 
@@ -52,96 +54,19 @@ class ModelSpec:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
-
-@dataclass(frozen=True)
-class TensorDef:
-    """A global tensor and how Megatron shards it."""
-
-    shape: tuple[int, ...]
-    group: str = "rep"  # "tp" (dense TP), "etp" (expert TP), "rep" (replicated)
-    dim: int = 0
-    stride: int = 1
-    parts: tuple[int, ...] | None = None  # global sizes of block-interleaved components
-    layer: int | None = None
-    expert: int | None = None
-    stage: str | None = None  # "first" / "last" pipeline stage only
-    buffer: bool = False
-    persistent: bool = True
-    attrs: dict = field(default_factory=dict, compare=False)
+    def shape(self) -> ModelShape:
+        """The model's shape in the simulator's terms: its tensors are that shape's."""
+        return ModelShape(
+            self.layers, self.hidden, self.heads, self.groups, self.ffn, self.vocab,
+            swiglu=self.swiglu, bias=self.bias, tie=self.tie, experts=self.experts,
+            expert_ffn=self.expert_ffn, dtype=str(self.dtype).removeprefix("torch."),
+            fused_norms=True, router_bias=self.router_bias, grouped_experts=self.grouped_experts,
+            mamba=self.mamba)
 
 
-def global_table(spec: ModelSpec) -> dict[str, TensorDef]:
+def global_table(spec: ModelSpec) -> dict[str, GlobalTensor]:
     """Every global tensor of the model, by canonical (global) name."""
-    H, hd = spec.hidden, spec.head_dim
-    t: dict[str, TensorDef] = {
-        "embedding.word_embeddings.weight": TensorDef((spec.vocab, H), "tp", stage="first"),
-        "decoder.final_layernorm.weight": TensorDef((H,), stage="last"),
-    }
-    if not spec.tie:
-        t["output_layer.weight"] = TensorDef((spec.vocab, H), "tp", stage="last")
-    for i in range(spec.layers):
-        p = f"decoder.layers.{i}."
-        if spec.mamba:
-            _mamba(t, p, spec, i)
-        else:
-            t[p + "self_attention.linear_qkv.layer_norm_weight"] = TensorDef((H,), layer=i)
-            t[p + "self_attention.linear_qkv.weight"] = TensorDef(
-                ((spec.heads + 2 * spec.groups) * hd, H), "tp", layer=i)
-            t[p + "self_attention.linear_proj.weight"] = TensorDef((H, spec.heads * hd), "tp", 1, layer=i)
-            if spec.bias:
-                t[p + "self_attention.linear_qkv.bias"] = TensorDef(
-                    ((spec.heads + 2 * spec.groups) * hd,), "tp", layer=i)
-                t[p + "self_attention.linear_proj.bias"] = TensorDef((H,), layer=i)
-        if spec.experts:
-            _moe(t, p, spec, i)
-        else:
-            _mlp(t, p, spec, i)
-    return t
-
-
-def _mlp(t, p, spec, i):
-    H, fc1 = spec.hidden, spec.ffn * (2 if spec.swiglu else 1)
-    stride = 2 if spec.swiglu else 1
-    t[p + "mlp.linear_fc1.layer_norm_weight"] = TensorDef((H,), layer=i)
-    t[p + "mlp.linear_fc1.weight"] = TensorDef((fc1, H), "tp", 0, stride, layer=i)
-    t[p + "mlp.linear_fc2.weight"] = TensorDef((H, spec.ffn), "tp", 1, layer=i)
-    if spec.bias:
-        t[p + "mlp.linear_fc1.bias"] = TensorDef((fc1,), "tp", 0, stride, layer=i)
-        t[p + "mlp.linear_fc2.bias"] = TensorDef((H,), layer=i)
-
-
-def _moe(t, p, spec, i):
-    H, E = spec.hidden, spec.experts
-    t[p + "pre_mlp_layernorm.weight"] = TensorDef((H,), layer=i)
-    t[p + "mlp.router.weight"] = TensorDef((E, H), layer=i)
-    if spec.router_bias:
-        t[p + "mlp.router.expert_bias"] = TensorDef((E,), layer=i, buffer=True)
-        t[p + "mlp.router.local_tokens_per_expert"] = TensorDef((E,), layer=i, buffer=True,
-                                                                persistent=False)
-    fc1 = spec.expert_ffn * (2 if spec.swiglu else 1)
-    for e in range(E):
-        if spec.grouped_experts:
-            a, b = f"mlp.experts.linear_fc1.weight{e}", f"mlp.experts.linear_fc2.weight{e}"
-        else:
-            a = f"mlp.experts.local_experts.{e}.linear_fc1.weight"
-            b = f"mlp.experts.local_experts.{e}.linear_fc2.weight"
-        t[p + a] = TensorDef((fc1, H), "etp", 0, 2 if spec.swiglu else 1, layer=i, expert=e)
-        t[p + b] = TensorDef((H, spec.expert_ffn), "etp", 1, layer=i, expert=e)
-
-
-def _mamba(t, p, spec, i):
-    H = spec.hidden
-    d_inner, ng, ds, nh = 2 * H, spec.groups, 4, spec.heads
-    conv = d_inner + 2 * ng * ds
-    t[p + "mixer.in_proj.layer_norm_weight"] = TensorDef((H,), layer=i)
-    t[p + "mixer.in_proj.weight"] = TensorDef(
-        (2 * d_inner + 2 * ng * ds + nh, H), "tp", 0, parts=(d_inner, d_inner, ng * ds, ng * ds, nh), layer=i)
-    t[p + "mixer.conv1d.weight"] = TensorDef((conv, 1, 4), "tp", 0, parts=(d_inner, ng * ds, ng * ds), layer=i)
-    t[p + "mixer.A_log"] = TensorDef((nh,), "tp", layer=i)
-    t[p + "mixer.D"] = TensorDef((nh,), "tp", layer=i)
-    t[p + "mixer.dt_bias"] = TensorDef((nh,), "tp", layer=i)
-    t[p + "mixer.norm.weight"] = TensorDef((d_inner,), "tp", layer=i)
-    t[p + "mixer.out_proj.weight"] = TensorDef((H, d_inner), "tp", 1, layer=i)
+    return {t.name: t for t in global_tensors(spec.shape())}
 
 
 def global_value(name: str, shape: tuple[int, ...], seed: int, spec: ModelSpec | None = None) -> torch.Tensor:
@@ -153,7 +78,7 @@ def global_value(name: str, shape: tuple[int, ...], seed: int, spec: ModelSpec |
 
 
 # ------------------------------------------------------------------------ oracle
-def _oracle_shard(g: torch.Tensor, d: TensorDef, rank: int, size: int) -> torch.Tensor:
+def _oracle_shard(g: torch.Tensor, d: GlobalTensor, rank: int, size: int) -> torch.Tensor:
     """The local block of a global tensor, the way Megatron cuts it (torch ops only)."""
     if d.group == "rep" or size == 1:
         return g.clone()
@@ -164,44 +89,7 @@ def _oracle_shard(g: torch.Tensor, d: TensorDef, rank: int, size: int) -> torch.
     return torch.cat(chunks[rank::size], d.dim)
 
 
-def _layers_of(spec: ModelSpec, mesh: Mesh, c: Coords) -> range:
-    """The stage's global layers: the one pipeline split (uneven where PP does not
-    divide the layers, never dropping one)."""
-    return stage_layers(spec.layers, mesh.pp, c.pp)
-
-
-def _held(spec: ModelSpec, mesh: Mesh, c: Coords, name: str, d: TensorDef) -> str | None:
-    """The local name under which rank ``c`` holds global tensor ``name``, or None."""
-    if d.stage == "first" and c.pp != 0:
-        return None
-    if d.stage == "last" and c.pp != mesh.pp - 1:
-        return None
-    local = name
-    if d.layer is not None:
-        layers = _layers_of(spec, mesh, c)
-        if d.layer not in layers:
-            return None
-        local = local.replace(f"decoder.layers.{d.layer}.", f"decoder.layers.{d.layer - layers[0]}.", 1)
-    if d.expert is not None:
-        n_local = spec.experts // mesh.ep
-        if d.expert // n_local != c.ep:
-            return None
-        k = d.expert % n_local
-        if spec.grouped_experts:
-            local = local[: -len(str(d.expert))] + str(k)
-        else:
-            local = local.replace(f"local_experts.{d.expert}.", f"local_experts.{k}.")
-    return local
-
-
-def _table_for(spec: ModelSpec, mesh: Mesh) -> dict[str, TensorDef]:
-    table = global_table(spec)
-    if spec.tie and mesh.pp > 1:  # Megatron keeps a copy of the embedding on the last stage
-        table["output_layer.weight"] = TensorDef((spec.vocab, spec.hidden), "tp", stage="last")
-    return table
-
-
-def _local_shape(d: TensorDef, size: int) -> tuple[int, ...]:
+def _local_shape(d: GlobalTensor, size: int) -> tuple[int, ...]:
     if d.group == "rep" or size == 1:
         return d.shape
     return d.shape[: d.dim] + (d.shape[d.dim] // size,) + d.shape[d.dim + 1:]
@@ -209,8 +97,8 @@ def _local_shape(d: TensorDef, size: int) -> tuple[int, ...]:
 
 def _local_tensors(spec: ModelSpec, mesh: Mesh, c: Coords, seed: int, value_spec: ModelSpec,
                    device: torch.device | str | None = None, random_init: bool = False,
-                   ) -> dict[str, tuple[str, TensorDef, torch.Tensor]]:
-    """Local name -> (global name, definition, local tensor) for what rank ``c`` holds.
+                   ) -> dict[str, tuple[GlobalTensor, torch.Tensor]]:
+    """Local name -> (global tensor, local tensor) for what rank ``c`` holds.
 
     ``random_init`` fills local tensors with random values on ``device`` directly (fast,
     for benchmarks); otherwise they are cut from the global values by the oracle.
@@ -219,19 +107,16 @@ def _local_tensors(spec: ModelSpec, mesh: Mesh, c: Coords, seed: int, value_spec
     if random_init:
         gen = torch.Generator(device=device or "cpu").manual_seed(seed * 7919 + c.tp * 131 + c.pp * 17 + c.ep)
     out = {}
-    for name, d in _table_for(spec, mesh).items():
-        local = _held(spec, mesh, c, name, d)
-        if local is None:
-            continue
+    for local, d in held_tensors(spec.shape(), mesh, c):
         rank, size = (c.etp, mesh.etp) if d.group == "etp" else (c.tp, mesh.tp)
         dtype = spec.buffer_dtype if d.buffer else spec.dtype
         if random_init:
             value = torch.empty(_local_shape(d, size), dtype=dtype, device=device)
             value.normal_(generator=gen)
         else:
-            g = global_value(name, d.shape, seed, value_spec)
+            g = global_value(d.name, d.shape, seed, value_spec)
             value = _oracle_shard(g, d, rank, size).to(dtype=dtype, device=device)
-        out[local] = (name, d, value)
+        out[local] = (d, value)
     return out
 
 
@@ -244,7 +129,7 @@ def expected_local(spec: ModelSpec, mesh: Mesh, rank: int, seed: int,
     if c is None:
         return {}
     got = _local_tensors(spec, mesh, c, seed, value_spec or spec)
-    return {k: v for k, (_, d, v) in got.items() if d.persistent}
+    return {k: v for k, (d, v) in got.items() if d.persistent}
 
 
 # ------------------------------------------------------------------------- model
@@ -308,15 +193,15 @@ def build_toy(spec: ModelSpec, mesh: Mesh, rank: int, seed: int, *, tp_group=Non
                       ep=FakeGroup(c.ep, mesh.ep), dp=FakeGroup(mesh.dp_index(rank), mesh.dp),
                       expt_tp=FakeGroup(c.etp, mesh.etp))
     model = ToyGPT(spec, mesh, c, pg, tp_group)
-    layers = _layers_of(spec, mesh, c)
-    for local, (_, d, value) in _local_tensors(spec, mesh, c, seed, spec, device, random_init).items():
+    layers = stage_layers(spec.layers, mesh.pp, c.pp)
+    for local, (d, value) in _local_tensors(spec, mesh, c, seed, spec, device, random_init).items():
         _register(model, local, value, d)
     for i, module in enumerate(_layer_modules(model)):
         module.layer_number = layers[0] + i + 1
     return model
 
 
-def _register(model: nn.Module, local: str, value: torch.Tensor, d: TensorDef) -> None:
+def _register(model: nn.Module, local: str, value: torch.Tensor, d: GlobalTensor) -> None:
     *path, leaf = local.split(".")
     mod = model
     for part in path:
@@ -338,7 +223,7 @@ def _register(model: nn.Module, local: str, value: torch.Tensor, d: TensorDef) -
     mod.register_parameter(leaf, param)
 
 
-def _size_of(model: ToyGPT, d: TensorDef) -> int:
+def _size_of(model: ToyGPT, d: GlobalTensor) -> int:
     return model.mesh.etp if d.group == "etp" else model.mesh.tp
 
 
