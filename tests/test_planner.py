@@ -156,3 +156,24 @@ def test_explain_accounts_for_every_region_and_byte() -> None:
     t = plan.recvs[0]
     mine = plan.explain([t.name]).splitlines()
     assert mine[1].startswith(f"{t.name}: ") and all(line.startswith("  ") for line in mine[2:])
+
+
+def test_many_tensors_without_a_source_fail_fast(monkeypatch) -> None:
+    """Close-name hints (difflib against every source name, 0.1 s each on a loaded CPU)
+    go with the first three tensors without a source only: a model missing all its
+    biases still fails in well under a second on every rank."""
+    import torchrefit.plan.planner as planner
+
+    calls = []
+    real = planner.difflib.get_close_matches
+    monkeypatch.setattr(planner.difflib, "get_close_matches",
+                        lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    src = _layouts(ModelSpec(layers=4, bias=False), Mesh(2, ranks=4), 4)
+    dst = _layouts(ModelSpec(layers=4), Mesh(1, ranks=4), 4)
+    with pytest.raises(PlanError) as err:
+        plan_world(src, dst)
+    missing = [line for line in err.value.detail.split("\n") if "has no source" in line]
+    assert len(missing) == 16 and len(calls) == 3, (len(missing), calls)
+    assert all("closest source names" in line for line in missing[:3])
+    assert not any("closest source names" in line for line in missing[3:])
+    assert "closest source names: 'decoder.layers.0.mlp.linear_fc1.weight'" in str(err.value)
