@@ -60,9 +60,7 @@ class NameMap:
         """The shape ``dst_name`` has where this map takes it whole from one source
         tensor whose shape ``src_names`` gives (else None); :class:`Compose` asks."""
         name = self.source_name(dst_name)
-        if name is not None and name not in src_names:
-            name = src_aliases.get(name)
-        return _shape_of(src_names, name)
+        return shape_of(src_names, held_name(name, src_names, src_aliases) if name else None)
 
     def wanted(self, dst_name: str) -> tuple[str, ...]:
         """The source names this map would read for ``dst_name`` (for error messages)."""
@@ -82,12 +80,9 @@ class NameMap:
         mapping whose values have the global ``shape``, which maps may check.
         """
         name = self.source_name(dst_name)
+        name = held_name(name, src_names, src_aliases) if name is not None else None
         if name is None:
             return None
-        if name not in src_names:
-            name = src_aliases.get(name)
-            if name is None or name not in src_names:
-                return None
         return [Segment(_whole(tuple(dst_shape)), name, (0,) * len(dst_shape))]
 
     def padding(self, dst_name: str, dst_shape: tuple[int, ...], src_names: Container[str],
@@ -232,7 +227,18 @@ def _whole(shape: tuple[int, ...]) -> Box:
     return Box.whole(shape)  # boxes are immutable: one per shape serves every layer
 
 
-def _shape_of(src_names: Container[str], name: str | None) -> tuple[int, ...] | None:
+def held_name(name: str, src_names: Container[str], src_aliases: Mapping[str, str]) -> str | None:
+    """``name`` where the source holds it, else the tensor it is an alias of (a tied
+    output layer is served by the word embedding), else None. Maps of this package share it."""
+    if name in src_names:
+        return name
+    target = src_aliases.get(name)
+    return target if target is not None and target in src_names else None
+
+
+def shape_of(src_names: Container[str], name: str | None) -> tuple[int, ...] | None:
+    """The source tensor's global shape where the caller passes shapes (the planner
+    passes a mapping whose values have ``shape``), else None."""
     if name is None or not isinstance(src_names, Mapping):
         return None
     shape = getattr(src_names.get(name), "shape", None)

@@ -34,7 +34,7 @@ from typing import Any
 
 from ..errors import PlanError
 from ..layout._types import Box
-from .base import NameMap, Segment, relocate
+from .base import NameMap, Segment, held_name, relocate, shape_of
 
 __all__ = ["MegatronToHF", "HfToMegatron", "megatron_to_hf", "hf_to_megatron", "HF_FROM_MEGATRON"]
 
@@ -146,9 +146,9 @@ class MegatronToHF(NameMap):
     def _row_blocks(self, dst_name: str, dst_shape: tuple[int, ...], part: str, src: str,
                     src_names: Container[str]) -> list[Segment]:
         """Segments of a destination that is some rows of ``src`` (q/k/v, gate/up)."""
-        src_shape = _shape(src_names, src)
+        src_shape = shape_of(src_names, src)
         proj = _LINEAR_QKV.sub("linear_proj.weight", src) if part in _HEADS_IN else None
-        proj_shape = _shape(src_names, proj) if proj is not None else None
+        proj_shape = shape_of(src_names, proj) if proj is not None else None
         blocks, problem = _blocks(part, self.num_heads, self.num_query_groups, self.head_dim,
                                   dst_shape, src_shape, proj_shape[1] if proj_shape else None)
         if problem:
@@ -177,7 +177,7 @@ class MegatronToHF(NameMap):
         part, templates, indices, leaf = rule
         if part != "whole":
             return None
-        return _shape(src_names, _source(templates, indices, leaf, src_names, src_aliases) or "")
+        return shape_of(src_names, _source(templates, indices, leaf, src_names, src_aliases))
 
     def cache_key(self) -> object:
         return (type(self).__qualname__, self.num_heads, self.num_query_groups, self.head_dim)
@@ -205,7 +205,7 @@ class HfToMegatron(NameMap):
         out: list[Segment] = []
         for hf_name, expert in readers:
             src = hf_name if hf_name in src_names else src_aliases.get(hf_name)
-            shape = _shape(src_names, src) if src is not None else None
+            shape = shape_of(src_names, src) if src is not None else None
             if shape is None:
                 continue
             if expert is not None:  # one expert of a stacked tensor: its row of dim 0
@@ -308,7 +308,7 @@ def _stacked(dst_name: str, dst_shape: tuple[int, ...], templates, indices, src_
         src = _source(templates, indices + (str(e),), "weight", src_names, src_aliases)
         if src is None:
             return None
-        shape = _shape(src_names, src)
+        shape = shape_of(src_names, src)
         if shape is not None and shape != rest:
             raise PlanError(f"{dst_name}: expert {e} is {src} {list(shape)}, but the stacked "
                             f"destination {list(dst_shape)} holds experts of {list(rest)}")
@@ -343,20 +343,9 @@ def _rule(dst_name: str) -> tuple[str, tuple[str, ...], tuple[str, ...], str] | 
 def _source(templates, indices, leaf, src_names: Container[str],
             src_aliases: Mapping[str, str]) -> str | None:
     for template in templates:
-        name = template.format(*indices, w=leaf)
-        if name in src_names:
+        name = held_name(template.format(*indices, w=leaf), src_names, src_aliases)
+        if name is not None:
             return name
-        target = src_aliases.get(name)  # a tied output layer is served by the embedding
-        if target is not None and target in src_names:
-            return target
-    return None
-
-
-def _shape(src_names: Container[str], name: str) -> tuple[int, ...] | None:
-    """The source tensor's global shape where the caller passes shapes (the planner does)."""
-    if isinstance(src_names, Mapping):
-        shape = getattr(src_names.get(name), "shape", None)
-        return tuple(shape) if shape is not None else None
     return None
 
 

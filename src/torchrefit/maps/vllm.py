@@ -23,14 +23,14 @@ which rows, in global coordinates:
 from __future__ import annotations
 
 import re
-from collections.abc import Container, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 from ..errors import PlanError
 from ..layout._types import Box
-from .base import Compose, NameMap, Segment
+from .base import Compose, NameMap, Segment, held_name, shape_of
 from .megatron_hf import _field, megatron_to_hf
 
 __all__ = ["HfToVllm", "hf_to_vllm", "megatron_to_vllm", "VLLM_FROM_HF"]
@@ -94,7 +94,7 @@ class HfToVllm(NameMap):
         if kind == "experts":
             return _experts(dst_name, dst_shape, forms, layer, src_names, src_aliases)
         for form in forms:
-            names = [_present(t.format(*layer, w=leaf), src_names, src_aliases) for t in form]
+            names = [held_name(t.format(*layer, w=leaf), src_names, src_aliases) for t in form]
             if None in names:
                 continue
             if kind == "whole":
@@ -114,7 +114,7 @@ class HfToVllm(NameMap):
             counts = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
         unit, rest = divmod(n, sum(counts))
         rows = [c * unit for c in counts]
-        shapes = [_shape(src_names, s) for s in names]
+        shapes = [shape_of(src_names, s) for s in names]
         want = [(r,) + dst_shape[1:] for r in rows]
         if rest or any(s is not None and s != w for s, w in zip(shapes, want)):
             got = ", ".join(f"{s} {list(sh) if sh else '?'}" for s, sh in zip(names, shapes))
@@ -125,10 +125,10 @@ class HfToVllm(NameMap):
         return rows
 
     def _vocab(self, dst_name, dst_shape, src_template, src_names, src_aliases):
-        src = _present(src_template, src_names, src_aliases)
+        src = held_name(src_template, src_names, src_aliases)
         if src is None:
             return None
-        shape = _shape(src_names, src) or dst_shape
+        shape = shape_of(src_names, src) or dst_shape
         if len(shape) != len(dst_shape) or shape[1:] != dst_shape[1:] or shape[0] > dst_shape[0]:
             raise PlanError(f"{dst_name}: the engine's vocabulary {list(dst_shape)} cannot hold "
                             f"the source's {src} {list(shape)} (padding only adds rows)")
@@ -138,8 +138,8 @@ class HfToVllm(NameMap):
         rule = _rule(dst_name)
         if rule is None or rule[0] != "vocab" or not dst_shape:
             return ()
-        src = _present(rule[1][0][0].format(w=rule[3]), src_names, src_aliases)
-        shape = _shape(src_names, src) if src is not None else None
+        src = held_name(rule[1][0][0].format(w=rule[3]), src_names, src_aliases)
+        shape = shape_of(src_names, src) if src is not None else None
         if shape is None or shape[0] >= dst_shape[0]:
             return ()
         return (Box((shape[0],) + (0,) * (len(dst_shape) - 1),
@@ -174,23 +174,23 @@ def _experts(dst_name, dst_shape, forms, layer, src_names, src_aliases) -> list[
     experts, rows, cols = dst_shape
     for form in forms:
         if "{e}" not in form[0]:  # transformers 5: already stacked, the same shape
-            src = _present(form[0].format(*layer), src_names, src_aliases)
+            src = held_name(form[0].format(*layer), src_names, src_aliases)
             if src is None:
                 continue
-            shape = _shape(src_names, src)
+            shape = shape_of(src_names, src)
             if shape is not None and shape != dst_shape:
                 raise PlanError(f"{dst_name}: destination {list(dst_shape)} differs from its "
                                 f"source {src} {list(shape)}")
             return [Segment(Box.whole(dst_shape), src, (0, 0, 0), part=shape is None)]
         out = []
         for e in range(experts):
-            names = [_present(t.format(*layer, e=e), src_names, src_aliases) for t in form]
+            names = [held_name(t.format(*layer, e=e), src_names, src_aliases) for t in form]
             if None in names:
                 out = None
                 break
             n = rows // len(form)
             for i, name in enumerate(names):
-                shape = _shape(src_names, name)
+                shape = shape_of(src_names, name)
                 if rows % len(form) or (shape is not None and shape != (n, cols)):
                     raise PlanError(f"{dst_name}: expert {e} needs {len(form)} sources of "
                                     f"[{rows / len(form):g}, {cols}], {name} is "
@@ -198,20 +198,6 @@ def _experts(dst_name, dst_shape, forms, layer, src_names, src_aliases) -> list[
                 out.append(Segment(Box((e, i * n, 0), (1, n, cols)), name, (0, 0), part=True))
         if out is not None:
             return out
-    return None
-
-
-def _present(name: str, src_names: Container[str], src_aliases: Mapping[str, str]) -> str | None:
-    if name in src_names:
-        return name
-    target = src_aliases.get(name)
-    return target if target is not None and target in src_names else None
-
-
-def _shape(src_names: Container[str], name: str) -> tuple[int, ...] | None:
-    if isinstance(src_names, Mapping):
-        shape = getattr(src_names.get(name), "shape", None)
-        return tuple(shape) if shape is not None else None
     return None
 
 
