@@ -227,6 +227,27 @@ def _whole(shape: tuple[int, ...]) -> Box:
     return Box.whole(shape)  # boxes are immutable: one per shape serves every layer
 
 
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
+_LEAF = re.compile(r"\.(weight|bias)$")
+
+
+def table_rule(dst_name: str, table: Mapping[str, tuple]) -> tuple | None:
+    """The rule of a flat name table for ``dst_name``: (the entry's two fields, the
+    layer/expert indices, the leaf). Table keys write indices as ``{}`` and a final
+    ``.weight`` / ``.bias`` as ``.{w}``; megatron_to_hf and hf_to_vllm look up the same way."""
+    indices = tuple(_INDEX.findall(dst_name))
+    key = _INDEX.sub("{}", dst_name)
+    leaf = ""
+    m = _LEAF.search(key)
+    if m is not None:
+        leaf = m.group(1)
+        key = key[: m.start()] + ".{w}"
+    got = table.get(key)
+    if got is None:
+        return None
+    return got[0], got[1], indices, leaf
+
+
 def held_name(name: str, src_names: Container[str], src_aliases: Mapping[str, str]) -> str | None:
     """``name`` where the source holds it, else the tensor it is an alias of (a tied
     output layer is served by the word embedding), else None. Maps of this package share it."""

@@ -34,7 +34,7 @@ from typing import Any
 
 from ..errors import PlanError
 from ..layout._types import Box
-from .base import NameMap, Segment, held_name, relocate, shape_of
+from .base import NameMap, Segment, held_name, relocate, shape_of, table_rule
 
 __all__ = ["MegatronToHF", "HfToMegatron", "megatron_to_hf", "hf_to_megatron", "HF_FROM_MEGATRON"]
 
@@ -92,8 +92,6 @@ HF_FROM_MEGATRON: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 _LINEAR_QKV = re.compile(r"linear_qkv\.(weight|bias)$")
-_INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
-_LEAF = re.compile(r"\.(weight|bias)$")
 
 
 @dataclass(frozen=True)
@@ -327,17 +325,7 @@ def _field(config, *names: str):
 @lru_cache(maxsize=4096)
 def _rule(dst_name: str) -> tuple[str, tuple[str, ...], tuple[str, ...], str] | None:
     """The table's rule for a destination name: (part, source templates, indices, leaf)."""
-    indices = tuple(_INDEX.findall(dst_name))
-    key = _INDEX.sub("{}", dst_name)
-    leaf = ""
-    m = _LEAF.search(key)
-    if m is not None:
-        leaf = m.group(1)
-        key = key[: m.start()] + ".{w}"
-    got = HF_FROM_MEGATRON.get(key)
-    if got is None:
-        return None
-    return got[0], got[1], indices, leaf
+    return table_rule(dst_name, HF_FROM_MEGATRON)
 
 
 def _source(templates, indices, leaf, src_names: Container[str],

@@ -22,7 +22,6 @@ which rows, in global coordinates:
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -30,7 +29,7 @@ from typing import Any
 
 from ..errors import PlanError
 from ..layout._types import Box
-from .base import Compose, NameMap, Segment, held_name, shape_of
+from .base import Compose, NameMap, Segment, held_name, shape_of, table_rule
 from .megatron_hf import _field, megatron_to_hf
 
 __all__ = ["HfToVllm", "hf_to_vllm", "megatron_to_vllm", "VLLM_FROM_HF"]
@@ -62,8 +61,6 @@ VLLM_FROM_HF: dict[str, tuple[str, tuple[tuple[str, ...], ...]]] = {
     "lm_head.{w}": ("vocab", (("lm_head.{w}",),)),
 }
 
-_INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
-_LEAF = re.compile(r"\.(weight|bias)$")
 
 
 @dataclass(frozen=True)
@@ -204,17 +201,7 @@ def _experts(dst_name, dst_shape, forms, layer, src_names, src_aliases) -> list[
 @lru_cache(maxsize=4096)
 def _rule(dst_name: str):
     """(rule, source forms, layer indices, leaf) for a destination name, or None."""
-    indices = tuple(_INDEX.findall(dst_name))
-    key = _INDEX.sub("{}", dst_name)
-    leaf = ""
-    m = _LEAF.search(key)
-    if m is not None and key not in VLLM_FROM_HF:
-        leaf = m.group(1)
-        key = key[: m.start()] + ".{w}"
-    got = VLLM_FROM_HF.get(key)
-    if got is None:
-        return None
-    return got[0], got[1], indices, leaf
+    return table_rule(dst_name, VLLM_FROM_HF)
 
 
 def hf_to_vllm(config: Mapping[str, Any] | object | None = None, *, num_heads: int | None = None,
