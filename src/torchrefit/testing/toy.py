@@ -31,7 +31,8 @@ __all__ = ["ModelSpec", "global_table", "global_value", "build_toy", "expected_l
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shape of a toy GPT; every size stays small enough for 8 CPU processes."""
+    """A toy GPT: small default sizes (8 CPU processes hold it) and torch dtypes for
+    its values; which tensors it has is :meth:`shape`'s, the simulator's table."""
 
     layers: int = 4
     hidden: int = 24
@@ -44,7 +45,7 @@ class ModelSpec:
     experts: int = 0
     expert_ffn: int = 24
     grouped_experts: bool = False  # ``linear_fc1.weightK`` names instead of ``local_experts.K``
-    router_bias: bool = False  # persistent fp32 ``expert_bias`` buffer
+    router_bias: bool = False  # ``expert_bias`` buffer (and a non-persistent token count)
     mamba: bool = False  # layers hold a Mamba mixer (block-interleaved in_proj) instead of attention
     tie: bool = False
     dtype: torch.dtype = torch.float32
