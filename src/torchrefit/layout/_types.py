@@ -68,8 +68,11 @@ class Box:
             off.append(lo)
             size.append(hi - lo)
         off_t, size_t = tuple(off), tuple(size)
+        # One box inside the other (the usual case): no new box to build.
         if off_t == self.offset and size_t == self.size:
-            return self  # inside the other box (the usual case): no new box to build
+            return self
+        if off_t == other.offset and size_t == other.size:
+            return other
         return Box(off_t, size_t)
 
     def contains(self, other: Box) -> bool:
