@@ -85,3 +85,13 @@ def test_bench_map_hf_fp8_quantizes_and_reports_its_floor(tmp_path) -> None:
     read = row["bytes_local"] + row["bytes_quantize_read"]
     assert row["floor_ms"] == pytest.approx((read + row["dst_bytes"]) / row["copy_bandwidth_gbs"] / 1e6)
     assert row["dst_bytes"] < read  # FP8 engine smaller than the bf16 source
+
+
+def test_bench_moves_bytes_between_ranks(tmp_path) -> None:
+    """Two processes, TP2 -> TP1: the figures include bytes that crossed between ranks."""
+    out = tmp_path / "bench2.json"
+    assert main(["bench", "--layers", "1", "--hidden", "64", "--heads", "4", "--ffn", "128",
+                 "--vocab", "256", "--warmup", "1", "--iters", "2", "--variant", "plain",
+                 "--nproc", "2", "--src", "tp2", "--dst", "tp1", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["configs"][0]
+    assert row["bytes_remote"] > 0 and row["median_ms"] is not None, row

@@ -28,18 +28,24 @@ from .execute.program import Program, RunStats
 from .execute.quantize import fp8_buffers
 from .execute.rounds import Staging
 from .layout import Described, LayoutArg, describe, layout_kind
+from .layout.binding import Binding
 from .layout.sink import SinkDescribed
 from .maps import Identity, NameMap
 from .plan.buckets import plan_buckets, split_plan
 from .plan.planner import CastPolicy, Planner
 from .plan.roster import encode_roster
 from .plan.types import RankPlan
-from .transport.base import Transport, get_transport, registered, transport_class
+from .transport.base import DEFAULT_TIMEOUT, Transport, get_transport, registered, transport_class
 from .transport.gloo import GlooTransport
 from .transport.one_sided import OneSidedTransport
+from .verify import Witness, check
 from .versions import stamp_version
 
-__all__ = ["Refitter", "RefitReport", "swap_model_weights", "clear_caches", "DEFAULT_STAGING_BYTES"]
+__all__ = ["Refitter", "RefitReport", "swap_model_weights", "clear_caches", "DEFAULT_STAGING_BYTES",
+           "VERIFY_MODES"]
+
+#: ``Refitter(verify=...)``: never check automatically, after the first refit, after every one
+VERIFY_MODES = ("never", "first", "every")
 
 _log = logging.getLogger(__name__)
 
@@ -83,7 +89,7 @@ class RefitReport:
 class _RankInfo:
     """What each rank contributes to the metadata gather (its rosters travel deduplicated)."""
 
-    error: str | None
+    error: tuple[str, str] | None  # (error class, message): see _failure
     src: bytes | None
     dst: bytes | None
     staging_bytes: int
@@ -131,6 +137,14 @@ class Refitter:
             while the engine reads them (the engine would see weights change mid
             rollout), and must not free or offload either side separately.
             ``refit()`` reports them in ``shared_tensors``.
+        timeout: seconds a refit, ``verify()`` or this constructor waits for a peer
+            (default 300) before raising :class:`TransportError` naming it (a peer that
+            died or stopped); None leaves it to the process group's own timeout. With a
+            ``tr.connect`` Connection, at most the connection's ``timeout`` (None: that
+            one). After such an error the group is unusable: every later ``refit()``
+            raises too.
+        verify: ``"never"`` (default), ``"first"`` or ``"every"``: run :meth:`verify`
+            after the first refit or after every refit (it reads both models once).
 
     After construction, ``plan`` is this rank's :class:`RankPlan` and ``metadata`` the
     bytes this rank received gathering the others' metadata (:class:`Gathered`:
@@ -155,6 +169,8 @@ class Refitter:
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         cuda_graph: bool = True,
         share_storage: bool = False,
+        verify: str = "never",
+        timeout: float | None = DEFAULT_TIMEOUT,
     ) -> None:
         t0 = perf_counter()
         self.cuda_graph = cuda_graph
@@ -173,15 +189,24 @@ class Refitter:
             raise RefitError(f"global rank {dist.get_rank()} is not a member of the refit group; "
                              "only the group's ranks construct a Refitter")
         self.version = 0
-        self._dst_model = dst_model  # stamped with each refit's version
+        self.timeout = _timeout(timeout, group)
+        self._failed: RefitError | None = None  # a refit that failed leaves the group unusable
+        # stamped with each refit's version; held weakly, so that swap_model_weights'
+        # cache (which holds this Refitter) drops its entry when the engine goes
+        self._dst_chunks = _weak(dst_model, None)
         self._program: Program | None = None
         self._phase_programs: list[Program] | None = None  # with a load_weights sink
-        self._verifier: Program | None = None
+        self._verifier: Program | None = None  # FP8 destinations: compared through the plan
         self._fp8_buffers: tuple[dict, dict] | None = None  # FP8 shadows and staging
+        self._witness: Witness | None = None
+        self._gloo: Transport | None = None  # the FP8 verify's transport where the refit's cannot compare
         self._kinds = (layout_kind(src_model, src_layout), layout_kind(dst_model, dst_layout))
-        self._gloo: Transport | None = None  # verify's transport where the refit's cannot compare
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {VERIFY_MODES}, not {verify!r}")
+        self.verify_mode = verify
         src, dst, error = self._describe(src_model, dst_model, src_layout, dst_layout)
         self._src, self._dst = src, dst
+        self._bindings = _bindings(src_model, src, dst_model, dst)
         infos = self._gather_infos(src, dst, error, staging_bytes)
         _raise_layout_errors(infos)
         _check_offsets(infos, src_rank_offset, dst_rank_offset)
@@ -203,12 +228,10 @@ class Refitter:
     def _describe(self, src_model, dst_model, src_layout, dst_layout):
         try:
             return describe(src_model, src_layout), describe(dst_model, dst_layout), None
-        except RefitError as e:
-            return None, None, f"{type(e).__name__}: {e}"
         except Exception as e:  # any failure must reach every rank, not hang them
-            return None, None, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
+            return None, None, _failure(e)
 
-    def _gather_infos(self, src: Described | None, dst: Described | None, error: str | None,
+    def _gather_infos(self, src: Described | None, dst: Described | None, error: tuple[str, str] | None,
                       staging_bytes: int) -> list[_RankInfo]:
         device = ""
         tensors = [*(src.tensors.values() if src else ()), *(dst.tensors.values() if dst else ())]
@@ -219,14 +242,14 @@ class Refitter:
             enc_dst = encode_roster(dst.layout) if dst is not None else None
         except Exception as e:
             enc_src = enc_dst = None
-            error = error or f"{type(e).__name__}: {e}"
+            error = error or _failure(e)
         unavailable = {cls.name: ok.reason for cls in registered() if not (ok := cls.available())}
         info = _RankInfo(error, None, None, int(staging_bytes), device, unavailable,
                          socket.gethostname(), self._kinds,
                          dst.bucket_bytes if isinstance(dst, SinkDescribed) else None)
         # The rosters travel deduplicated (each distinct one once); the rest as a plain tuple.
         extras, (srcs, dsts), self.metadata = all_gather_rosters(
-            astuple(info), (enc_src, enc_dst), self.group)
+            astuple(info), (enc_src, enc_dst), self.group, self.timeout)
         return [replace(_RankInfo(*e), src=s, dst=d) for e, s, d in zip(extras, srcs, dsts)]
 
     def _plan(self, infos, name_map: NameMap, cast, skip, fp8_block) -> RankPlan:
@@ -236,16 +259,17 @@ class Refitter:
                                        sender_transforms=self._transport_cls.protocol != "one_sided")
         planner.validate()  # the same rosters on every rank: the same error everywhere
         self._planner = planner  # bucketed (load_weights sink) refits ask it per bucket
-        self._plan_error: str | None = None
+        self._plan_error: tuple[str, str] | None = None
         try:
             plan = planner.plan_rank(
                 self.rank, self.world,
                 self._src.layout if self._src else None, self._dst.layout if self._dst else None,
             )
         except Exception as e:  # reported to every rank by _agree()
-            self._plan_error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
+            self._plan_error = _failure(e)
             return RankPlan(self.rank, self.world, (), (), ())
-        self._plan_error = self._transport_cls.plan_problem(plan)  # also via _agree()
+        problem = self._transport_cls.plan_problem(plan)  # also reported by _agree()
+        self._plan_error = ("PlanError", problem) if problem else None
         return plan
 
     def _bucket(self, infos: list[_RankInfo]) -> list[tuple[tuple[str, ...], RankPlan]] | None:
@@ -264,18 +288,15 @@ class Refitter:
         """Second gather: every rank learns whether any rank failed to plan, and the
         largest number of peers any rank talks to (which sizes messages)."""
         peers = len(self.plan.send_peers) + len(self.plan.recv_peers)
-        out = all_gather_pickled((self._plan_error, peers), self.group)
-        for rank, (err, _) in enumerate(out):
-            if err:
-                raise PlanError(f"planning failed on rank {rank}: {err.splitlines()[0]}",
-                                ranks=(rank,), rule="planning", detail=err)
+        out = all_gather_pickled((self._plan_error, peers), self.group, self.timeout)
+        _raise_agreed([err for err, _ in out], PlanError, "planning failed", "planning")
         return max(p for _, p in out)
 
     def _make_transport(self, transport: str | Transport) -> Transport:
-        if isinstance(transport, Transport):
-            return transport
-        device = self._device()
-        return get_transport(self.transport_name)(self.group, device)
+        if not isinstance(transport, Transport):
+            transport = get_transport(self.transport_name)(self.group, self._device())
+        transport.timeout = self.timeout
+        return transport
 
     def _device(self) -> torch.device:
         for d in (self._src, self._dst):
@@ -298,16 +319,24 @@ class Refitter:
         raises leaves the previous stamp.
         """
         t0 = perf_counter()
+        self._raise_if_failed()
         version = self._next_version(version)
-        compiled = self._program is None
-        if compiled:
-            self._program = self._compile(compare=False)
-        stats = self._program.run() if self._phases is None else self._run_phases()
+        try:
+            self._rebind()
+            compiled = self._program is None
+            if compiled:
+                self._program = self._compile(compare=False)
+            stats = self._program.run() if self._phases is None else self._run_phases()
+        except (TransportError, LayoutError) as e:  # a peer gone, or a tensor that no longer fits
+            self._failed = e
+            raise
+        self._transport.watch()  # NCCL: abort and raise next time if this refit never completes
         if self._dst is not None and self._dst.after_refit is not None:
             self._dst.after_refit()  # e.g. FSDP2 drops unsharded copies of the old weights
         self.version = version
-        if self._dst_model is not None:
-            stamp_version(self._dst_model, version)
+        stamp_version([c for ref in self._dst_chunks if (c := ref()) is not None], version)
+        if self.verify_mode == "every" or (self.verify_mode == "first" and compiled):
+            self.verify()
         report = RefitReport(
             version, perf_counter() - t0, self.plan.bytes_local, self.plan.bytes_sent,
             self.plan.bytes_received, self.transport_name, stats.rounds, stats.messages_sent,
@@ -319,6 +348,28 @@ class Refitter:
                    self.rank, report.version, report.seconds, report.bytes_local,
                    report.bytes_sent, report.bytes_received)
         return report
+
+    def _rebind(self) -> None:
+        """This rank, before each refit (no collective): where the model now holds another
+        tensor than it was described with (a replaced Parameter, buffer or mapping
+        entry), take the model's (same shape, dtype and device, else LayoutError naming
+        it) and drop the compiled programs, so that no byte goes to or comes from
+        storage the model no longer uses. The plan is unchanged: nothing to agree on.
+        (Moved storage of the same tensor objects, FP8 targets and scales included, is
+        the program's own check: ``Program.check_storage``.)"""
+        stale = False
+        for side, binding in self._bindings.items():
+            changed = binding.changed()
+            if changed:
+                old = self._src if side == "src" else self._dst
+                new = replace(old, tensors=binding.adopt(old.tensors, changed, self.rank))
+                self._src, self._dst = (new, self._dst) if side == "src" else (self._src, new)
+                stale = True
+                _log.debug("rank %d: %d %s tensor(s) replaced in the model, e.g. %s: recompiling",
+                           self.rank, len(changed), side, next(iter(changed)))
+        if stale:
+            self._program = self._phase_programs = self._verifier = None
+            self._fp8_buffers = None
 
     def _run_phases(self) -> RunStats:
         """One phase per bucket, in the agreed order; a sink rank hands each bucket to
@@ -372,8 +423,8 @@ class Refitter:
         )
 
     def _verify_transport(self) -> Transport:
-        """Verify moves the bytes into scratch buffers and compares: a push transport
-        can only write into the destination, so its verify goes over Gloo rounds."""
+        """The FP8 verify moves the bytes into scratch buffers and compares: a push
+        transport can only write into the destination, so its verify goes over Gloo rounds."""
         t = self._transport
         if isinstance(t, OneSidedTransport) and not t.pull:
             if self._gloo is None:
@@ -382,32 +433,82 @@ class Refitter:
         return t
 
     def verify(self) -> None:
-        """Check that every destination region equals its source. Collective.
+        """Check that every destination replica holds the source's values. Collective.
 
-        Moves the same bytes as a refit into scratch buffers and compares; raises
-        :class:`VerificationError` on every rank, naming the first mismatches.
+        An independent witness (``torchrefit.verify``): each rank checksums its own
+        pieces in global coordinates, position-aware, from the rosters and the name map
+        alone (not the plan's transfers or messages), and one all-reduce compares the
+        sums; raises :class:`VerificationError` on every rank naming the first
+        differing tensors, regions and ranks. Costs reading both models once.
+
+        Not the witness: where the plan has FP8 destinations, verify moves the same
+        bytes as a refit into scratch buffers and compares them with the shadows, and the
+        FP8 values and scales with the torch quantization of them (the refit's own
+        path, not an independent one).
         """
+        self._raise_if_failed()
+        self._rebind()  # compare what the model holds now
         if self._phases is not None:
             raise VerificationError("verify() cannot check a refit into a load_weights sink: the "
                                     "sink keeps no copy of what it handed to the engine")
+        if self._planner.fp8:  # the same on every rank: all take this path or none
+            return self._verify_by_plan()
+        if self._witness is None:
+            self._witness = Witness(self._planner, self.rank, self._src.layout if self._src else None,
+                                    self._dst.layout if self._dst else None)
+        check(self._witness, self._src.tensors if self._src else {},
+              self._dst.tensors if self._dst else {}, self.group, self.timeout)
+
+    def _verify_by_plan(self) -> None:
         if self._verifier is None:
             self._verifier = self._compile(compare=True)
         bad = self._verifier.mismatches()
-        out = all_gather_pickled(bad[:5], self.group)
+        out = all_gather_pickled(bad[:5], self.group, self.timeout)
         found = [f"rank {r}: {m}" for r, ms in enumerate(out) for m in (ms or [])]
         if found:
             raise VerificationError("destination differs from source: " + "; ".join(found[:5]))
 
+    def _raise_if_failed(self) -> None:
+        try:
+            self._transport.raise_if_failed()
+        except TransportError as e:
+            self._failed = e
+        if self._failed is not None:
+            raise TransportError(f"an earlier refit failed, the group is unusable for refits: "
+                                 f"{self._failed}")
+
     def close(self) -> None:
         """Release compiled programs and staging memory (not collective)."""
         self._program = None
+        self._phase_programs = None
         self._verifier = None
-        if self._transport is not None:
-            self._transport.close()
+        self._witness = None
+        for t in (self._transport, self._gloo):
+            if t is not None:
+                t.close()
 
     def __repr__(self) -> str:
         return (f"Refitter(rank {self.rank}/{self.world}, transport={self.transport_name}, "
                 f"version={self.version})\n{self.plan}")
+
+
+def _bindings(src_model, src: Described | None, dst_model, dst: Described | None) -> dict[str, Binding]:
+    """Per side with a model (not a load_weights sink): where each described tensor lives."""
+    out = {}
+    for side, model, described in (("src", src_model, src), ("dst", dst_model, dst)):
+        if described is not None and not isinstance(described, SinkDescribed):
+            out[side] = Binding(model, described.tensors, side)
+    return out
+
+
+def _timeout(timeout: float | None, group) -> float | None:
+    """The refit's timeout: with a ``tr.connect`` Connection, at most the connection's
+    (its joint group's own timeout bounds every collective anyway)."""
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
+    if isinstance(group, Connection):
+        return group.timeout if timeout is None else min(float(timeout), group.timeout)
+    return timeout
 
 
 def _sides(infos: list[_RankInfo]) -> str:
@@ -424,13 +525,36 @@ def _sides(infos: list[_RankInfo]) -> str:
 
 
 def _raise_layout_errors(infos: list[_RankInfo]) -> None:
-    bad = [(r, i.error) for r, i in enumerate(infos) if i.error]
-    if bad:
-        # one line per error in the message (a traceback goes to ``detail`` only)
-        where = ", ".join(f"rank {r}: {e.splitlines()[0]}" for r, e in bad[:3])
-        raise LayoutError(f"could not describe the models on {len(bad)} rank(s): {where}",
-                          ranks=[r for r, _ in bad], rule="describe",
-                          detail="\n".join(f"rank {r}: {e}" for r, e in bad))
+    _raise_agreed([i.error for i in infos], LayoutError, "could not describe the models", "describe")
+
+
+#: errors that travel between ranks as their class (anything else becomes the default)
+_AGREED = {cls.__name__: cls for cls in (LayoutError, PlanError, TransportError, VerificationError,
+                                         RefitError)}
+
+
+def _failure(e: BaseException) -> tuple[str, str]:
+    """What a rank tells the others about its failure: the class, and a message with a
+    short traceback where the error is not torchrefit's own (a bug, not bad input)."""
+    if isinstance(e, RefitError):
+        return type(e).__name__, str(e)
+    return type(e).__name__, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
+
+
+def _raise_agreed(errors: list[tuple[str, str] | None], default: type[RefitError], what: str,
+                  rule: str) -> None:
+    """On every rank, the same error: the class of the lowest failing rank's error (a
+    torchrefit error keeps its class, anything else becomes ``default``), naming the
+    ranks; one line per rank in the message, tracebacks in ``detail`` only."""
+    bad = [(r, e) for r, e in enumerate(errors) if e]
+    if not bad:
+        return
+    first_rank, (name, _) = bad[0]
+    cls = _AGREED.get(name, default)
+    where = "; ".join(f"rank {r}: {msg.splitlines()[0]}" for r, (_, msg) in bad[:3])
+    raise cls(f"{what} on {len(bad)} rank(s), first on rank {first_rank}: {where}",
+              ranks=[r for r, _ in bad], rule=rule,
+              detail="\n".join(f"rank {r}: {msg}" for r, (_, msg) in bad))
 
 
 def _check_offsets(infos: list[_RankInfo], src_offset: int, dst_offset: int) -> None:
@@ -477,7 +601,17 @@ def _misfit(cls: type[Transport], infos: list[_RankInfo], backend: str) -> str |
 
 
 # ------------------------------------------------------------------------ drop-in
-_CACHE: dict[tuple, tuple[object, object, Refitter]] = {}
+@dataclass
+class _Cached:
+    """A cached Refitter and weak references to the models it was built for."""
+
+    src: tuple
+    dst: tuple
+    refitter: Refitter
+
+
+_CACHE: dict[tuple, _Cached] = {}
+_GLOO_GROUPS: dict[tuple, dist.ProcessGroup] = {}
 
 
 def swap_model_weights(
@@ -487,46 +621,109 @@ def swap_model_weights(
     group: dist.ProcessGroup | Connection | None = None,
     src_rank_offset: int = 0,
     dst_rank_offset: int = 0,
+    timeout: float | None = DEFAULT_TIMEOUT,
     **kwargs,
 ) -> RefitReport:
     """Drop-in for Megatron-core's ``swap_model_weights``: refit ``target_model`` from
-    ``src_model``, planning once and caching the plan per model pair.
+    ``src_model``, planning once and caching the plan per model pair. Collective.
 
-    The cache is keyed by the model objects (held weakly), the transport, the group
-    and the offsets. Every rank must hit or miss it together, so a rank that
-    replaces its model must do so on all ranks, or call :func:`clear_caches`
-    everywhere.
+    The cache is keyed by the models' identities, the transport, the group, the offsets
+    and every keyword (lists and name maps included); it holds the models weakly and
+    drops an entry as soon as one of its models is garbage collected. Every rank must
+    hit or miss it together: a rank that replaces its model must do so on all ranks, or
+    call :func:`clear_caches` everywhere.
+
+    ``refit_method="gloo"`` on a group without a Gloo backend (an NCCL world) builds a
+    Gloo group over the same ranks once, and reuses it, as megatron-core does.
     """
-    key = (id(src_model), id(target_model),
-           refit_method if isinstance(refit_method, str) else id(refit_method),
-           id(group), src_rank_offset, dst_rank_offset, tuple(sorted(kwargs.items(), key=str)))
+    if refit_method == "gloo":
+        group = _gloo_group(group)
+    key = (_identity(src_model), _identity(target_model), _freeze(refit_method), id(group),
+           src_rank_offset, dst_rank_offset, timeout, _freeze(kwargs))
     hit = _CACHE.get(key)
-    if hit is not None and _alive(hit[0], src_model) and _alive(hit[1], target_model):
-        refitter = hit[2]
-    else:
+    if hit is None or not (_alive(hit.src, src_model) and _alive(hit.dst, target_model)):
         refitter = Refitter(src_model, target_model, transport=refit_method, group=group,
-                            src_rank_offset=src_rank_offset, dst_rank_offset=dst_rank_offset, **kwargs)
-        _CACHE[key] = (_ref(src_model), _ref(target_model), refitter)
-    return refitter.refit()
+                            src_rank_offset=src_rank_offset, dst_rank_offset=dst_rank_offset,
+                            timeout=timeout, **kwargs)
+        drop = _dropper(key)
+        hit = _CACHE[key] = _Cached(_weak(src_model, drop), _weak(target_model, drop), refitter)
+    return hit.refitter.refit()
 
 
-def _ref(obj):
-    if obj is None:
-        return None
+def _gloo_group(group):
+    """``group`` if it has a Gloo backend, else a Gloo group over the same ranks (made
+    once per group; collective over its ranks only)."""
+    if isinstance(group, Connection):
+        return group  # tr.connect's group: its backend was chosen there
+    group = group if group is not None else dist.group.WORLD
+    if "gloo" in str(dist.get_backend(group)):
+        return group
+    ranks = tuple(dist.get_process_group_ranks(group))
+    got = _GLOO_GROUPS.get(ranks)
+    if got is None:
+        got = _GLOO_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo",
+                                                   use_local_synchronization=True)
+    return got
+
+
+def _chunks(model) -> tuple:
+    return tuple(model) if isinstance(model, (list, tuple)) else (model,)
+
+
+def _identity(model) -> tuple:
+    return () if model is None else tuple(id(m) for m in _chunks(model))
+
+
+def _weak(model, callback) -> tuple:
+    if model is None:
+        return ()
+    refs = []
+    for m in _chunks(model):
+        try:
+            refs.append(weakref.ref(m, callback))
+        except TypeError:  # not weakly referenceable: held strongly (then never dropped)
+            refs.append(lambda m=m: m)
+    return tuple(refs)
+
+
+def _alive(refs: tuple, model) -> bool:
+    now = () if model is None else _chunks(model)
+    return len(refs) == len(now) and all(r() is m for r, m in zip(refs, now))
+
+
+def _dropper(key: tuple):
+    def drop(_ref) -> None:  # a model of this entry was garbage collected
+        entry = _CACHE.pop(key, None)
+        if entry is not None:
+            entry.refitter.close()
+    return drop
+
+
+def _freeze(value) -> object:
+    """A hashable, equal-for-equal-values form of a keyword value, for the cache key."""
+    if isinstance(value, (str, bytes, int, float, bool, type(None))):
+        return value
+    if isinstance(value, NameMap):
+        if type(value).cache_key is NameMap.cache_key and type(value) is not Identity:
+            return ("map", id(value))  # a map that does not say what identifies it
+        return ("map", value.cache_key())
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_freeze(v) for v in value))
+    if isinstance(value, (set, frozenset)):
+        return ("set", tuple(sorted(map(repr, value))))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((repr(k), _freeze(v)) for k, v in value.items())))
     try:
-        return weakref.ref(obj)
-    except TypeError:  # lists of chunks cannot be weakly referenced
-        return obj
-
-
-def _alive(ref, obj) -> bool:
-    if ref is None:
-        return obj is None
-    return (ref() if isinstance(ref, weakref.ref) else ref) is obj
+        hash(value)
+        return value
+    except TypeError:
+        return ("id", id(value))  # an unhashable object: the same object hits
 
 
 def clear_caches() -> None:
-    """Drop every cached plan and program of ``swap_model_weights`` (not collective)."""
-    for _, _, refitter in _CACHE.values():
-        refitter.close()
+    """Drop every cached Refitter of :func:`swap_model_weights` (and with it its plan,
+    programs and staging memory). Not collective, but call it on every rank, since ranks
+    must hit or miss the cache together."""
+    for entry in list(_CACHE.values()):
+        entry.refitter.close()
     _CACHE.clear()

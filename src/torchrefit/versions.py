@@ -23,7 +23,10 @@ def stamp_version(model, version: int) -> None:
         try:
             object.__setattr__(chunk, _ATTR, version)
         except (AttributeError, TypeError):
-            _SIDE_TABLE[chunk] = version  # TypeError here: nothing can hold a stamp
+            try:
+                _SIDE_TABLE[chunk] = version
+            except TypeError:  # neither attributes nor weak references (a dict model)
+                pass
 
 
 def weight_version(model) -> int | None:

@@ -29,6 +29,7 @@ import torch
 
 from ..errors import LayoutError
 from ..layout._types import Box
+from ..layout.binding import Meta, check_same_meta, meta_of
 from ..plan.types import LocalCopy, RankPlan
 from ..transport.base import RoundsTransport, Transport
 from ..transport.one_sided import OneSidedTransport
@@ -54,7 +55,8 @@ class RunStats:
 class Compiled:
     """Everything one compile decided: the local copies, the exchange of its protocol
     (None where the plan has no remote transfers), the destination keys that alias
-    source storage, and the tensors whose storage pointers are watched."""
+    source storage, and the tensors whose storage pointers are watched (with their
+    side, key, shape, dtype and device then)."""
 
     local: LocalCopies
     rounds: Rounds | None
@@ -63,6 +65,7 @@ class Compiled:
     watched: tuple[torch.Tensor, ...]
     pointers: list[int]
     quantize: Quantizes
+    metas: tuple[tuple[str, str, Meta], ...]  # side, key, what the tensor was
 
     @property
     def exchanges(self) -> bool:
@@ -129,9 +132,11 @@ class Program:
                                     self.staging)
         # verify quantizes with the torch reference: a witness independent of the kernel
         quantize = compile_quantize(self.plan.quantize, views, self.fp8_block, kernel=not self.compare)
-        watched = tuple(views.used())  # after aliasing, which moves destination storage
+        used = views.used()  # after aliasing, which moves destination storage
+        watched = tuple(t for _, _, t in used)
+        metas = tuple((side, key, meta_of(t)) for side, key, t in used)
         return Compiled(local, rounds, one_sided, tuple(shared), watched,
-                        [t.data_ptr() for t in watched], quantize)
+                        [t.data_ptr() for t in watched], quantize, metas)
 
     # ------------------------------------------------------------ compiled state
     @property
@@ -158,7 +163,12 @@ class Program:
         return list(map(torch.Tensor.data_ptr, self.compiled.watched)) != self.compiled.pointers
 
     def check_storage(self) -> None:
+        """Recompile where storage moved; raise :class:`LayoutError` (before any byte
+        moves on this rank) where a tensor's shape, dtype or device changed with it."""
         if self.storage_moved():
+            rank = self.plan.rank
+            for (side, key, was), now in zip(self.compiled.metas, self.compiled.watched):
+                check_same_meta(side, key, was, now, rank)
             self.compiled = self._compile()
 
     def run(self) -> RunStats:

@@ -39,12 +39,12 @@ class Views:
         """The tensor's storage changed (aliasing): views are taken afresh."""
         self._bases.pop((side, key), None)
 
-    def used(self) -> list[torch.Tensor]:
-        """Every local tensor the plan reads or writes, in a fixed order."""
+    def used(self) -> list[tuple[str, str, torch.Tensor]]:
+        """(side, key, tensor) of every local tensor the plan reads or writes, in a fixed order."""
         plan = self.plan
         used = {("src", c.src_key) for c in plan.local} | {("dst", c.dst_key) for c in plan.local}
         used |= {("src", t.key) for t in plan.sends} | {("dst", t.key) for t in plan.recvs}
         for q in plan.quantize:
             out = "src" if q.staged else "dst"
             used |= {("dst" if q.received else "src", q.src_key), (out, q.dst_key), (out, q.scale_key)}
-        return [self.tensor(side, key) for side, key in sorted(used)]
+        return [(side, key, self.tensor(side, key)) for side, key in sorted(used)]

@@ -35,7 +35,7 @@ def attempt_refit(src, dst, **kwargs) -> dict:
 
 
 def check_failed_everywhere(per_rank: Sequence[dict], error: type, text: str,
-                            max_seconds: float = 10.0) -> None:
+                            max_seconds: float = 30.0) -> None:
     """Assert every rank's :func:`attempt_refit` result raised ``error`` with ``text``
     in its message within ``max_seconds`` and wrote nothing."""
     for rank, got in enumerate(per_rank):

@@ -104,16 +104,19 @@ def _local_tensors(spec: ModelSpec, mesh: Mesh, c: Coords, seed: int, value_spec
     ``random_init`` fills local tensors with random values on ``device`` directly (fast,
     for benchmarks); otherwise they are cut from the global values by the oracle.
     """
-    gen = None
+    gen = rep_gen = None
     if random_init:
         gen = torch.Generator(device=device or "cpu").manual_seed(seed * 7919 + c.tp * 131 + c.pp * 17 + c.ep)
+        # replicated tensors: the same values on every TP rank, as a trainer keeps them
+        # (verify() counts each source element once and would see replicas disagree)
+        rep_gen = torch.Generator(device=device or "cpu").manual_seed(seed * 7919 + c.pp * 17 + c.ep + 1)
     out = {}
     for local, d in held_tensors(spec.shape(), mesh, c):
         rank, size = (c.etp, mesh.etp) if d.group == "etp" else (c.tp, mesh.tp)
         dtype = spec.buffer_dtype if d.buffer else spec.dtype
         if random_init:
             value = torch.empty(_local_shape(d, size), dtype=dtype, device=device)
-            value.normal_(generator=gen)
+            value.normal_(generator=rep_gen if d.group == "rep" else gen)
         else:
             g = global_value(d.name, d.shape, seed, value_spec)
             value = _oracle_shard(g, d, rank, size).to(dtype=dtype, device=device)

@@ -14,7 +14,7 @@ import os
 import queue
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -53,12 +53,14 @@ def run_world(
     backend: str = "gloo",
     timeout: float = 300.0,
     pg_timeout: float = 60.0,
+    may_die: Sequence[int] = (),
 ) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``nprocs`` processes; return results by rank.
 
     ``fn`` and ``args`` must be picklable (``fn`` a module-level function).
     ``pg_timeout`` bounds every collective, so a rank left waiting fails instead
-    of hanging.
+    of hanging. Ranks in ``may_die`` may exit without a result (fault tests kill
+    them on purpose): their result is None.
     """
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -87,10 +89,10 @@ def run_world(
                 if p.is_alive():
                     p.kill()
     failed = {r: v for r, (ok, v) in results.items() if not ok}
-    missing = [r for r in range(nprocs) if r not in results]
+    missing = [r for r in range(nprocs) if r not in results and r not in may_die]
     if failed or missing:
         parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items())]
         if missing:
             parts.append(f"ranks {missing} did not finish within {timeout:.0f} s")
         raise WorldError("\n".join(parts))
-    return [results[r][1] for r in range(nprocs)]
+    return [results[r][1] if r in results else None for r in range(nprocs)]

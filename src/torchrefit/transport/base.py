@@ -14,7 +14,10 @@ speaks one of two protocols, and the executor compiles one program per protocol
 
 from __future__ import annotations
 
+import datetime
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -24,9 +27,14 @@ import torch.distributed as dist
 from ..errors import TransportError
 
 __all__ = ["Transport", "RoundsTransport", "Availability", "register_transport", "get_transport",
-           "transport_names", "registered", "transport_class", "Exchange", "require_backend", "require_cuda"]
+           "transport_names", "registered", "transport_class", "Exchange", "require_backend", "require_cuda",
+           "Pending", "DEFAULT_TIMEOUT"]
 
 Exchange = list[tuple[int, torch.Tensor]]
+#: (peer, "send" | "receive", the backend's work) of one posted round
+Pending = list[tuple[int, str, object]]
+#: seconds a refit waits for a peer before raising TransportError (Refitter(timeout=...))
+DEFAULT_TIMEOUT = 300.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,8 @@ class Transport(ABC):
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         self.group = group
         self.device = device
+        #: seconds to wait for a peer; None: the process group's own timeout (Refitter sets it)
+        self.timeout: float | None = DEFAULT_TIMEOUT
         self._global = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))] \
             if group is not dist.GroupMember.WORLD else list(range(dist.get_world_size()))
 
@@ -91,6 +101,54 @@ class Transport(ABC):
 
     def close(self) -> None:
         """Release what the transport holds (nothing by default)."""
+
+    def watch(self) -> None:
+        """Called by ``Refitter.refit()`` after a refit was queued: a transport whose
+        completion the host does not wait for (NCCL) bounds it by ``timeout`` here."""
+
+    def raise_if_failed(self) -> None:
+        """Called before each refit: raise the :class:`TransportError` a watch found."""
+
+    # ------------------------------------------------ posting and waiting, wrapped
+    def post(self, sends: Exchange, recvs: Exchange,
+             op: Callable[[str, int, torch.Tensor], object]) -> Pending:
+        """``op(kind, global peer, buffer)`` for every message of a round, backend errors
+        (a peer that is gone) raised as :class:`TransportError` naming the peer."""
+        pending: Pending = []
+        for kind, exchange in (("send", sends), ("receive", recvs)):
+            for peer, buf in exchange:
+                try:
+                    pending.append((peer, kind, op(kind, self.global_rank(peer), buf)))
+                except Exception as e:
+                    raise self.peer_error(peer, kind, e) from e
+        return pending
+
+    def wait(self, pending: Pending) -> None:
+        """Wait for posted works, all within ``timeout`` seconds of the call; a peer
+        that died or stopped raises :class:`TransportError` naming it."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        for peer, kind, work in pending:
+            try:
+                if deadline is None:
+                    work.wait()  # type: ignore[attr-defined]
+                else:
+                    left = max(deadline - time.monotonic(), 0.001)
+                    work.wait(timeout=datetime.timedelta(seconds=left))  # type: ignore[attr-defined]
+            except Exception as e:
+                raise self.peer_error(peer, kind, e) from e
+
+    def peer_error(self, peer: int, kind: str, e: BaseException) -> TransportError:
+        """The error a failed or timed-out message with group rank ``peer`` raises."""
+        if isinstance(e, TransportError):
+            return e
+        way = "to" if kind == "send" else "from"
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return TransportError(
+            f"{self.name}: {kind} {way} rank {peer} (global rank {self.global_rank(peer)}) failed "
+            f"or did not complete within the timeout of {self.timeout} s: the peer died, stopped "
+            f"or left the refit ({type(e).__name__}: {detail[:300]}). This rank's destination "
+            "may be partly updated; the group is unusable for refits: rebuild it and the Refitter",
+            ranks=(peer,), rule="timeout")
 
 
 class RoundsTransport(Transport):

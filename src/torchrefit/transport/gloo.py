@@ -30,10 +30,12 @@ class GlooTransport(RoundsTransport):
         return torch.device("cpu")
 
     def start(self, sends: Exchange, recvs: Exchange) -> object:
-        works = [dist.isend(t, self.global_rank(p), group=self.group) for p, t in sends]
-        works += [dist.irecv(t, self.global_rank(p), group=self.group) for p, t in recvs]
-        return works
+        return self.post(sends, recvs, self._op)
+
+    def _op(self, kind: str, peer: int, buf: torch.Tensor) -> object:
+        if kind == "send":
+            return dist.isend(buf, peer, group=self.group)
+        return dist.irecv(buf, peer, group=self.group)
 
     def finish(self, handle: object) -> None:
-        for w in handle:  # type: ignore[union-attr]
-            w.wait()
+        self.wait(handle)  # type: ignore[arg-type]

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .._collectives import all_gather_pickled
+from .._collectives import all_gather_pickled, collective
 from ..errors import TransportError
 from ..execute.messages import ALIGN, cut_messages
 from ..plan.types import RankPlan
@@ -185,7 +185,7 @@ class NvshmemTransport(RoundsTransport):
         receive peers and largest message, check one GPU per rank, start the PEs and
         allocate the symmetric signals and inbox."""
         gathered = all_gather_pickled((tuple(plan.recv_peers), largest_message(plan, message_limit),
-                                       self._where()), self.group)
+                                       self._where()), self.group, self.timeout)
         _one_gpu_per_rank([g[2] for g in gathered])
         self.set_inbox(plan_inbox([g[0] for g in gathered], [g[1] for g in gathered]))
 
@@ -201,7 +201,7 @@ class NvshmemTransport(RoundsTransport):
         self._signals = signals
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # zeroed on every PE before any peer signals
-        dist.barrier(group=self.group)
+        collective("nvshmem's inbox barrier", dist.barrier, group=self.group, timeout=self.timeout)
         self.inbox = inbox
 
     # the four places NVSHMEM itself is touched (tests/shm_transport.py replaces them)

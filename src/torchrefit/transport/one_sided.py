@@ -64,7 +64,7 @@ class OneSidedTransport(Transport):
         require_backend(group, "gloo", self.name, "exchanges its small control messages")
         self._announced: set[tuple[int, int]] = set()  # (peer, generation) whose table it holds
         self._attached: dict[int, OrderedDict[int, tuple]] = {}  # peer -> generation -> remote regions
-        self._works: list = []  # posted gloo sends, with the tensors they read
+        self._works: list = []  # posted gloo sends (peer, "send", work), with the tensors they read
 
     @classmethod
     def plan_problem(cls, plan: RankPlan) -> str | None:
@@ -149,15 +149,14 @@ class OneSidedTransport(Transport):
         return self._recv(peer, _DONE)
 
     def settle(self) -> None:
-        """Wait for every control message this rank posted (end of a refit)."""
-        for work, _ in self._works:
-            work.wait()
-        self._works = []
+        """Wait for every control message this rank posted (end of a refit), within
+        ``timeout`` (a peer that died raises :class:`TransportError` naming it)."""
+        works, self._works = self._works, []
+        self.wait([w for w, _ in works])
 
     def _send(self, peer: int, data: bytes, tag: int, fixed: bool = True) -> None:
         """Post ``data`` to ``peer``: in one fixed-size message (headers and tokens, one
         network latency per refit step), or a size then the body (tables)."""
-        dst = self.global_rank(peer)
         if fixed:
             if len(data) > _FIXED - 8:
                 raise TransportError(f"{self.name}: a {len(data)}-byte control message exceeds {_FIXED - 8}")
@@ -165,27 +164,33 @@ class OneSidedTransport(Transport):
             buf[:8] = torch.frombuffer(bytearray(struct.pack("<q", len(data))), dtype=torch.uint8)
             if data:
                 buf[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            self._works.append((dist.isend(buf, dst, self.group, tag=tag), buf))
+            self._post_send(peer, buf, tag)
             return
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        self._works.append((dist.isend(size, dst, self.group, tag=tag), size))
+        self._post_send(peer, torch.tensor([len(data)], dtype=torch.int64), tag)
         if data:
-            body = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            self._works.append((dist.isend(body, dst, self.group, tag=tag), body))
+            self._post_send(peer, torch.frombuffer(bytearray(data), dtype=torch.uint8), tag)
+
+    def _post_send(self, peer: int, buf: torch.Tensor, tag: int) -> None:
+        (posted,) = self.post([(peer, buf)], [], lambda _, dst, t: dist.isend(t, dst, self.group, tag=tag))
+        self._works.append((posted, buf))
+
+    def _recv_into(self, peer: int, buf: torch.Tensor, tag: int) -> None:
+        """Receive into ``buf`` within ``timeout`` (a blocking gloo receive from a peer
+        that died would wait for the group's own timeout, 30 minutes by default)."""
+        self.wait(self.post([], [(peer, buf)], lambda _, src, t: dist.irecv(t, src, self.group, tag=tag)))
 
     def _recv(self, peer: int, tag: int, fixed: bool = True) -> bytes:
-        src = self.global_rank(peer)
         if fixed:
             buf = torch.empty(_FIXED, dtype=torch.uint8)
-            dist.recv(buf, src, self.group, tag=tag)
+            self._recv_into(peer, buf, tag)
             (n,) = struct.unpack_from("<q", ctypes.string_at(buf.data_ptr(), 8))
             return ctypes.string_at(buf.data_ptr() + 8, n)
         size = torch.empty(1, dtype=torch.int64)
-        dist.recv(size, src, self.group, tag=tag)
+        self._recv_into(peer, size, tag)
         if not int(size):
             return b""
         body = torch.empty(int(size), dtype=torch.uint8)
-        dist.recv(body, src, self.group, tag=tag)
+        self._recv_into(peer, body, tag)
         return ctypes.string_at(body.data_ptr(), int(size))
 
     def close(self) -> None:

@@ -1,0 +1,137 @@
+"""Which attribute of the model holds each described tensor, to notice a replaced one.
+
+An engine that sleeps and wakes, a trainer that re-wraps its modules, or user code
+doing ``module.weight = nn.Parameter(new)`` puts a new tensor object where the model
+was described with the old one: a refit would then write into (or read from) a tensor
+the model no longer uses, silently. A :class:`Binding` remembers, per local key, the
+dict (``module._parameters``, ``module._buffers`` or a mapping model) and the name
+that held the tensor when the model was described. ``Refitter.refit()`` asks it
+before every refit, on this rank only (one identity check per tensor, no
+collective); where one changed it takes the model's current tensor if it has the
+same shape, dtype and device (the plan stays valid: only compiled views are rebuilt)
+and otherwise raises :class:`LayoutError` naming it.
+
+``param.data = new`` keeps the Parameter object and moves its storage: the compiled
+program notices that itself (``Program.storage_moved``) and recompiles.
+
+Not bound (only their storage is watched): tensors an adapter derived from the
+model (views, or a DTensor's local tensor that is not the DTensor's own), and whole
+submodules replaced (the old module's dicts are still the ones checked): build a new
+Refitter after such a change.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, MutableMapping
+
+import torch
+from torch import nn
+
+from ..errors import LayoutError
+
+__all__ = ["Binding", "Meta", "check_same_meta", "meta_of"]
+
+#: what a compiled refit assumes of a local tensor: shape, dtype, device
+Meta = tuple[tuple[int, ...], torch.dtype, torch.device]
+
+
+def meta_of(t: torch.Tensor) -> Meta:
+    return tuple(t.shape), t.dtype, t.device
+
+
+class Binding:
+    """The holders of one rank's described tensors of one model (one side)."""
+
+    def __init__(self, model, tensors: Mapping[str, torch.Tensor], side: str) -> None:
+        self.side = side
+        where = _holders(model)
+        self.keys: list[str] = []
+        self._dicts: list[MutableMapping] = []
+        self._names: list[str] = []
+        self._local: list[bool] = []  # a DTensor held, its local tensor described
+        self._held: list[torch.Tensor] = []
+        for key, t in tensors.items():
+            got = where.get(id(t))
+            if got is None:
+                continue
+            self.keys.append(key)
+            self._dicts.append(got[0])
+            self._names.append(got[1])
+            self._local.append(got[2])
+            self._held.append(t)
+        self._any_local = any(self._local)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def changed(self) -> dict[str, torch.Tensor | None]:
+        """Keys whose holder now holds another tensor (None: it holds nothing), with it.
+        Called before every refit: one C-level pass where nothing changed."""
+        now = list(map(_get, self._dicts, self._names))
+        if self._any_local:
+            now = [_local_of(t) if local else t for t, local in zip(now, self._local)]
+        if all(map(operator.is_, now, self._held)):
+            return {}
+        return {k: t for k, t, old in zip(self.keys, now, self._held) if t is not old}
+
+    def adopt(self, tensors: Mapping[str, torch.Tensor], changed: Mapping[str, torch.Tensor | None],
+              rank: int) -> dict[str, torch.Tensor]:
+        """``tensors`` with the changed keys taken from the model, each checked to be a
+        drop-in for the old one (raises :class:`LayoutError` naming it otherwise)."""
+        out = dict(tensors)
+        for key, new in changed.items():
+            check_same_meta(self.side, key, meta_of(tensors[key]), new, rank)
+            out[key] = new
+        self._held = [out[k] for k in self.keys]
+        return out
+
+
+def check_same_meta(side: str, key: str, was: Meta, new: torch.Tensor | None, rank: int) -> None:
+    """Raise unless ``new`` can take ``old``'s place in a compiled refit (same local
+    shape, dtype and device: the plan's boxes and casts still hold)."""
+    role = "source" if side == "src" else "destination"
+    if new is None:
+        raise LayoutError(f"{role} tensor {key!r} on rank {rank} was removed from the model since "
+                          "the Refitter was built: build a new Refitter", ranks=(rank,),
+                          rule="tensor replaced", tensor=key)
+    now = meta_of(new)
+    if was != now:
+        raise LayoutError(
+            f"{role} tensor {key!r} on rank {rank} was replaced or reallocated since the Refitter "
+            f"was built with shape, dtype, device {now} instead of {was}: the plan no longer "
+            "fits it; nothing was written on this rank; build a new Refitter (its peers raise "
+            "TransportError naming this rank once their timeout passes)",
+            ranks=(rank,), rule="tensor replaced", tensor=key)
+
+
+def _get(d: MutableMapping, name: str):
+    return d.get(name)
+
+
+def _local_of(t):
+    return None if t is None else getattr(t, "_local_tensor", t)
+
+
+def _holders(model) -> dict[int, tuple[MutableMapping, str, bool]]:
+    """id(tensor) -> (the dict holding it, its name there, whether it is a DTensor's
+    local tensor), for every parameter and buffer of every chunk of ``model``."""
+    out: dict[int, tuple[MutableMapping, str, bool]] = {}
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    for chunk in chunks:
+        if isinstance(chunk, MutableMapping):
+            for name, t in chunk.items():
+                out.setdefault(id(t), (chunk, name, False))
+            continue
+        if not isinstance(chunk, nn.Module):
+            continue
+        for module in chunk.modules():
+            for d in (module._parameters, module._buffers):
+                for name, t in d.items():
+                    if t is None:
+                        continue
+                    out.setdefault(id(t), (d, name, False))
+                    local = getattr(t, "_local_tensor", None)
+                    if local is not None:
+                        out.setdefault(id(local), (d, name, True))
+    return out

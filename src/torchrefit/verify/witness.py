@@ -1,0 +1,196 @@
+"""What one rank checksums for ``Refitter.verify()``, derived from the rosters alone.
+
+The witness never looks at the plan's transfers, its replica choice or its message
+cutting: it only needs what every rank holds (the planner's index of the rosters)
+and the name map's segments. Both sides sum, per destination global tensor, in the
+destination's global coordinates and dtype:
+
+* destination side: every rank sums every piece it holds, so each replica of the
+  destination is checked;
+* source side: each source element is counted by one owner, the lowest rank
+  holding it (replicas once), cast to the destination's dtype as a refit casts it,
+  moved to where the name map puts it, and weighted by how many destination ranks
+  hold that place.
+
+The two totals agree exactly when every destination replica holds the source's
+values at the right places. To name where they differ, :meth:`Witness.cell_sums`
+splits one tensor by destination *cells* (the distinct boxes the destination holds,
+or where they overlap, the grid of their boundaries) and by destination rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ..layout._types import Box, ModelLayout, dtype_from_name
+from ..maps import relocate
+from ..plan.index import RoleIndex, TensorInfo
+from ..plan.planner import Planner
+from .checksum import MOD, region_sum
+
+__all__ = ["Witness", "Term", "cells"]
+
+
+@dataclass(frozen=True, slots=True)
+class Term:
+    """One region this rank sums: ``box`` of local tensor ``key`` (``side``), whose
+    elements sit at ``region`` of destination tensor number ``tensor``, inside
+    destination cell ``cell``."""
+
+    side: str  # "src" or "dst"
+    key: str
+    box: Box
+    tensor: int
+    region: Box
+    cell: int
+    dtype: str  # the destination's dtype (what the source is cast to)
+
+
+def cells(info: TensorInfo, index: RoleIndex) -> list[tuple[Box, tuple[int, ...]]]:
+    """Boxes that partition what a role holds of one tensor, each with the ranks holding
+    all of it, in offset order: the held boxes where they do not overlap, else the grid
+    their boundaries cut."""
+    if info.disjoint:
+        out = [(box, index.ranks(cids)) for box, cids in info.boxes.items()]
+        return sorted(out, key=lambda c: c[0].offset)
+    boxes = list(info.boxes)
+    ndim = len(info.shape)
+    cuts = [sorted({p for b in boxes for p in (b.offset[d], b.end[d])}) for d in range(ndim)]
+    grid = [((), ())]
+    for d in range(ndim):
+        grid = [(o + (a,), s + (b - a,)) for o, s in grid for a, b in zip(cuts[d], cuts[d][1:])]
+    out = []
+    for off, size in grid:
+        cell = Box(off, size)
+        cids = sorted({c for b, cs in info.boxes.items() if b.contains(cell) for c in cs})
+        if cids:
+            out.append((cell, index.ranks(cids)))
+    return out
+
+
+class Witness:
+    """The terms one rank sums. Built on every rank from the same planner (pure)."""
+
+    def __init__(self, planner: Planner, rank: int, src: ModelLayout | None,
+                 dst: ModelLayout | None) -> None:
+        self.names = sorted(n for n in planner.dst.tensors if planner.segments(n) is not None)
+        self._number = {n: i for i, n in enumerate(self.names)}
+        self._cells = {n: cells(planner.dst.tensors[n], planner.dst) for n in self.names}
+        self._src_cells: dict[str, list] = {}
+        self.planner = planner
+        self.rank = rank
+        self.terms: list[Term] = []
+        self.weight: list[int] = []  # per term: destination ranks holding its region
+        if dst is not None:
+            self._dst_terms(dst)
+        if src is not None:
+            self._src_terms(src)
+
+    def _dst_terms(self, dst: ModelLayout) -> None:
+        for key, t in dst:
+            i = self._number.get(t.name)
+            if i is None:
+                continue  # skipped on purpose: nothing feeds it
+            # only what the name map fills: padding (an engine's spare vocabulary rows)
+            # is left alone by a refit, so it is not compared either
+            fed = [seg.dst_box for seg in self.planner.segments(t.name) or ()]
+            for piece in t.pieces:
+                for j, (cell, _) in enumerate(self._cells[t.name]):
+                    part = cell.intersect(piece.box) if cell.ndim else cell
+                    for seg_box in (fed if part is not None else ()):
+                        q = part.intersect(seg_box) if part.ndim else part
+                        if q is not None:
+                            local = q.moved(piece.box.offset, piece.local_offset)
+                            self._add(Term("dst", key, local, i, q, j, t.dtype), 1)
+
+    def _src_terms(self, src: ModelLayout) -> None:
+        planner = self.planner
+        for key, t in src:
+            owned = [(cell, p) for cell, ranks in self._owned_src_cells(t.name) if ranks[0] == self.rank
+                     for p in t.pieces if p.box.contains(cell)]
+            for name in planner.consumers(t.name):
+                i = self._number.get(name)
+                if i is None:
+                    continue
+                dtype = planner.dst.tensors[name].dtype
+                for seg in planner.segments(name) or ():
+                    if seg.src_name != t.name:
+                        continue
+                    wanted = relocate(seg.dst_box, seg.dst_box.offset, seg.src_offset)
+                    for cell, piece in owned:
+                        part = cell.intersect(wanted) if cell.ndim else cell
+                        if part is None:
+                            continue
+                        at = relocate(part, seg.src_offset, seg.dst_box.offset)
+                        for j, (dcell, dranks) in enumerate(self._cells[name]):
+                            q = dcell.intersect(at) if dcell.ndim else dcell
+                            if q is not None:
+                                sbox = relocate(q, seg.dst_box.offset, seg.src_offset)
+                                local = sbox.moved(piece.box.offset, piece.local_offset)
+                                self._add(Term("src", key, local, i, q, j, dtype), len(dranks))
+
+    def _owned_src_cells(self, name: str):
+        got = self._src_cells.get(name)
+        if got is None:
+            got = self._src_cells[name] = cells(self.planner.src.tensors[name], self.planner.src)
+        return got
+
+    def _add(self, term: Term, weight: int) -> None:
+        self.terms.append(term)
+        self.weight.append(weight)
+
+    # ------------------------------------------------------------------ summing
+    def _value(self, term: Term, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]):
+        table = src if term.side == "src" else dst
+        x = table[term.key].detach()
+        x = x[term.box.slices()] if term.box.ndim else x
+        if tuple(x.shape) != term.region.size:  # unit dims where source and destination differ
+            x = x.reshape(term.region.size)
+        dtype = dtype_from_name(term.dtype)
+        return x if x.dtype == dtype else x.to(dtype)  # the cast a refit makes
+
+    def sums(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor],
+             device: torch.device) -> torch.Tensor:
+        """int64 ``[2, tensors]``: this rank's destination and (weighted) source sums,
+        each in ``[0, 2**32)``; all-reduced over the group they must agree mod ``2**32``."""
+        out = torch.zeros(2, len(self.names), dtype=torch.int64, device=device)
+        for term, weight in zip(self.terms, self.weight):
+            s = region_sum(self._value(term, src, dst), term.region).to(device)
+            row = 0 if term.side == "dst" else 1
+            out[row, term.tensor] = (out[row, term.tensor] + s * weight) % MOD
+        return out
+
+    def slots(self, tensor: int) -> list[tuple[int, int]]:
+        """(cell, destination rank) slots of one tensor, in order."""
+        return [(j, r) for j, (_, ranks) in enumerate(self._cells[self.names[tensor]]) for r in ranks]
+
+    def cell_sums(self, tensor: int, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor],
+                  device: torch.device) -> torch.Tensor:
+        """int64 ``[2, slots]`` for one tensor: what each destination rank holds of each
+        cell, and what the source says it should hold there."""
+        slots = self.slots(tensor)
+        where = {s: k for k, s in enumerate(slots)}
+        out = torch.zeros(2, len(slots), dtype=torch.int64, device=device)
+        for term in self.terms:
+            if term.tensor != tensor:
+                continue
+            s = region_sum(self._value(term, src, dst), term.region).to(device)
+            if term.side == "dst":
+                k = where[(term.cell, self.rank)]
+                out[0, k] = (out[0, k] + s) % MOD
+            else:
+                for r in self._cells[self.names[tensor]][term.cell][1]:
+                    k = where[(term.cell, r)]
+                    out[1, k] = (out[1, k] + s) % MOD
+        return out
+
+    def describe_slot(self, tensor: int, slot: int) -> str:
+        """``name[box] on destination rank r (source ranks [...])`` of one slot."""
+        name = self.names[tensor]
+        j, r = self.slots(tensor)[slot]
+        box = self._cells[name][j][0]
+        owners = sorted({self.planner.src.ranks(reg.holders)[0] for reg in self.planner.regions(name, box)})
+        return f"{name}{box} on destination rank {r} (source rank{'s' if len(owners) != 1 else ''} {owners})"
