@@ -161,12 +161,38 @@ def _old_or_new(dst, old: dict, rank: int) -> bool:
     return all(bool(((v == old[k]) | (v == want[k])).all()) for k, v in dst.state_dict().items())
 
 
+def _absent_world(rank: int, world: int) -> dict:
+    """Rank 3 never builds its Refitter: the others' roster gather must end."""
+    if rank == 3:
+        os._exit(17)
+    t0 = time.perf_counter()
+    try:
+        tr.Refitter(build_toy(SPEC, TP2, rank, 1), build_toy(SPEC, TP1, rank, 2), timeout=5.0)
+        return {"raised": None, "seconds": time.perf_counter() - t0}
+    except tr.RefitError as e:
+        return {"raised": type(e).__name__, "msg": str(e), "seconds": time.perf_counter() - t0}
+
+
+def test_rank_absent_from_construction() -> None:
+    for rank, got in enumerate(run_world(_absent_world, 4, timeout=240, pg_timeout=120, may_die=[3])[:3]):
+        assert got["raised"] == "TransportError" and "gathering metadata" in got["msg"], (rank, got)
+        assert got["seconds"] < 5.0 + 25.0, (rank, got)  # not the group's own 120 s
+
+
 def _dying_world(rank: int, world: int, mode: str) -> dict:
+    kwargs = {}
+    if mode == "killed-one-sided":  # pull through shared memory: Gloo control messages
+        import shm_transport  # noqa: F401  (registers shm-pull)
+
+        kwargs["transport"] = "shm-pull"
     src = build_toy(SPEC, TP2, rank, 1)
     dst = build_toy(SPEC, TP1, rank, 2)
+    if kwargs:
+        src.share_memory()
     old = {k: v.clone() for k, v in dst.state_dict().items()}
-    timeout = {"killed": tr.refitter.DEFAULT_TIMEOUT, "killed-no-timeout": None, "stopped": 4.0}[mode]
-    r = tr.Refitter(src, dst, timeout=60.0 if mode == "stopped" else timeout)
+    timeout = {"killed": tr.refitter.DEFAULT_TIMEOUT, "killed-no-timeout": None, "stopped": 4.0,
+               "killed-one-sided": 5.0}[mode]
+    r = tr.Refitter(src, dst, timeout=60.0 if timeout and timeout < 10 else timeout, **kwargs)
     r.timeout = r._transport.timeout = timeout  # short for the refit only: start-up is slow here
     if rank == 3 and mode.startswith("killed"):
         os._exit(17)  # dies between planning and the refit
@@ -192,9 +218,13 @@ def _dying_world(rank: int, world: int, mode: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("mode,bound", [("killed", 30.0), ("killed-no-timeout", 30.0), ("stopped", 30.0)])
+@pytest.mark.parametrize("mode,bound", [("killed", 30.0), ("killed-no-timeout", 30.0), ("stopped", 30.0),
+                                        ("killed-one-sided", 30.0)])
 def test_peer_dies_or_stops(mode: str, bound: float) -> None:
-    results = run_world(_dying_world, 4, mode, timeout=240, pg_timeout=20, may_die=[3])
+    # with a short refit timeout, the group's own (pg_timeout) is longer than the bound:
+    # only torchrefit's own deadline can end the waits in time
+    pg_timeout = 120 if mode in ("stopped", "killed-one-sided") else 20
+    results = run_world(_dying_world, 4, mode, timeout=240, pg_timeout=pg_timeout, may_die=[3])
     alive = results[:3] if mode.startswith("killed") else results
     raised = [got for got in alive if got["raised"]]
     assert raised, f"{mode}: no rank noticed the dead peer"
