@@ -16,9 +16,9 @@ import torch
 
 from torchrefit._format import format_bytes
 from torchrefit.errors import PlanError
-from torchrefit.execute.messages import ALIGN, cut_messages
 from torchrefit.layout import megatron, shard_pieces
 from torchrefit.layout._types import Box
+from torchrefit.plan.messages import ALIGN, cut_messages
 from torchrefit.plan.simulate import check_agreement, plan_world
 from torchrefit.plan.types import Transfer
 from torchrefit.simulate.shapes import GlobalTensor

@@ -7,11 +7,16 @@ imports, and checks that
 * no module of a lower layer imports one of a higher layer, at any depth of the
   code (function-level imports included): errors and small helpers, then
   ``layout`` (describing what ranks hold), ``maps`` and ``transforms`` (what regions
-  mean and how values change: name maps, FP8), ``plan`` (pure planning), ``execute``
-  and ``_collectives`` (compiled programs, metadata gathers), ``transport`` (moving
-  bytes); the
-  entry points (``refitter``, ``cli``, ``bench``, ``simulate``, ``testing``, the
-  package itself) sit above all of them, and none of the layers imports them.
+  mean and how values change: name maps, FP8), ``plan`` (pure planning, including how
+  transfers are cut into messages), ``transport`` and ``_collectives`` (moving bytes,
+  metadata gathers; the protocol interfaces the executor drives), ``execute``
+  (compiled programs, which drive a transport); the entry points (``refitter``,
+  ``verify``, ``cli``, ``bench``, ``simulate``, ``testing``, the package itself) sit
+  above all of them, and none of the layers imports them.
+
+DESIGN.md's chain layout -> plan -> execute -> transport is the order of the calls;
+imports run the other way at each step (the executor imports the transport
+interfaces it drives; no transport imports the executor).
 """
 
 from __future__ import annotations
@@ -23,20 +28,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "src" / "torchrefit"
 
 #: lower numbers may be imported by higher ones, never the other way round
 LAYERS = {"errors": 0, "_format": 0, "layout": 1, "maps": 2, "transforms": 2, "plan": 3,
-          "execute": 4, "_collectives": 4, "transport": 5}
-TOP = 9  # refitter, cli, bench, simulate, testing, the package __init__, __main__
+          "transport": 4, "_collectives": 4, "execute": 5}
+TOP = 9  # refitter, verify, cli, bench, simulate, testing, the package __init__, __main__
 
 #: edges that break the order today, and why they are tolerated (none may be added)
-KNOWN_BACKWARD = {
-    # Issue 10 split the executor by protocol (the IPC special case is gone); the
-    # program picks its protocol by isinstance on the interfaces (RoundsTransport,
-    # OneSidedTransport) and the one-sided program uses its interface's types at run
-    # time. Moving those two interfaces below execute removes these. (The rounds
-    # program names RoundsTransport in type hints only: no edge.)
-    ("torchrefit.execute.program", "torchrefit.transport.one_sided"),
-    ("torchrefit.execute.one_sided", "torchrefit.transport.one_sided"),
-    ("torchrefit.execute.program", "torchrefit.transport.base"),
-}
+KNOWN_BACKWARD: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, tuple[pathlib.Path, bool]]:
@@ -104,7 +100,7 @@ def test_imports_flow_one_way() -> None:
     backward = sorted((m, t) for m, t in edges if layer(t) > layer(m) and (m, t) not in KNOWN_BACKWARD)
     assert not KNOWN_BACKWARD - edges, f"exceptions no longer needed: {sorted(KNOWN_BACKWARD - edges)}"
     assert not backward, (
-        "imports against the order errors -> layout -> maps -> plan -> execute -> transport -> "
+        "imports against the order errors -> layout -> maps -> plan -> transport -> execute -> "
         f"entry points: {backward}")
 
 

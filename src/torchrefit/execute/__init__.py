@@ -5,9 +5,7 @@
 """
 
 from .local import LocalCopies
-from .messages import Chunk, Message, cut_messages
 from .program import Compiled, Program, RunStats
-from .streams import SideStreams, host_wait_current
+from .streams import SideStreams
 
-__all__ = ["Chunk", "Message", "cut_messages", "Compiled", "LocalCopies", "Program", "RunStats",
-           "SideStreams", "host_wait_current"]
+__all__ = ["Compiled", "LocalCopies", "Program", "RunStats", "SideStreams"]

@@ -15,18 +15,14 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..layout._types import dtype_from_name
+from ..plan.messages import ALIGN, Message, cut_messages, rows_of
 from ..plan.types import Transfer
-from .messages import ALIGN, Message, cut_messages, rows_of
-from .streams import host_wait_current
+from ..transport.base import RoundsTransport, host_wait_current
 from .views import Views
-
-if TYPE_CHECKING:  # the executor calls the transport it is given; it imports none
-    from ..transport.base import RoundsTransport
 
 __all__ = ["Round", "Rounds", "Staging", "compile_rounds", "run_rounds"]
 

@@ -15,7 +15,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-__all__ = ["SideStreams", "host_wait_current"]
+__all__ = ["SideStreams"]
 
 
 class SideStreams:
@@ -64,16 +64,3 @@ class SideStreams:
         if i >= self._open:
             raise RuntimeError(f"side stream {i} used outside a SideStreams.session() that opened it")
         return torch.cuda.stream(self.streams[i])
-
-
-def host_wait_current(device: torch.device) -> None:
-    """Block the host until work queued so far on ``device``'s current stream is done.
-
-    Used where bytes produced on the GPU must be read by the host (a CPU transport
-    fed from GPU tensors). It waits for one stream's event, never the whole device.
-    """
-    if device.type != "cuda":
-        return
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    event.synchronize()

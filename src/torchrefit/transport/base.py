@@ -28,6 +28,7 @@ from ..errors import TransportError
 
 __all__ = ["Transport", "RoundsTransport", "Availability", "register_transport", "get_transport",
            "transport_names", "registered", "transport_class", "Exchange", "require_backend", "require_cuda",
+           "host_wait_current",
            "Pending", "DEFAULT_TIMEOUT"]
 
 Exchange = list[tuple[int, torch.Tensor]]
@@ -169,6 +170,19 @@ class RoundsTransport(Transport):
 
     @abstractmethod
     def finish(self, handle: object) -> None: ...
+
+
+def host_wait_current(device: torch.device) -> None:
+    """Block the host until work queued so far on ``device``'s current stream is done.
+
+    Used where bytes produced on the GPU must be read by the host (a CPU transport
+    fed from GPU tensors). It waits for one stream's event, never the whole device.
+    """
+    if device.type != "cuda":
+        return
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    event.synchronize()
 
 
 def require_backend(group: dist.ProcessGroup, backend: str, transport: str, use: str) -> None:

@@ -29,9 +29,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import TransportError
-from ..execute.streams import host_wait_current
 from ..layout._types import dtype_from_name, dtype_name
-from .base import Availability, register_transport, require_cuda
+from .base import Availability, host_wait_current, register_transport, require_cuda
 from .one_sided import OneSidedTransport, Table
 
 __all__ = ["NixlTransport", "RemoteRegion", "contiguous_runs"]

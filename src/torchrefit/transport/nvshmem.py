@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from .._collectives import all_gather_pickled, collective
 from ..errors import TransportError
-from ..execute.messages import ALIGN, cut_messages
+from ..plan.messages import ALIGN, cut_messages
 from ..plan.types import RankPlan
 from .base import (
     Availability,
