@@ -72,7 +72,7 @@ def _verify(r) -> str | None:
 
 
 def _drop_last_chunk(monkeypatch_target):
-    from torchrefit.execute import messages
+    from torchrefit.plan import messages
 
     real = messages.cut_messages
 

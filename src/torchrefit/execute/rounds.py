@@ -1,6 +1,6 @@
 """The message-rounds program: rounds through a ``RoundsTransport`` (nccl, gloo, nvshmem).
 
-Compiling cuts each peer's regions into messages (``messages.cut_messages``; both
+Compiling cuts each peer's regions into messages (``plan.messages.cut_messages``; both
 ends cut the same ordered transfers, so message m of a pair goes in round m),
 lays staged messages out in two staging pools (even and odd rounds, so round m+1
 packs while round m is in flight) and sends a message zero-copy where it is one
