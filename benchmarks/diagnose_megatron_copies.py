@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torchrefit as tr
 from torchrefit.bench.config import spec_from_preset
 from torchrefit.bench.megatron_models import build_megatron_gpt
-from torchrefit.bench.timing import copy_bandwidth, median_host_ms, time_calls
+from torchrefit.bench.timing import copy_bandwidth, median_host_ms, median_ms
 from torchrefit.execute.local import balance_by_bytes
 from torchrefit.testing import Mesh, build_toy
 
@@ -57,7 +57,7 @@ def device_ms(fn, iters: int = 30) -> float:
 
 
 def wall_ms(fn, iters: int = 30) -> float:
-    return 1e3 * statistics.median(time_calls(fn, 3, iters, DEV))
+    return median_ms(fn, iters, DEV)
 
 
 def host_ms(fn, iters: int = 30) -> tuple[float, float]:

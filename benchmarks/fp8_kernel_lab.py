@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
-from torchrefit.bench.timing import copy_bandwidth
+from torchrefit.bench.timing import copy_bandwidth, median_ms
 from torchrefit.transforms.fp8 import quantize_blocks
 from torchrefit.transforms.fp8_kernel import BlockTable, launch
 
@@ -64,16 +62,7 @@ def launch_v2(kernel, table, chunk: int, warps: int) -> None:
 
 
 def device_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    out = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(out)
+    return median_ms(fn, iters, torch.device("cuda"))
 
 
 def main() -> None:

@@ -12,29 +12,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 import torchrefit as tr
 from torchrefit.bench.config import spec_from_preset
-from torchrefit.bench.timing import copy_bandwidth, median_host_ms, sleep_cycles_per_ms
+from torchrefit.bench.timing import copy_bandwidth, median_host_ms, median_ms, sleep_cycles_per_ms
 from torchrefit.testing import Mesh, build_toy
 
 
 def device_ms(fn, iters: int) -> float:
-    out = []
-    for _ in range(3):
-        fn()
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(out)
+    return median_ms(fn, iters, torch.device("cuda"))
 
 
 def host_ms(fn, iters: int, cycles_per_ms: float) -> float:

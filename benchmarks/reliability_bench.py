@@ -18,13 +18,13 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 import torchrefit as tr
 from torchrefit.bench.config import spec_from_preset
+from torchrefit.bench.timing import time_calls
 from torchrefit.testing import Mesh, build_toy
 
 
@@ -34,14 +34,7 @@ def _rss() -> int:
 
 
 def _timed(fn, iters: int) -> list[float]:
-    out = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
+    return [1e3 * s for s in time_calls(fn, 0, iters, torch.device("cuda", 0))]
 
 
 def main() -> None:

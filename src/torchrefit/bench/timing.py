@@ -10,8 +10,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["copy_bandwidth", "link_bandwidth", "time_calls", "host_times", "median_host_ms", "summarize",
-           "sleep_cycles_per_ms"]
+__all__ = ["copy_bandwidth", "link_bandwidth", "time_calls", "median_ms", "host_times", "median_host_ms",
+           "summarize", "sleep_cycles_per_ms"]
 
 
 def _sync(device: torch.device) -> None:
@@ -88,6 +88,12 @@ def time_calls(fn: Callable[[], object], warmup: int, iters: int, device: torch.
         out.append(time.perf_counter() - t0)
     align()
     return out
+
+
+def median_ms(fn: Callable[[], object], iters: int, device: torch.device, warmup: int = 3) -> float:
+    """Median milliseconds per call, timed as :func:`time_calls` times (the benchmark
+    scripts' one measure of a call's device work)."""
+    return 1e3 * statistics.median(time_calls(fn, warmup, iters, device))
 
 
 def sleep_cycles_per_ms(device: torch.device) -> float:
