@@ -374,16 +374,15 @@ class Refitter:
     def _run_phases(self) -> RunStats:
         """One phase per bucket, in the agreed order; a sink rank hands each bucket to
         ``load_weights`` before the next phase overwrites its buffer."""
-        totals = [0, 0, 0, 0]
+        rounds = sent = received = staging = 0
         for (names, _), program in zip(self._phases, self._phase_programs):
             stats = program.run()
             if isinstance(self._dst, SinkDescribed):
                 self._dst.deliver([n for n in names if self._planner.segments(n) is not None])
-            totals = [a + b for a, b in zip(totals, (stats.rounds, stats.messages_sent,
-                                                     stats.messages_received, 0))]
-        # the buckets share one staging: its size, not a sum over buckets
-        totals[3] = max(p.compiled.stats().staging_bytes for p in self._phase_programs)
-        return RunStats(*totals)
+            rounds, sent, received = (rounds + stats.rounds, sent + stats.messages_sent,
+                                      received + stats.messages_received)
+            staging = max(staging, stats.staging_bytes)  # the buckets share one staging
+        return RunStats(rounds, sent, received, staging)
 
     def _next_version(self, version: int | None) -> int:
         if version is None:
