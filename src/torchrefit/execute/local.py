@@ -5,10 +5,9 @@ peer memory (``execute.one_sided``). With ``TORCHREFIT_BATCHED_COPY=1`` (opt-in)
 plain byte copies below 32 MB (aligned, same dtype, dense) run as one batched kernel
 launch (``execute.batched``) on a stream of their own; large copies run one by one on
 parallel side streams (graph branches); small ones (the remaining ones where batched)
-in one ``torch._foreach_copy_``
-per (destination dtype, source dtype, dense) group on another stream; with
-``cuda_graph`` the whole set, fork and join included, is captured once and
-replayed with one launch. All stream ordering goes through ``streams.SideStreams``.
+in one ``torch._foreach_copy_`` per (destination dtype, source dtype, dense) group on
+another stream; with ``cuda_graph`` the whole set, fork and join included, is
+captured once and replayed with one launch. All stream ordering goes through ``streams.SideStreams``.
 """
 
 from __future__ import annotations
@@ -129,8 +128,7 @@ def compile_copies(copies: Iterable[Copy], side: SideStreams, cuda_graph: bool,
     """Group ``copies`` (skipping those whose destination is the source itself, and,
     with ``merge``, making runs contiguous on both sides one copy; where
     ``batched.kernel_available``, plain byte copies below ``batched.BATCH_MAX_BYTES``
-    into one batch) and,
-    with ``cuda_graph`` on CUDA, capture them once."""
+    into one batch) and, with ``cuda_graph`` on CUDA, capture them once."""
     planned = []
     for c in copies:
         dst, src = c.dst, c.src
