@@ -1,10 +1,13 @@
 """Block FP8 on a real GPU: the Triton kernel and a refit into an FP8 engine.
 
 What the CPU suite cannot reach: ``transforms.fp8_kernel`` quantizes blocks of many
-regions in one launch; its values and scales must equal, bit for bit, the torch
-reference run on the CPU (``transforms.fp8.quantize_blocks``), on shapes with
-partial edge blocks, row strips of a wider tensor (how q / k / v come out of a fused
-QKV), stacked experts, all-zero blocks, and bf16 / fp16 / fp32 sources. A one-process
+regions in one launch; with every variant, its values and scales must equal, bit for
+bit, the torch reference run on the CPU (``transforms.fp8.quantize_blocks``), on
+shapes with partial edge blocks, row strips of a wider tensor (how q / k / v come out
+of a fused QKV), stacked experts, all-zero blocks, bf16 / fp16 / fp32 sources, and
+``testing.fp8_inputs.hard_blocks`` (every finite bf16 bit pattern; blocks at every
+exponent, subnormals and signed zeros: the kernel divides by multiplying with a
+reciprocal and correcting with an FMA, which must round exactly as IEEE division). A one-process
 refit of a Megatron-style bf16 toy into a Hugging Face-named FP8 engine on CUDA goes
 through the kernel (the sender-side steps are block tables) and gives ``o_proj``
 exactly the CPU reference's quantization of ``linear_proj``; verify() agrees.
@@ -17,6 +20,7 @@ import torch
 
 import torchrefit as tr
 from torchrefit.testing import Mesh, ModelSpec, build_toy, run_world
+from torchrefit.testing.fp8_inputs import hard_blocks
 from torchrefit.transforms import fp8_kernel, quantize_blocks
 
 pytestmark = pytest.mark.gpu
@@ -28,14 +32,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def _kernel_case(src: torch.Tensor) -> bool:
+def _kernel_case(src: torch.Tensor, variant: str) -> bool:
     """Kernel on ``src`` (a CUDA view) against the CPU reference on its values."""
     lead, (rows, cols) = src.shape[:-2], src.shape[-2:]
     grid = tuple(lead) + (-(-rows // BLOCK[0]), -(-cols // BLOCK[1]))
-    dst = torch.empty(src.shape, dtype=torch.float8_e4m3fn, device="cuda")
-    scale = torch.empty(grid, device="cuda")
+    dst = torch.full(src.shape, float("nan"), device="cuda").to(torch.float8_e4m3fn)
+    scale = torch.full(grid, -1.0, device="cuda")
     for table in fp8_kernel.BlockTable.build([(src, dst, scale)], BLOCK):
-        fp8_kernel.launch(table)
+        fp8_kernel.launch(table, variant)
     want_q, want_s = quantize_blocks(src.cpu(), BLOCK)
     return torch.equal(_bits(dst.cpu()), _bits(want_q)) and torch.equal(scale.cpu(), want_s)
 
@@ -48,9 +52,12 @@ def test_kernel_equals_the_cpu_reference() -> None:
     w[:128, :128] = 0  # the clamped scale
     fused = torch.randn(768, 256, device="cuda", generator=g).to(torch.bfloat16) * 1e-3
     experts = torch.randn(3, 130, 260, device="cuda", generator=g)
+    w[3, 130:140] = -0.0
     cases = {"partial edges": w, "strip of a fused tensor": fused[256:384],
-             "stacked": experts, "fp32": experts[1], "fp16": w.half() * 7}
-    wrong = [name for name, t in cases.items() if not _kernel_case(t)]
+             "stacked": experts, "fp32": experts[1], "fp16": w.half() * 7,
+             "whole blocks": fused[:, :256], "hard blocks": hard_blocks("cuda")}
+    wrong = [(name, v) for v in fp8_kernel.VARIANTS for name, t in cases.items()
+             if not _kernel_case(t, v)]
     assert wrong == []
 
 

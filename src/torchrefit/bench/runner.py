@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..plan.types import itemsize
 from ..testing import build_toy, run_world
 from ..testing.toy import global_table
+from ..transforms import fp8_kernel
 from ..transport.base import transport_class
 from .config import VARIANTS, BenchConfig
 from .hf_models import build_hf_destination
@@ -163,6 +164,7 @@ def _time_refitter(tr, src, dst, cfg: BenchConfig, variant: str, device: torch.d
                 "bytes_sent": report.bytes_sent, "bytes_received": report.bytes_received,
                 "shared_tensors": report.shared_tensors, "plan_seconds": refitter.plan_seconds,
                 "fp8_on_sender": report.fp8_on_sender, "fp8_on_receiver": report.fp8_on_receiver,
+                "fp8_kernel": fp8_kernel.variant() if cfg.fp8 else None,
                 # source bytes FP8 steps read (the local copies' are in bytes_local)
                 "bytes_quantize_read": sum(q.region.numel * itemsize(q.src_dtype)
                                            for q in refitter.plan.quantize if not q.received)})
