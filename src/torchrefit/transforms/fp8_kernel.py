@@ -62,7 +62,11 @@ VARIANTS = {
     "twopass_c32_w4": Variant(32, 4),
     "twopass_c32_w8": Variant(32, 8),
 }
-_DEFAULT = "onepass_w8"
+# the fastest on an H200 (benchmarks/fp8_kernel_lab.py, BENCHMARKS.md: 3.00 ms for the seed's
+# 12.1 GB of projections, 1.06x their copy floor; one pass with 8 warps 3.82 ms, the
+# pre-rewrite kernel 16.3 ms): 64-row chunks keep ~40 registers a thread, so six
+# programs an SM keep loads in flight, and the second pass finds the block in cache
+_DEFAULT = "twopass_c64_w8"
 _EDGE = Variant(32, 4)  # masked blocks: few, and a masked whole block needs ~250 registers
 
 
