@@ -13,7 +13,14 @@ A Megatron-style TP2 trainer (ranks 0-1) refits, twice, into:
   ``tr.maps.megatron_to_hf``, loading with the model's own ``load_state_dict``: every
   parameter equals a reference conversion written with plain indexing
   (``test_maps_hf.reference``), and the version is stamped on the engine;
-* a ``bucket_bytes`` smaller than a tensor: the same error on every rank, nothing written.
+* a ``bucket_bytes`` smaller than a tensor: the same error on every rank, nothing written;
+* a sink that wants two projections as block FP8 with ``_scale_inv`` grids: each weight
+  arrives with its scale in one ``load_weights`` call, bit-identical to the torch
+  quantization of the whole global tensor (the oracle), one quantized by the senders and
+  one on the sink (its blocks straddle the TP shards).
+
+Bucket planning itself (pure): budgets, several sinks, names no sink holds, and an FP8
+weight's scale kept in its weight's bucket.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class Recorder:
         self.got: dict[str, list[torch.Tensor]] = {}
         self.calls = 0
         self.over_budget: list[str] = []
+        self.call_of: dict[str, int] = {}
 
     def __call__(self, weights) -> None:
         self.calls += 1
@@ -52,6 +60,7 @@ class Recorder:
             self.over_budget.append(f"call {self.calls}: {span} bytes in {len(storages)} storages")
         for name, t in pairs:
             self.got.setdefault(name, []).append(t.clone())  # copies, as engines do
+            self.call_of[name] = self.calls
 
 
 def _wanted(rank: int) -> list[tuple]:
@@ -163,11 +172,67 @@ def _too_small(rank: int) -> dict:
     return attempt_refit(src, dst, dst_layout=sink, skip=["extra.*"])
 
 
+# FP8 into a sink: blocks of 8 x 24 make linear_proj's TP shards (12 of its 24 columns each)
+# cut blocks, so it is quantized on receipt; linear_fc2's shards (24 of 48 columns) are whole
+# blocks, quantized by the senders
+FP8_BLOCK = (8, 24)
+FP8_NAMES = ("linear_proj.weight", "linear_fc2.weight")
+FP8_BUCKET = 12 * 1024
+
+
+def _fp8_wanted() -> list[tuple]:
+    out = []
+    for name, d in global_table(SPEC).items():
+        if not d.persistent:
+            continue
+        if name.endswith(FP8_NAMES):
+            grid = (-(-d.shape[0] // FP8_BLOCK[0]), -(-d.shape[1] // FP8_BLOCK[1]))
+            out += [(name, d.shape, torch.float8_e4m3fn), (name + "_scale_inv", grid, torch.float32)]
+        else:
+            out.append((name, d.shape, torch.float32))
+    return out
+
+
+def _fp8(rank: int) -> dict:
+    from torchrefit.transforms import quantize_blocks
+
+    src = build_toy(SPEC, TRAINER, rank, 0) if rank < 2 else None
+    recorder = Recorder(FP8_BUCKET)
+    sink = tr.load_weights_sink(recorder, _fp8_wanted(), bucket_bytes=FP8_BUCKET) if rank >= 2 else None
+    r = tr.Refitter(src, nn.Module() if rank >= 2 else None, dst_layout=sink, fp8_block=FP8_BLOCK,
+                    staging_bytes=STAGING)
+    out: dict = {"wrong": [], "apart": []}
+    for seed in (1, 2):
+        if src is not None:
+            _set(src, rank, seed)
+        recorder.got.clear()
+        report = r.refit()
+        out["sender"], out["receiver"] = report.fp8_on_sender, report.fp8_on_receiver
+        for name, d in global_table(SPEC).items():
+            if rank < 2 or not d.persistent:
+                continue
+            want = global_value(name, d.shape, seed, SPEC)
+            got = recorder.got.get(name, [None])
+            if not name.endswith(FP8_NAMES):
+                ok = len(got) == 1 and torch.equal(got[0], want)
+            else:  # the oracle: the whole global tensor quantized by the torch reference
+                q, s = quantize_blocks(want, FP8_BLOCK)
+                scale = recorder.got.get(name + "_scale_inv", [None])
+                ok = (len(got) == 1 and len(scale) == 1 and torch.equal(got[0].view(torch.uint8), q.view(torch.uint8))
+                      and torch.equal(scale[0], s)
+                      and recorder.call_of[name] == recorder.call_of[name + "_scale_inv"])
+            if not ok:
+                out["wrong"].append((seed, name))
+    out["calls"] = recorder.calls
+    out["over_budget"] = recorder.over_budget
+    return out
+
+
 def _world(rank: int, world: int) -> dict:
     import transformers  # noqa: F401  (every rank pays the import before the first gather)
 
     return {"recorders": _recorders(rank), "transformers": _transformers(rank),
-            "too_small": _too_small(rank)}
+            "too_small": _too_small(rank), "fp8": _fp8(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -211,6 +276,16 @@ def test_bucket_smaller_than_a_tensor_fails_everywhere(results) -> None:
                             "exceed the sink's bucket_bytes 1024", max_seconds=60)
 
 
+def test_fp8_into_a_sink(results) -> None:
+    """FP8 weights and their scales reach ``load_weights`` together, bit-identical to the
+    torch quantization of the whole global tensor, quantized on the senders where whole
+    blocks of a shard fill them and on the sink where a block straddles two shards."""
+    for rank in (2, 3):
+        got = results[rank]["fp8"]
+        assert got["wrong"] == [] and got["over_budget"] == [], got
+        assert got["calls"] > 4 and got["sender"] > 0 and got["receiver"] > 0, got
+
+
 # ------------------------------------------------------------- bucket planning (pure)
 def _roster(entries: list[tuple[str, tuple[int, ...]]]) -> bytes:
     from torchrefit.layout import ModelLayout, TensorLayout, whole_piece
@@ -235,3 +310,8 @@ def test_plan_buckets_rule() -> None:
     assert plan_buckets({2: (a, 512)}, ["z", "a"]) == (("a", "b", "z"), ("c",), ("d",))
     with pytest.raises(tr.PlanError, match=r"c: 512 bytes on sink ranks \[2\] exceed their bucket_bytes 300"):
         plan_buckets({2: (a, 300)})
+    # an FP8 weight's scale goes right after it, in its bucket, wherever the sink lists it
+    assert plan_buckets({2: (a, 512)}, scales={"a": "d"}) == (("a", "d"), ("b",), ("c",))
+    assert plan_buckets({2: (a, 1024)}, scales={"c": "a"}) == (("b", "c", "a"), ("d",))
+    with pytest.raises(tr.PlanError, match=r"c with its scale d: 544 bytes on sink ranks \[2\]"):
+        plan_buckets({2: (a, 520)}, scales={"c": "d"})

@@ -323,7 +323,7 @@ def _refit(case: Case, rank: int, src, dst, name_map, want, kwargs) -> dict:
     report = r.refit()
     verified = _verified(r)  # collective: every rank
     if dst is None:
-        return {"verified": verified}
+        return {"verified": verified, "fp8_staging": report.fp8_staging_bytes}
     got = {n: p.detach() for n, p in params.items()}
     wrong = [n for n, t in want.items() if not torch.equal(_bits(got[n]), _bits(t))]
     fp8 = sorted(n for n, t in got.items() if t.dtype == FP8)
@@ -337,7 +337,8 @@ def _refit(case: Case, rank: int, src, dst, name_map, want, kwargs) -> dict:
     return {"wrong": wrong, "fp8": fp8, "sender": report.fp8_on_sender,
             "receiver": report.fp8_on_receiver, "n": len(want),
             "split": {n: got[n].numel() for n in fp8},  # elements (= FP8 bytes) per tensor
-            "wire": wire, "verified": verified}
+            "wire": wire, "verified": verified,
+            "fp8_staging": report.fp8_staging_bytes, "shadow": report.fp8_shadow_bytes}
 
 
 def _corrupted_and_caught(r: tr.Refitter, got, fp8: list[str], on_receipt: str) -> str:
@@ -415,6 +416,11 @@ def test_transform_case(case: Case, results) -> None:
             assert (got["sender"], got["receiver"]) == (total - on_receipt, on_receipt)
             for name, (nbytes, elements) in got["wire"].items():  # FP8, or fp32 into shadows
                 assert nbytes == (4 if re.search(case.receiver, name) else 1) * elements, name
+            # the report counts the fp32 shadows the exchange fills for those tensors
+            assert got["shadow"] == 4 * on_receipt, (got["shadow"], on_receipt)
+        if any(n == e for r in results if "wire" in r[case.id] for n, e in r[case.id]["wire"].values()):
+            # FP8 on the wire: some sender held FP8 staging, and the report says so
+            assert any(r[case.id].get("fp8_staging", 0) > 0 for r in results), case.id
         if case.kind == "fp8-vllm":
             assert any(n.endswith("w13_weight") for n in got["fp8"])
             assert any(n.endswith("qkv_proj.weight") for n in got["fp8"])

@@ -79,6 +79,11 @@ class RefitReport:
     # the source's dtype; RankPlan.explain() says which per tensor and region
     fp8_on_receiver: int = 0
     fp8_on_sender: int = 0
+    # memory FP8 holds on this rank besides staging_bytes, allocated once: the sender's
+    # FP8 values and float32 scales that sends carry, and the receiver's shadows (the
+    # source's dtype) that the exchange fills before the quantize step
+    fp8_staging_bytes: int = 0
+    fp8_shadow_bytes: int = 0
 
     @property
     def bytes_remote(self) -> int:
@@ -279,7 +284,8 @@ class Refitter:
         sinks = {r: (i.dst, i.bucket_bytes) for r, i in enumerate(infos) if i.bucket_bytes}
         if not sinks:
             return None
-        buckets = plan_buckets(sinks, sorted(self._planner.dst.tensors))
+        scales = {name: t.scale for name, t in self._planner.fp8.items()}
+        buckets = plan_buckets(sinks, sorted(self._planner.dst.tensors), scales)
         if isinstance(self._dst, SinkDescribed):
             self._dst.place(buckets)
         return list(zip(buckets, split_plan(self.plan, buckets)))
@@ -342,7 +348,7 @@ class Refitter:
             self.plan.bytes_received, self.transport_name, stats.rounds, stats.messages_sent,
             stats.messages_received, stats.staging_bytes, compiled,
             sum(len(p.shared) for p in self._phase_programs or [self._program]),
-            *reversed(self.plan.fp8_bytes),
+            *reversed(self.plan.fp8_bytes), *self._fp8_held(),
         )
         _log.debug("rank %d: refit %d in %.3f s: %d B local, %d B sent, %d B received",
                    self.rank, report.version, report.seconds, report.bytes_local,
@@ -371,14 +377,25 @@ class Refitter:
             self._program = self._phase_programs = self._verifier = None
             self._fp8_buffers = None
 
+    def _fp8_held(self) -> tuple[int, int]:
+        """Bytes of this rank's FP8 staging and shadows (see ``RefitReport``)."""
+        if self._fp8_buffers is None:
+            return 0, 0
+        shadows, staging = self._fp8_buffers
+        return (sum(t.nbytes for t in staging.values()), sum(t.nbytes for t in shadows.values()))
+
     def _run_phases(self) -> RunStats:
         """One phase per bucket, in the agreed order; a sink rank hands each bucket to
         ``load_weights`` before the next phase overwrites its buffer."""
         rounds = sent = received = staging = 0
+        scales = {t.scale for t in self._planner.fp8.values()}
         for (names, _), program in zip(self._phases, self._phase_programs):
             stats = program.run()
             if isinstance(self._dst, SinkDescribed):
-                self._dst.deliver([n for n in names if self._planner.segments(n) is not None])
+                # with their sources' tensors, FP8 scales (they have none: the quantize
+                # step of their weight, in this phase, wrote them)
+                self._dst.deliver([n for n in names if self._planner.segments(n) is not None
+                                   or n in scales])
             rounds, sent, received = (rounds + stats.rounds, sent + stats.messages_sent,
                                       received + stats.messages_received)
             staging = max(staging, stats.staging_bytes)  # the buckets share one staging

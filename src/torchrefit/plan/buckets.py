@@ -38,31 +38,39 @@ def _local_bytes(blob: bytes) -> list[tuple[str, int]]:
 
 
 def plan_buckets(
-    sinks: Mapping[int, tuple[bytes, int]], other_names: Sequence[str] = ()
+    sinks: Mapping[int, tuple[bytes, int]], other_names: Sequence[str] = (),
+    scales: Mapping[str, str] | None = None,
 ) -> tuple[tuple[str, ...], ...]:
     """The bucket sequence: tuples of destination global names.
 
     ``sinks`` maps each sink rank to its roster bytes and its ``bucket_bytes``. Names
     follow the lowest sink rank's order (then names only other sinks hold, by rank);
     a bucket closes when adding the next name would push any sink rank's buffer
-    (tensors at :data:`ALIGN`-ed offsets) past its budget. ``other_names``
-    (destination tensors no sink holds) join the first bucket.
+    (tensors at :data:`ALIGN`-ed offsets) past its budget. ``scales`` maps an FP8
+    weight to its scale tensor: the scale goes right after its weight, in the same
+    bucket (the quantize step writes both at once, and the engine loads them together).
+    ``other_names`` (destination tensors no sink holds) join the first bucket.
     """
     classes: dict[tuple[bytes, int], list[int]] = {}
     for rank in sorted(sinks):
         classes.setdefault(sinks[rank], []).append(rank)
     held = [(ranks, dict(_local_bytes(blob)), budget)
             for (blob, budget), ranks in classes.items()]
+    scales = scales or {}
     order = _order(sinks)
+    derived = set(scales.values())
     buckets: list[list[str]] = []
     used = [0] * len(held)
     for name in order:
-        need = [align(u) + h.get(name, 0) if name in h else u for u, (_, h, _) in zip(used, held)]
-        _check_fits(name, held)
+        if name in derived:
+            continue  # placed with its weight
+        unit = [name, scales[name]] if name in scales else [name]
+        _check_fits(unit, held)
+        need = _add(used, unit, held)
         if not buckets or any(n > budget for n, (_, _, budget) in zip(need, held)):
             buckets.append([])
-            need = [h.get(name, 0) for _, h, _ in held]
-        buckets[-1].append(name)
+            need = _add([0] * len(held), unit, held)
+        buckets[-1].extend(unit)
         used = need
     sink_names = set(order)
     rest = [n for n in other_names if n not in sink_names]
@@ -81,11 +89,24 @@ def _order(sinks: Mapping[int, tuple[bytes, int]]) -> list[str]:
     return list(seen)
 
 
-def _check_fits(name: str, held) -> None:
+def _add(used: list[int], unit: list[str], held) -> list[int]:
+    """Each sink class's buffer bytes after laying ``unit``'s tensors out at aligned offsets."""
+    out = []
+    for u, (_, h, _) in zip(used, held):
+        for name in unit:
+            if name in h:
+                u = align(u) + h[name]
+        out.append(u)
+    return out
+
+
+def _check_fits(unit: list[str], held) -> None:
     for ranks, h, budget in held:
-        if h.get(name, 0) > budget:
+        need = _add([0], unit, [(ranks, h, budget)])[0]
+        if need > budget:
+            what = unit[0] if len(unit) == 1 else f"{unit[0]} with its scale {unit[1]}"
             raise PlanError(
-                f"{name}: {h[name]} bytes on sink ranks {ranks[:8]} exceed their bucket_bytes "
+                f"{what}: {need} bytes on sink ranks {ranks[:8]} exceed their bucket_bytes "
                 f"{budget}; raise bucket_bytes to at least the largest tensor a sink receives")
 
 
