@@ -7,7 +7,8 @@ TP1 collocated (every byte a local copy), NCCL world of one::
     python benchmarks/reliability_bench.py [--model gpt-4b] [--refits 1000] [--json out.json]
 
 Prints (and writes) the median refit time, the median ``verify()`` time and their
-ratio, then allocated / reserved device memory and host RSS after refit 10 and after the
+ratio (with the bytes verify reads, both models once, over its time; and how its fused
+checksum launches were cut: ``TORCHREFIT_VERIFY_KERNEL=0`` times the eager reference), then allocated / reserved device memory and host RSS after refit 10 and after the
 last, and whether the destination equals the source at the end (checked with
 ``torch.equal``, not with verify).
 """
@@ -37,6 +38,19 @@ def _timed(fn, iters: int) -> list[float]:
     return [1e3 * s for s in time_calls(fn, 0, iters, torch.device("cuda", 0))]
 
 
+def _flip_caught(r: tr.Refitter, dst: torch.nn.Module) -> bool:
+    """Flip one bit of the last destination tensor, verify, restore."""
+    w = list(dst.state_dict().values())[-1].view(-1).view(torch.uint8)
+    w[w.numel() // 3] ^= 4
+    try:
+        r.verify()
+        return False
+    except tr.VerificationError:
+        return True
+    finally:
+        w[w.numel() // 3] ^= 4
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="gpt-4b")
@@ -64,6 +78,16 @@ def main() -> None:
            "refit_ms_median": statistics.median(refit_ms),
            "verify_ms_median": statistics.median(verify_ms)}
     row["verify_over_refit"] = row["verify_ms_median"] / row["refit_ms_median"]
+    read = sum(t.nbytes for m in (src, dst) for t in m.state_dict().values())
+    row["verify_read_bytes"] = read
+    row["verify_tb_per_s"] = read / row["verify_ms_median"] / 1e9
+    fused = r._witness._fused if r._witness is not None else None
+    row["verify_launches"] = ([[g.word, g.tile, g.vector, int(g.table.shape[0])] for g in fused._static]
+                              if fused is not None else "eager reference")
+    print(f"verify reads {read / 1e9:.2f} GB: {row['verify_tb_per_s']:.2f} TB/s; launches "
+          f"(word bytes, tile, vector loads, segments): {row['verify_launches']}")
+    row["flipped_bit_caught"] = _flip_caught(r, dst)
+    print(f"a flipped destination bit makes verify raise: {row['flipped_bit_caught']}")
     print(f"{row['device']}: {args.model} {params / 1e9:.2f} B params; refit {row['refit_ms_median']:.2f} ms, "
           f"verify {row['verify_ms_median']:.2f} ms ({row['verify_over_refit']:.2f}x a refit)")
     marks = {}

@@ -30,6 +30,8 @@ from ..maps import relocate
 from ..plan.index import RoleIndex, TensorInfo
 from ..plan.planner import Planner
 from .checksum import MOD, region_sum
+from .fused import FusedSums, Item
+from .kernel import available as kernel_available
 
 __all__ = ["Witness", "Term", "cells"]
 
@@ -84,6 +86,7 @@ class Witness:
         self.rank = rank
         self.terms: list[Term] = []
         self.weight: list[int] = []  # per term: destination ranks holding its region
+        self._fused: FusedSums | None = None
         if dst is not None:
             self._dst_terms(dst)
         if src is not None:
@@ -155,7 +158,36 @@ class Witness:
     def sums(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor],
              device: torch.device) -> torch.Tensor:
         """int64 ``[2, tensors]``: this rank's destination and (weighted) source sums,
-        each in ``[0, 2**32)``; all-reduced over the group they must agree mod ``2**32``."""
+        each in ``[0, 2**32)``; all-reduced over the group they must agree mod ``2**32``.
+        On CUDA (or under Triton's interpreter) in a few kernel launches (``verify.fused``),
+        else term by term with :func:`region_sum` (the reference)."""
+        tables = {"src": src, "dst": dst}
+        if self._fusable(tables):
+            if self._fused is None:
+                self._fused = FusedSums(self._items(), 2 * len(self.names))
+            return self._fused.sums(tables, self._home(tables)).view(2, -1).to(device)
+        return self.reference_sums(src, dst, device)
+
+    def _home(self, tables) -> torch.device:
+        term = self.terms[0]
+        return tables[term.side][term.key].device
+
+    def _fusable(self, tables) -> bool:
+        """Every term's tensor on one device where the kernel runs."""
+        if not self.terms:
+            return False
+        devices = {tables[t.side][t.key].device for t in self.terms}
+        return len(devices) == 1 and kernel_available(next(iter(devices)).type)
+
+    def _items(self) -> list[Item]:
+        n = len(self.names)
+        return [Item(t.side, t.key, t.box.slices() if t.box.ndim else (), t.region.size, t.region.offset,
+                     dtype_from_name(t.dtype), w, (0 if t.side == "dst" else n) + t.tensor)
+                for t, w in zip(self.terms, self.weight)]
+
+    def reference_sums(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor],
+                       device: torch.device) -> torch.Tensor:
+        """What :meth:`sums` returns, term by term with :func:`region_sum` (on any device)."""
         out = torch.zeros(2, len(self.names), dtype=torch.int64, device=device)
         for term, weight in zip(self.terms, self.weight):
             s = region_sum(self._value(term, src, dst), term.region).to(device)
