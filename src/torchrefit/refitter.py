@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ._collectives import all_gather_pickled, all_gather_rosters
+from ._gc_pause import gc_paused
 from .connect import Connection
 from .errors import LayoutError, PlanError, RefitError, TransportError, VerificationError
 from .execute.program import Program, RunStats
@@ -156,6 +157,7 @@ class Refitter:
     records of every rank, then each distinct roster once).
     """
 
+    @gc_paused
     def __init__(
         self,
         src_model,
@@ -408,6 +410,7 @@ class Refitter:
             raise TypeError(f"refit(version=...) takes an int, not {type(version).__name__}")
         return version
 
+    @gc_paused
     def _compile(self, compare: bool) -> Program:
         if self._phases is not None:  # one program per bucket; the whole plan's stays unused
             # one pair of staging pools for all buckets (they run one after another);

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._gc_pause import gc_paused
 from ..errors import LayoutError
 from ..layout._types import Box
 from ..layout.binding import Meta, check_same_meta, meta_of
@@ -114,6 +115,7 @@ class Program:
         self.compiled = self._compile()
 
     # ----------------------------------------------------------------- compiling
+    @gc_paused
     def _compile(self) -> Compiled:
         views = Views(self.plan, self.src_tensors, self.dst_tensors)
         shared = _alias_whole_tensors(self.plan, views) if self.share_storage else ()

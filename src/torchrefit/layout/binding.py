@@ -61,14 +61,19 @@ class Binding:
             self._local.append(got[2])
             self._held.append(t)
         self._any_local = any(self._local)
+        # module._parameters / _buffers are plain dicts: dict.get as the mapped function
+        # keeps the per-refit check in C (half the host time of a Python helper per
+        # tensor: qwen3-30b-a3b, 8 layers, holds 4218 tensors); mapping models may not be
+        self._get = dict.get if all(type(d) is dict for d in self._dicts) else _get
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def changed(self) -> dict[str, torch.Tensor | None]:
         """Keys whose holder now holds another tensor (None: it holds nothing), with it.
-        Called before every refit: one C-level pass where nothing changed."""
-        now = list(map(_get, self._dicts, self._names))
+        Called before every refit: C-level passes (no Python frame per tensor) where
+        nothing changed."""
+        now = list(map(self._get, self._dicts, self._names))
         if self._any_local:
             now = [_local_of(t) if local else t for t, local in zip(now, self._local)]
         if all(map(operator.is_, now, self._held)):
