@@ -1,11 +1,18 @@
-"""Diagnostics on one GPU: where ``refit()`` spends host time, and whether a side stream
-that does not wait for the caller reads stale data (the stale-read test's premise)."""
+"""Diagnostics on one GPU: where ``refit()`` spends host time (warm, and constructing plus
+the first refit), and whether a side stream that does not wait for the caller reads
+stale data (the stale-read test's premise).
+
+    python benchmarks/diagnose_host.py                                   # the seed's gpt-4b
+    python benchmarks/diagnose_host.py --preset qwen3-30b-a3b --layers 8 --no-stale
+"""
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import os
 import pstats
+import time
 
 import torch
 import torch.distributed as dist
@@ -47,18 +54,34 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", "29544")
     dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="gpt-4b")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--no-stale", action="store_true", help="skip the stale-read probes")
+    args = ap.parse_args()
     cpm = sleep_cycles_per_ms(torch.device("cuda"))
     print(f"sleep cycles per ms: {cpm:.0f}")
-    for user in (False, True):
+    for user in (False, True) if not args.no_stale else ():
         for big in (False, True):
             print(f"stale probe: caller={'user stream' if user else 'default stream'} "
                   f"{'64M' if big else '1K'} floats -> dst max {stale_probe(cpm, user, big)}")
-    spec = spec_from_preset("gpt-4b")
+    spec = spec_from_preset(args.preset, layers=args.layers)
     src = build_toy(spec, Mesh(1, ranks=1), 0, 1, device="cuda", random_init=True)
     dst = build_toy(spec, Mesh(1, ranks=1), 0, 2, device="cuda", random_init=True)
+    tr.Refitter(src, dst).refit()  # imports, CUDA context, allocator: not the first refit's own cost
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
     r = tr.Refitter(src, dst)
     r.refit()
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"construction + first refit: {time.perf_counter() - t0:.3f} s (under cProfile)")
+    pstats.Stats(prof).sort_stats("cumtime").print_stats(25)
     prog = r._program
+    print(f"watched tensors {len(prog.compiled.watched)}, planned copies {len(prog.local.planned)}, "
+          f"large {len(prog.local.big)}, small groups {[len(g.dst) for g in prog.local.small]}")
     cycles = int(20 * cpm)
     side = prog.side
 
@@ -70,7 +93,8 @@ def main() -> None:
         with side.session(1), side.placed(0):
             prog.local.graph.replay()
 
-    for name, fn in [("refit()", r.refit), ("program.run()", prog.run), ("_check_storage", prog.check_storage),
+    for name, fn in [("refit()", r.refit), ("program.run()", prog.run), ("check_storage", prog.check_storage),
+                     ("_rebind (binding check)", r._rebind),
                      ("session(1) enter+exit", session_only), ("session + placed + replay", session_replay),
                      ("replay on current stream", prog.local.graph.replay)]:
         print(f"host ms {name:<28} {busy_host_ms(fn, cpm):.3f}")

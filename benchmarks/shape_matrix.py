@@ -10,6 +10,7 @@ models (source and destination) fit one H200 next to each other.
 Run (GPU machine, megatron-core importable)::
 
     python benchmarks/shape_matrix.py --json benchmarks/results/h200/h200_shape_matrix.json
+    python benchmarks/shape_matrix.py --also-toy --json F  # and torchrefit on toy models of each shape
     python benchmarks/shape_matrix.py --batched --json F  # with the opt-in batched-copy kernel
     python benchmarks/shape_matrix.py --no-megatron --only dense-0.5b --json F  # toy models, one preset
     python benchmarks/shape_matrix.py --report benchmarks/results/h200/h200_shape_matrix.json
@@ -42,7 +43,7 @@ TARGET = 1.03  # x the copy floor (issue 16)
 BEGIN, END = "<!-- shape_matrix: begin", "<!-- shape_matrix: end -->"
 
 
-def _config(name: str, layers: int | None, args):
+def _config(name: str, layers: int | None, args, toy: bool = False):
     from torchrefit.bench import BenchConfig
     from torchrefit.bench.config import spec_from_preset
     from torchrefit.bench.megatron_models import megatron_available
@@ -53,8 +54,8 @@ def _config(name: str, layers: int | None, args):
                                 expert_ffn=32, dtype=torch.float32)
     else:
         spec = spec_from_preset(name, layers=layers)
-    compare = ("megatron-core" if (torch.cuda.is_available() and megatron_available() and not args.no_megatron)
-               else None)
+    compare = ("megatron-core" if (torch.cuda.is_available() and megatron_available() and not args.no_megatron
+                                   and not toy) else None)
     label = name + (f" ({layers} layers)" if layers else "")
     return BenchConfig(spec=spec, transport="nccl" if torch.cuda.is_available() else "gloo",
                        warmup=args.warmup, iters=args.iters, variants=("graph",), compare=compare,
@@ -62,7 +63,6 @@ def _config(name: str, layers: int | None, args):
 
 
 def run(args) -> None:
-    from torchrefit.bench import run_bench
     from torchrefit.execute.batched import kernel_available
 
     if args.batched:  # read when each program compiles, also in the bench's worker processes
@@ -74,18 +74,25 @@ def run(args) -> None:
     for name, layers in MATRIX:
         if args.only and name not in args.only:
             continue
-        cfg = _config(name, layers, args)
-        t0 = time.perf_counter()
-        try:
-            rows = run_bench(cfg)
-            entry = {"preset": name, "layers": cfg.spec.layers, "rows": rows}
-        except Exception:  # one shape failing (memory) must not lose the others
-            entry = {"preset": name, "layers": cfg.spec.layers, "error": traceback.format_exc()}
-        entry["seconds"] = time.perf_counter() - t0
-        out["shapes"].append(entry)
-        print(_line(entry), flush=True)
-        if args.json:
-            Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+        for toy in (False, True) if args.also_toy and not args.no_megatron else (False,):
+            out["shapes"].append(_run_one(name, _config(name, layers, args, toy), toy or args.no_megatron))
+            print(_line(out["shapes"][-1]), flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+
+
+def _run_one(name: str, cfg, toy: bool) -> dict:
+    from torchrefit.bench import run_bench
+
+    t0 = time.perf_counter()
+    entry = {"preset": name, "layers": cfg.spec.layers,
+             "models": "toy" if toy or cfg.compare is None else "megatron-core"}
+    try:
+        entry["rows"] = run_bench(cfg)
+    except Exception:  # one shape failing (memory) must not lose the others
+        entry["error"] = traceback.format_exc()
+    entry["seconds"] = time.perf_counter() - t0
+    return entry
 
 
 def _line(entry: dict) -> str:
@@ -93,9 +100,15 @@ def _line(entry: dict) -> str:
         return f"{entry['preset']}: FAILED\n{entry['error']}"
     t, m = _rows(entry)
     meg = f", megatron-core {m['median_ms']:.2f} ms = {m['ratio_to_floor']:.2f}x" if m else ""
-    return (f"{t['label']}: {t['params'] / 1e9:.2f} B, torchrefit {t['median_ms']:.3f} ms = "
-            f"{t['ratio_to_floor'] or 0:.3f}x floor {t['floor_ms'] or 0:.3f} ms, host {t['host_ms'] or 0:.3f} ms "
-            f"warm, first {t['first_refit_s']:.3f} s{meg} ({entry['seconds']:.0f} s)")
+    return (f"{t['label']} [{entry.get('models', '?')}]: {t['params'] / 1e9:.2f} B, torchrefit "
+            f"{t['median_ms']:.3f} ms = {t['ratio_to_floor'] or 0:.3f}x floor {t['floor_ms'] or 0:.3f} ms "
+            f"(device {_x(t.get('device_ratio_to_floor'))}x, {_x(t.get('ratio_to_flat_copy'))}x a flat copy of "
+            f"{_x(t.get('flat_copy_ms'))} ms), host {t['host_ms'] or 0:.3f} ms warm, first "
+            f"{t['first_refit_s']:.3f} s{meg} ({entry['seconds']:.0f} s)")
+
+
+def _x(v, spec: str = ".3f") -> str:
+    return "-" if v is None else format(v, spec)
 
 
 def _rows(entry: dict):
@@ -105,29 +118,36 @@ def _rows(entry: dict):
     return t, m
 
 
+COLUMNS = ("shape", "models", "params", "torchrefit ms", "x floor", "device x floor", "x flat copy",
+           "floor ms", "flat copy ms", "host ms (warm)", "first refit s", "megatron-core ms", "x floor",
+           "torchrefit / megatron")
+
+
 def table(data: dict, source: str) -> str:
-    head = ("| shape | params | torchrefit ms | x floor | floor ms | host ms (warm) | first refit s "
-            "| megatron-core ms | x floor | torchrefit / megatron |\n" + "|---" * 10 + "|")
-    lines = [head]
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|---" * len(COLUMNS) + "|"]
     for e in data["shapes"]:
+        shape = f"{e['preset']} ({e['layers']} layers)"
         if "error" in e:
-            lines.append(f"| {e['preset']} ({e['layers']} layers) | failed: see the JSON |" + " |" * 8)
+            lines.append(f"| {shape} | {e.get('models', '')} | failed: see the JSON |" + " |" * (len(COLUMNS) - 3))
             continue
         t, m = _rows(e)
-        def f(x, spec=".2f"):
-            return "-" if x is None else format(x, spec)
-        lines.append(
-            f"| {e['preset']} ({e['layers']} layers) | {t['params'] / 1e9:.2f} B | {f(t['median_ms'])} "
-            f"| **{f(t['ratio_to_floor'], '.3f')}** | {f(t['floor_ms'])} | {f(t['host_ms'], '.3f')} "
-            f"| {f(t['first_refit_s'], '.3f')} | {f(m and m['median_ms'])} "
-            f"| {f(m and m['ratio_to_floor'])} | {f(t.get('ratio_to_megatron'), '.3f')} |")
-    models = "megatron-core GPTModels (local spec)" if any(
-        "megatron_median_ms" in r for e in data["shapes"] if "rows" in e for r in e["rows"]) else "toy models"
+        cells = [shape, e.get("models", "megatron-core" if m else "toy"), f"{t['params'] / 1e9:.2f} B",
+                 _x(t["median_ms"], ".2f"), f"**{_x(t['ratio_to_floor'])}**", _x(t.get("device_ratio_to_floor")),
+                 _x(t.get("ratio_to_flat_copy")), _x(t["floor_ms"], ".2f"), _x(t.get("flat_copy_ms")),
+                 _x(t["host_ms"]), _x(t["first_refit_s"]), _x(m and m["median_ms"], ".2f"),
+                 _x(m and m["ratio_to_floor"], ".2f"), _x(t.get("ratio_to_megatron"))]
+        lines.append("| " + " | ".join(cells) + " |")
     return (f"{BEGIN} (benchmarks/shape_matrix.py writes this section) -->\n"
             f"### Model shapes on one GPU (issue 16)\n\n"
-            f"{data['device']}, torch {data['torch']}; TP1 -> TP1 collocated, bf16, {models}, "
-            f"torchrefit with its defaults (CUDA graph), both on the same models in the same "
-            f"process; figures from `{source}`. Target: <= {TARGET}x the floor.\n\n"
+            f"{data['device']}, torch {data['torch']}; TP1 -> TP1 collocated, bf16; torchrefit with its "
+            f"defaults (CUDA graph) and megatron-core's `swap_model_weights` on the same megatron-core "
+            f"GPTModels (local spec) in the same process, and torchrefit on toy models of the same shape "
+            f"(*models* column); figures from `{source}`. Target: <= {TARGET}x the floor. *x floor*: wall "
+            f"time per refit, device idle before each, over the copy floor (bytes read + written over a "
+            f"4 GiB copy's bandwidth). *device x floor*: device time alone (each refit queued behind GPU "
+            f"sleep, between two events), so without the host time that precedes the first copy. "
+            f"*x flat copy*: wall time over one copy of the same bytes between two flat buffers, timed "
+            f"the same way (launch and synchronisation included; '-' where two more buffers do not fit).\n\n"
             + "\n".join(lines) + f"\n\n{END}")
 
 
@@ -151,6 +171,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (plumbing check)")
     ap.add_argument("--only", action="append", help="run only this preset (repeatable)")
     ap.add_argument("--no-megatron", action="store_true", help="torchrefit only")
+    ap.add_argument("--also-toy", action="store_true",
+                    help="after each megatron-core shape, torchrefit on toy models of the same shape")
     ap.add_argument("--batched", action="store_true",
                     help="with the opt-in batched-copy kernel (TORCHREFIT_BATCHED_COPY=1)")
     args = ap.parse_args()

@@ -25,7 +25,7 @@ from ..transport.base import transport_class
 from .config import VARIANTS, BenchConfig
 from .hf_models import build_hf_destination
 from .megatron_models import build_megatron_gpt, megatron_available, megatron_swap
-from .timing import copy_bandwidth, host_times, link_bandwidth, summarize, time_calls
+from .timing import copy_bandwidth, device_times, host_times, link_bandwidth, summarize, time_calls
 
 __all__ = ["run_bench", "backend_for", "FP8_BLOCK"]
 
@@ -97,6 +97,8 @@ def _bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
         out["rows"].append(_time_megatron(src, dst, cfg, device))
     if "share" in cfg.variants:  # last: aliasing rewires the destination model
         out["rows"].append(_time_refitter(tr, src, dst, cfg, "share", device))
+    if cfg.nproc == 1 and out["rows"] and out["rows"][0].get("bytes_local"):
+        out["flat_copy"] = _time_flat_copy(out["rows"][0]["bytes_local"], cfg, device)
     return out
 
 
@@ -136,9 +138,29 @@ def _measure(first, again, cfg: BenchConfig, device: torch.device, host_when) ->
     first_s = time.perf_counter() - t0
     times = time_calls(again, cfg.warmup, cfg.iters, device)
     hosts, cold = host_times(again, cfg.iters, device) if host_when() else ([], [])
+    devices = device_times(again, cfg.iters, device) if host_when() else []
     peak = (torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else 0
-    return {"times": times, "hosts": hosts, "hosts_cold": cold, "first_refit_s": first_s,
+    return {"times": times, "hosts": hosts, "hosts_cold": cold, "devices": devices, "first_refit_s": first_s,
             "peak_extra_bytes": peak}
+
+
+def _time_flat_copy(nbytes: int, cfg: BenchConfig, device: torch.device) -> dict | None:
+    """One copy of a refit's local bytes between two flat buffers, timed as refits are
+    (:func:`time_calls`: device idle before each call, wall time to finished work) and
+    as device time alone: the least a call that moves these bytes costs, launch and
+    synchronisation included, where the copy floor (a 4 GiB copy's bandwidth) leaves
+    them out. None where two more buffers of that size do not fit the device. Measured
+    last on the rank (the buffers stay in the caching allocator until the process ends)."""
+    if device.type != "cuda" or torch.cuda.mem_get_info(device)[0] < 2 * nbytes + (2 << 30):
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+
+    def copy() -> None:
+        dst.copy_(src)
+
+    return {"bytes": nbytes, "times": time_calls(copy, cfg.warmup, cfg.iters, device),
+            "devices": device_times(copy, cfg.iters, device)}
 
 
 def _time_refitter(tr, src, dst, cfg: BenchConfig, variant: str, device: torch.device) -> dict:
@@ -189,8 +211,10 @@ def _aggregate(cfg: BenchConfig, per_rank: list[dict]) -> list[dict]:
     for i, row0 in enumerate(per_rank[0]["rows"]):
         ranks = [r["rows"][i] for r in per_rank]
         times = [max(t) for t in zip(*(r["times"] for r in ranks))]  # slowest rank per iteration
-        row = {k: v for k, v in row0.items() if k not in ("times", "hosts", "hosts_cold")}
+        row = {k: v for k, v in row0.items() if k not in ("times", "hosts", "hosts_cold", "devices")}
         row.update(summarize(times))
+        devices = [d for r in ranks for d in r.get("devices", ())]
+        row["device_ms"] = summarize(devices)["median_ms"] if devices else None
         for key, samples in (("host_ms", "hosts"), ("host_cold_ms", "hosts_cold")):
             hosts = [h for r in ranks for h in r[samples]]
             row[key] = summarize(hosts)["median_ms"] if hosts else None
@@ -214,15 +238,27 @@ def _aggregate(cfg: BenchConfig, per_rank: list[dict]) -> list[dict]:
         floor_ms = (read + per_rank[0]["dst_bytes"]) / bandwidth * 1e3
         note = "HBM floor: source bytes read + engine bytes written (FP8 and scales), one GPU"
     meg = next((r for r in rows if r["impl"] == "megatron-core"), None)
+    flat = _flat_copy_fields(per_rank[0].get("flat_copy"))
     for r in rows:
         r.update(base)
+        r.update(flat)
         r["floor_ms"], r["floor_note"] = floor_ms, note
         r["ratio_to_floor"] = r["median_ms"] / floor_ms if floor_ms else None
+        r["device_ratio_to_floor"] = r["device_ms"] / floor_ms if floor_ms and r["device_ms"] else None
+        flat_ms = flat.get("flat_copy_ms")
+        r["ratio_to_flat_copy"] = r["median_ms"] / flat_ms if flat_ms else None
         r["link_utilization"] = _link_utilization(torch_rows[0], link, r["median_ms"]) if torch_rows else None
         if meg is not None and r["impl"] == "torchrefit":
             r["megatron_median_ms"] = meg["median_ms"]
             r["ratio_to_megatron"] = r["median_ms"] / meg["median_ms"]
     return rows
+
+
+def _flat_copy_fields(flat: dict | None) -> dict:
+    if not flat:
+        return {}
+    return {"flat_copy_bytes": flat["bytes"], "flat_copy_ms": summarize(flat["times"])["median_ms"],
+            "flat_copy_device_ms": summarize(flat["devices"])["median_ms"] if flat["devices"] else None}
 
 
 def _link_utilization(row: dict, link: float | None, median_ms: float) -> float | None:

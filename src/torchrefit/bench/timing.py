@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["copy_bandwidth", "link_bandwidth", "time_calls", "median_ms", "host_times", "median_host_ms",
-           "summarize", "sleep_cycles_per_ms"]
+           "device_times", "summarize", "sleep_cycles_per_ms"]
 
 
 def _sync(device: torch.device) -> None:
@@ -128,6 +128,32 @@ def host_times(fn: Callable[[], object], iters: int, device: torch.device, busy_
             (warm if i else cold).append(time.perf_counter() - t0)
     _sync(device)
     return warm, cold
+
+
+def device_times(fn: Callable[[], object], iters: int, device: torch.device, busy_ms: float = 20.0,
+                 cycles_per_ms: float | None = None) -> list[float]:
+    """Seconds of device work per call of ``fn``, host time left out: each call is
+    queued behind ``busy_ms`` of GPU sleep, between two events on the caller's
+    stream, so the first event fires when the sleep ends and the host has long
+    queued the call's work (where the host takes longer than the sleep, the gap
+    counts, so this never reads below the device time). Shows how much of a wall
+    time (:func:`time_calls`, device idle before each call) is host time spent
+    before the first copy starts. Empty off CUDA."""
+    if device.type != "cuda":
+        return []
+    cycles = int(busy_ms * (cycles_per_ms or sleep_cycles_per_ms(device)))
+    out = []
+    for _ in range(iters):
+        _sync(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / 1e3)
+    _sync(device)
+    return out
 
 
 def median_host_ms(fn: Callable[[], object], iters: int, device: torch.device,
