@@ -63,6 +63,7 @@ def _config(name: str, layers: int | None, args, toy: bool = False):
 
 
 def run(args) -> None:
+    from torchrefit.bench.megatron_models import megatron_available
     from torchrefit.execute.batched import kernel_available
 
     if args.batched:  # read when each program compiles, also in the bench's worker processes
@@ -71,10 +72,11 @@ def run(args) -> None:
     out = {"device": torch.cuda.get_device_name(0) if cuda else "cpu",
            "torch": torch.__version__, "target_x_floor": TARGET,
            "batched_copy": cuda and kernel_available(torch.device("cuda")), "shapes": []}
+    megatron = cuda and megatron_available() and not args.no_megatron
     for name, layers in MATRIX:
         if args.only and name not in args.only:
             continue
-        for toy in (False, True) if args.also_toy and not args.no_megatron else (False,):
+        for toy in (False, True) if args.also_toy and megatron else (False,):
             out["shapes"].append(_run_one(name, _config(name, layers, args, toy), toy or args.no_megatron))
             print(_line(out["shapes"][-1]), flush=True)
             if args.json:
