@@ -10,6 +10,10 @@
   end, while the same process collects outside a refit; the
   collector's state is restored afterwards, also after an exception, and a caller's
   disabled collector stays disabled. The refit is checked against the oracle.
+* Describing a model of thousands of whole tensors takes a shortcut: a single piece
+  that is the whole local and global tensor is accepted without the tiling checks
+  (``layout._types.TensorLayout``), and every other single piece is still checked
+  (one whole-sized piece moved off the origin, globally or locally, is rejected).
 * The benchmark's aggregation (``bench.runner._aggregate``) derives the device-time
   and flat-copy ratios from the samples it is given (figures worked out by hand).
 """
@@ -27,7 +31,10 @@ import torchrefit as tr
 from torchrefit._gc_pause import gc_paused
 from torchrefit.bench.config import BenchConfig
 from torchrefit.bench.runner import _aggregate
+from torchrefit.errors import LayoutError
+from torchrefit.layout._types import Box, Piece, TensorLayout
 from torchrefit.layout.binding import Binding
+from torchrefit.layout.sharding import whole_piece
 from torchrefit.testing import Mesh, ModelSpec, build_toy, expected_local, run_world
 
 
@@ -71,6 +78,17 @@ def test_binding_of_a_mapping_model_that_is_not_a_dict() -> None:
     assert list(binding.changed()) == ["b"]
     del store["a"]
     assert binding.changed()["a"] is None
+
+
+def test_whole_tensor_layouts_take_the_shortcut_and_others_are_still_checked() -> None:
+    shape = (4, 6)
+    assert whole_piece(torch.Size(shape)) is whole_piece(shape)  # one piece per shape
+    TensorLayout("w", shape, "bfloat16", shape, whole_piece(shape))
+    for piece in (Piece(Box((1, 0), shape), (0, 0)), Piece(Box((0, 0), shape), (0, 2))):
+        with pytest.raises(LayoutError, match="outside"):
+            TensorLayout("w", shape, "bfloat16", shape, (piece,))
+    with pytest.raises(LayoutError, match="tile"):  # a whole-sized piece of a larger global tensor
+        TensorLayout("w", (8, 6), "bfloat16", shape, (Piece(Box((0, 0), (2, 6)), (0, 0)),))
 
 
 def test_gc_paused_restores_the_collector() -> None:

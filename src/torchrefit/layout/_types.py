@@ -162,6 +162,8 @@ class TensorLayout:
     is_buffer: bool = False
 
     def __post_init__(self) -> None:
+        if len(self.pieces) == 1 and _whole(self.pieces[0], self.local_shape, self.global_shape):
+            return  # held whole (every tensor at TP1, every expert at expert-TP1): tiles trivially
         where = f"{self.name}: local {list(self.local_shape)} of global {list(self.global_shape)}"
         if not self.pieces:
             raise LayoutError(f"{where} has no pieces")
@@ -188,6 +190,12 @@ class TensorLayout:
                 f"{where}: pieces {[str(p.box) for p in self.pieces]} do not tile the local "
                 f"tensor exactly once ({covered} elements in pieces, {numel} local)"
             )
+
+
+def _whole(p: Piece, local_shape: tuple[int, ...], global_shape: tuple[int, ...]) -> bool:
+    """Whether ``p`` is the whole of a local tensor that is the whole global tensor."""
+    return (p.box.size == local_shape == global_shape and not any(p.box.offset)
+            and not any(p.local_offset))
 
 
 def _any_overlap(boxes: list[Box]) -> bool:

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 from ..errors import LayoutError
 from ._types import Box, Piece
@@ -24,7 +25,12 @@ __all__ = ["shard_pieces", "whole_piece"]
 
 def whole_piece(shape: Sequence[int]) -> tuple[Piece, ...]:
     """The single piece of a tensor that a rank holds entirely."""
-    shape = tuple(int(s) for s in shape)
+    return _whole_piece(tuple(int(s) for s in shape))
+
+
+@lru_cache(maxsize=4096)
+def _whole_piece(shape: tuple[int, ...]) -> tuple[Piece, ...]:
+    # one (immutable) piece per shape: a MoE model's thousands of experts share a few
     return (Piece(Box.whole(shape), (0,) * len(shape)),)
 
 
