@@ -121,7 +121,7 @@ def _rows(entry: dict):
 
 
 COLUMNS = ("shape", "models", "params", "torchrefit ms", "x floor", "device x floor", "x flat copy",
-           "floor ms", "flat copy ms", "host ms (warm)", "first refit s", "megatron-core ms", "x floor",
+           "floor ms", "flat copy ms", "host ms (warm)", "host ms (cold)", "first refit s", "megatron-core ms", "x floor",
            "torchrefit / megatron")
 
 
@@ -136,7 +136,7 @@ def table(data: dict, source: str) -> str:
         cells = [shape, e.get("models", "megatron-core" if m else "toy"), f"{t['params'] / 1e9:.2f} B",
                  _x(t["median_ms"], ".2f"), f"**{_x(t['ratio_to_floor'])}**", _x(t.get("device_ratio_to_floor")),
                  _x(t.get("ratio_to_flat_copy")), _x(t["floor_ms"], ".2f"), _x(t.get("flat_copy_ms")),
-                 _x(t["host_ms"]), _x(t["first_refit_s"]), _x(m and m["median_ms"], ".2f"),
+                 _x(t["host_ms"]), _x(t.get("host_cold_ms")), _x(t["first_refit_s"]), _x(m and m["median_ms"], ".2f"),
                  _x(m and m["ratio_to_floor"], ".2f"), _x(t.get("ratio_to_megatron"))]
         lines.append("| " + " | ".join(cells) + " |")
     return (f"{BEGIN} (benchmarks/shape_matrix.py writes this section) -->\n"
@@ -148,6 +148,8 @@ def table(data: dict, source: str) -> str:
             f"time per refit, device idle before each, over the copy floor (bytes read + written over a "
             f"4 GiB copy's bandwidth). *device x floor*: device time alone (each refit queued behind GPU "
             f"sleep, between two events), so without the host time that precedes the first copy. "
+            f"*host ms*: host time per refit while the GPU is busy; *warm* right after another call, "
+            f"*cold* the first call after the host waited for the device, as each timed refit is. "
             f"*x flat copy*: wall time over one copy of the same bytes between two flat buffers, timed "
             f"the same way (launch and synchronisation included; '-' where two more buffers do not fit).\n\n"
             + "\n".join(lines) + f"\n\n{END}")
