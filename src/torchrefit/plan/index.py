@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 
 from ..errors import PlanError
 from ..layout._types import Box
+from .gc_pause import gc_paused
 from .roster import decode_roster
 
 __all__ = ["TensorInfo", "RoleIndex"]
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorInfo:
     """One global tensor as one role (src or dst) holds it across all ranks."""
 
@@ -47,6 +48,7 @@ class TensorInfo:
 class RoleIndex:
     """All ranks' holdings of one role, keyed by global tensor name."""
 
+    @gc_paused
     def __init__(self, role: str, rosters: Sequence[bytes | None]) -> None:
         self.role = role
         self.members: list[list[int]] = []  # class id -> ranks, ascending
@@ -82,19 +84,22 @@ class RoleIndex:
         converted: dict[int, tuple[Box, ...]] = {}
         self.names[cid] = [e[0] for e in roster.entries]
         for name, shape, dtype, is_buffer, boxes in roster.entries:
+            shape = tuple(shape)  # (the same object where it is one already)
+            got = converted.get(id(boxes))
+            if got is None:
+                got = converted[id(boxes)] = self._as_boxes(boxes)
             info = tensors.get(name)
-            if info is None:
-                info = tensors[name] = TensorInfo(name, tuple(shape), dtype, is_buffer, rank)
-            elif info.shape != tuple(shape) or info.dtype != dtype:
+            if info is None:  # the first class holding it (every expert of a wide EP)
+                tensors[name] = TensorInfo(name, shape, dtype, is_buffer, rank,
+                                           {box: [cid] for box in got})
+                continue
+            if info.shape != shape or info.dtype != dtype:
                 raise PlanError(
                     f"{name}: {self.role} ranks disagree about the model's structure: rank "
                     f"{info.first_rank} has global shape {list(info.shape)} {info.dtype}, rank "
                     f"{rank} has {list(shape)} {dtype}"
                 )
             held = info.boxes
-            got = converted.get(id(boxes))
-            if got is None:
-                got = converted[id(boxes)] = self._as_boxes(boxes)
             for box in got:
                 cids = held.get(box)
                 if cids is None:

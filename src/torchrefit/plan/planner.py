@@ -34,6 +34,7 @@ from ..transforms.fp8 import (
     scale_cells,
     whole_blocks,
 )
+from .gc_pause import gc_paused
 from .index import RoleIndex, TensorInfo
 from .shares import ClassBlock, ShareLine
 from .types import LocalCopy, Quantize, RankPlan, Transfer, itemsize, shadow_key, staging_keys
@@ -161,6 +162,7 @@ class Planner:
                    sender_transforms=sender_transforms)
 
     # ----------------------------------------------------------------- validation
+    @gc_paused
     def validate(self) -> None:
         """Check the whole refit; raise one :class:`PlanError` listing what is wrong.
 
@@ -444,6 +446,7 @@ class Planner:
         return line
 
     # ------------------------------------------------------------------ rank plan
+    @gc_paused
     def plan_rank(
         self, rank: int, world: int, src: ModelLayout | None, dst: ModelLayout | None
     ) -> RankPlan:
