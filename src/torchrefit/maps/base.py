@@ -83,7 +83,8 @@ class NameMap:
         name = held_name(name, src_names, src_aliases) if name is not None else None
         if name is None:
             return None
-        return [Segment(_whole(tuple(dst_shape)), name, (0,) * len(dst_shape))]
+        whole = _whole(tuple(dst_shape))
+        return [Segment(whole, name, whole.offset)]
 
     def padding(self, dst_name: str, dst_shape: tuple[int, ...], src_names: Container[str],
                 src_aliases: Mapping[str, str]) -> tuple[Box, ...]:

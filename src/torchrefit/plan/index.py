@@ -142,13 +142,17 @@ class RoleIndex:
         if self._by_holders is None:
             table: dict[tuple[int, ...], list[str]] = {}
             for name, info in self.tensors.items():
-                if not info.disjoint:
+                boxes = info.boxes
+                if len(boxes) == 1:  # the usual case: one box, one holder set
+                    for cids in boxes.values():
+                        table.setdefault(tuple(cids), []).append(name)
+                elif not info.disjoint:
                     self._overlapping.add(name)
-                    continue
-                for cids in info.boxes.values():
-                    names = table.setdefault(tuple(cids), [])
-                    if not names or names[-1] != name:
-                        names.append(name)
+                else:
+                    for cids in boxes.values():
+                        names = table.setdefault(tuple(cids), [])
+                        if not names or names[-1] != name:
+                            names.append(name)
             self._by_holders = table
         got = self._by_holders.get(holders, [])
         if not self._overlapping:
