@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from ..errors import PlanError
 from ..layout._types import Box, ModelLayout, TensorLayout, dtype_from_name
 from ..maps import Identity, NameMap, Segment, relocate
+from ..maps.base import held_name
 from ..transforms.fp8 import (
     FP8_DTYPE,
     Target,
@@ -173,10 +174,16 @@ class Planner:
         # Who reads each source tensor, as consumers() builds it: this pass computes
         # every tensor's segments anyway (a second pass cost 30,000 lookups at 16k ranks).
         readers: dict[str, list[str]] = {}
+        whole = type(self.name_map).segments is NameMap.segments
         for name in sorted(self.dst.tensors):
             if name in self._derived:
                 continue  # an FP8 scale: written by the quantizer
             info = self.dst.tensors[name]
+            if whole:  # each tensor whole from one source tensor (Identity, Rename): its
+                # geometry and its source's decide, without building its segments
+                key = self._whole_key(info, readers)
+                if key in self._valid:
+                    continue
             try:
                 segs = self.segments(name)
             except PlanError as e:  # a name map that finds the shapes do not fit its rule
@@ -189,10 +196,11 @@ class Planner:
                     hinted = sum(p.rule == "no source" for p in problems) < _HINTED
                     problems.append(self._no_source(info, hinted))
                 continue
-            _add_reader(readers, segs, name)
-            key = self._geometry(info, segs)
-            if key in self._valid:
-                continue
+            if not whole:
+                _add_reader(readers, segs, name)
+                key = self._geometry(info, segs)
+                if key in self._valid:
+                    continue
             problem = self._check_segments(info, segs) or self._check_coverage(info)
             if problem:
                 problems.append(problem)
@@ -252,6 +260,17 @@ class Planner:
         return (self.dst.geometry(info), tuple(
             (seg.dst_box, seg.src_offset, seg.part, src.geometry(src.tensors[seg.src_name]))
             for seg in segs))
+
+    def _whole_key(self, info: TensorInfo, readers: dict[str, list[str]]) -> tuple | None:
+        """:meth:`_geometry` for a map that takes each tensor whole from one source tensor
+        (its one segment is the whole tensor at the origin: the shapes in the two
+        geometries say where it sits), and note the reader; None without a source."""
+        src_name = held_name(self.name_map.source_name(info.name), self.src.tensors,
+                             self.src.aliases)
+        if src_name is None:
+            return None
+        readers.setdefault(src_name, []).append(info.name)  # names come once, in order
+        return ("whole", self.dst.geometry(info), self.src.geometry(self.src.tensors[src_name]))
 
     def _check_segments(self, info: TensorInfo, segs: list[Segment]) -> _Problem | None:
         for seg in segs:
