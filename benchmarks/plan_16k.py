@@ -94,16 +94,23 @@ def run_case(name: str, samples: int, timeout: int, reuse: bool) -> dict:
             "stdout": stdout}
 
 
-def quick(path: Path) -> dict:
+def quick(path: Path, against: str | None = None, repeats: int = 3) -> dict:
     """Without the whole-world traffic (the long part): the metadata every rank gathers at
-    16384 ranks and pure planning of three ranks (CPU and wall seconds), per 16k case."""
+    16384 ranks and pure planning of three ranks (CPU and wall seconds), per 16k case.
+
+    ``against``: a git commit whose planner plans the same ranks in this process,
+    interleaved with this tree's (run k of one, then run k of the other), so both see
+    the same load: on a shared machine the two columns compare where absolute figures
+    drift with the other jobs. Its plans must equal this tree's, field by field."""
     import gc
 
     from torchrefit.simulate import parse_mesh, preset, simulated_role
     from torchrefit.simulate.predict import Hardware
     from torchrefit.simulate.report import _metadata, time_rank
 
-    out = {"meta": dict(_machine(), load_before=os.getloadavg()[0])}
+    base = _baseline(against) if against else None
+    out = {"meta": dict(_machine(), load_before=os.getloadavg()[0], against=against,
+                        commit=_commit("HEAD"), repeats=repeats)}
     for name in (n for n in CASES if CASES[n][3] == 16384):
         model, src, dst, w, _ = CASES[name]
         c0 = time.process_time()
@@ -115,20 +122,63 @@ def quick(path: Path) -> dict:
                "gathered_rosters": g.rosters, "gathered_total": g.total, "broadcasts": g.owners,
                "full_gather": full, "setup_cpu_seconds": time.process_time() - c0, "ranks": {}}
         sb, db = s.rosters(), d.rosters()
+        planners = [(time_rank, s, d)]
+        if base is not None:
+            planners.append((base.report.time_rank,
+                             base.simulated_role(base.preset(model), base.parse_mesh(src, w), w),
+                             base.simulated_role(base.preset(model), base.parse_mesh(dst, w), w)))
         for r in (0, w // 2 + 3, w - 1):
-            s.layout(r), d.layout(r)
-            gc.collect()
-            gc.freeze()
-            tm = min((time_rank(sb, db, r, w, s.layout(r), d.layout(r))[0] for _ in range(3)),
-                     key=lambda t: t.cpu_seconds)
-            gc.unfreeze()
+            best: list = [None] * len(planners)
+            for _ in range(repeats):
+                for k, (timed, ss, dd) in enumerate(planners):
+                    ss.layout(r), dd.layout(r)
+                    gc.collect()
+                    gc.freeze()
+                    tm, plan = timed(sb, db, r, w, ss.layout(r), dd.layout(r))
+                    gc.unfreeze()
+                    if best[k] is None or tm.cpu_seconds < best[k][0].cpu_seconds:
+                        best[k] = (tm, repr(plan))
+            tm = best[0][0]
             row["ranks"][r] = {"cpu_seconds": tm.cpu_seconds, "wall_seconds": tm.seconds,
-                               "sends": tm.sends, "recvs": tm.recvs}
+                               "index_seconds": tm.index_seconds,
+                               "validate_seconds": tm.validate_seconds,
+                               "plan_seconds": tm.plan_seconds, "sends": tm.sends,
+                               "recvs": tm.recvs}
+            if base is not None:
+                old = best[1][0]
+                if best[1][1] != best[0][1]:
+                    raise RuntimeError(f"{name} rank {r}: the plan differs from {against}'s")
+                row["ranks"][r]["against"] = {"cpu_seconds": old.cpu_seconds,
+                                              "wall_seconds": old.seconds, "same_plan": True}
         out[f"{model} {src}->{dst}"] = row
         print(json.dumps(row), flush=True)
     out["meta"]["load_after"] = os.getloadavg()[0]
     path.write_text(json.dumps(out, indent=1))
     return out
+
+
+def _commit(ref: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", ref],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _baseline(ref: str):
+    """The planner of commit ``ref`` (its ``src/torchrefit``, unpacked as package
+    ``torchrefit_base`` in a temporary folder: the package imports itself relatively)."""
+    import importlib
+    import tempfile
+    import types
+
+    folder = Path(tempfile.mkdtemp(prefix="plan16k-"))
+    tar = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "src/torchrefit"],
+                         capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=tar, check=True)
+    (folder / "src" / "torchrefit").rename(folder / "torchrefit_base")
+    sys.path.insert(0, str(folder))
+    sim = importlib.import_module("torchrefit_base.simulate")
+    report = importlib.import_module("torchrefit_base.simulate.report")
+    return types.SimpleNamespace(simulated_role=sim.simulated_role, preset=sim.preset,
+                                 parse_mesh=sim.parse_mesh, report=report)
 
 
 def _quick_lines() -> list[str]:
@@ -139,14 +189,26 @@ def _quick_lines() -> list[str]:
     if "meta" not in q:
         return []
     m = q.pop("meta")
-    rows = [f"| {name} | " + " | ".join(
-        f"{x['cpu_seconds']:.2f} ({x['wall_seconds']:.2f})" for x in row["ranks"].values())
-        + " |" for name, row in q.items()]
-    ranks = " | ".join(f"rank {r}" for r in next(iter(q.values()))["ranks"])
-    return [f"Planning alone (`python benchmarks/plan_16k.py --quick`, {m['when']}, load "
+    ref = m.get("against")
+
+    def cell(x: dict) -> str:
+        got = f"{x['cpu_seconds']:.2f} ({x['wall_seconds']:.2f})"
+        return got + (f" | {x['against']['cpu_seconds']:.2f}" if ref else "")
+
+    rows = [f"| {name} | " + " | ".join(cell(x) for x in row["ranks"].values()) + " |"
+            for name, row in q.items()]
+    heads = [f"rank {r}" + (f" | rank {r} at {ref}" if ref else "")
+             for r in next(iter(q.values()))["ranks"]]
+    cols = len(heads) * (2 if ref else 1)
+    against = (f"; beside each, CPU s of the planner at {ref}, run interleaved with it in the "
+               "same process (same ranks, same load; its plans equal these field by field)"
+               if ref else "")
+    command = "python benchmarks/plan_16k.py --quick" + (f" --against {ref}" if ref else "")
+    return [f"Planning alone (`{command}` at {m.get('commit', '?')}, {m['when']}, load "
             f"{m['load_before']:.1f} before / {m['load_after']:.1f} after; CPU s (wall s), "
-            "best of three per rank):", "", f"| refit at 16384 ranks | {ranks} |",
-            "| --- | ---: | ---: | ---: |", *rows, ""]
+            f"best of {m.get('repeats', 3)} per rank{against}):", "",
+            f"| refit at 16384 ranks | {' | '.join(heads)} |",
+            "| --- |" + " ---: |" * cols, *rows, ""]
 
 
 def section(results: dict) -> str:
@@ -170,7 +232,8 @@ def section(results: dict) -> str:
         MARK_BEGIN,
         "## 16384 ranks, and predicted refit times",
         "",
-        f"`torchrefit plan` on {m['machine']} ({m['cpus']} cores shared with other jobs, no GPU, "
+        f"`torchrefit plan` at {m.get('commit', 'eef9080 or earlier')} on {m['machine']} "
+        f"({m['cpus']} cores shared with other jobs, no GPU, "
         f"{m['when']}), Python {m['python']}, torch {m['torch']}. Rosters: distinct source + "
         "destination rosters. Gathered: bytes every rank receives in the deduplicated gather "
         "(a record with two digests from every rank, then each distinct roster once, one "
@@ -196,9 +259,10 @@ def section(results: dict) -> str:
         "Dealing it region by region and rank by rank had not finished in 7.8 CPU minutes, "
         "and the whole command not in 15 minutes of wall time, before this change. "
         "Per-rank planning is sensitive to the load: on this machine's two hyperthreads, CPU "
-        "seconds inflate with the other jobs' too (the largest of the sampled DeepSeek-V3 "
-        "ranks: 0.78 CPU s in a first run of this benchmark at 05:57 UTC, load 17 falling to "
-        "14; 1.28 - 1.61 in the two runs above).",
+        "seconds inflate with the other jobs' too (at 9b4fded, before the speed-up below, the largest of "
+        "the sampled DeepSeek-V3 ranks took 0.78 CPU s in a run at load 17 and 1.28 - 1.61 in "
+        "two others). Planning alone below runs the planner of an earlier commit interleaved with "
+        "this one, so that both columns see the same load.",
         "",
         *_quick_lines(),
         "Reproduce: `python benchmarks/plan_16k.py` (writes `benchmarks/results/plan_16k.json` and "
@@ -305,14 +369,20 @@ def main() -> int:
     p.add_argument("--quick", action="store_true",
                    help="16k metadata and three ranks' planning only (no whole-world traffic): "
                         "benchmarks/results/plan_16k_metadata.json")
+    p.add_argument("--against", metavar="COMMIT",
+                   help="with --quick: also plan with this commit's planner, interleaved, and "
+                        "check its plans are the same")
+    p.add_argument("--repeats", type=int, default=3, help="with --quick: runs per rank (best)")
     args = p.parse_args()
     if args.quick:
-        quick(RESULTS.parent / "plan_16k_metadata.json")
+        quick(RESULTS.parent / "plan_16k_metadata.json", args.against, args.repeats)
+        _write_markdown(section(json.loads(RESULTS.read_text())))
         return 0
     if args.section_only:
         _write_markdown(section(json.loads(RESULTS.read_text())))
         return 0
-    results = {"meta": _machine(), "cases": {}, "samples": args.samples}
+    results = {"meta": dict(_machine(), commit=_commit("HEAD")), "cases": {},
+               "samples": args.samples}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     for name in args.cases:
         runs = args.runs if CASES[name][3] == 16384 and not args.reuse else 1
