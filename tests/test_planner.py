@@ -18,6 +18,7 @@ from torchrefit._format import format_bytes
 from torchrefit.errors import PlanError
 from torchrefit.layout import megatron, shard_pieces
 from torchrefit.layout._types import Box
+from torchrefit.maps import NameMap
 from torchrefit.plan.messages import ALIGN, cut_messages
 from torchrefit.plan.simulate import check_agreement, plan_world
 from torchrefit.plan.types import Transfer
@@ -177,3 +178,57 @@ def test_many_tensors_without_a_source_fail_fast(monkeypatch) -> None:
     assert all("closest source names" in line for line in missing[:3])
     assert not any("closest source names" in line for line in missing[3:])
     assert "closest source names: 'decoder.layers.0.mlp.linear_fc1.weight'" in str(err.value)
+
+
+def _whole(name: str, shape: tuple[int, ...], dtype: str = "float32"):
+    from torchrefit.layout._types import Piece, TensorLayout
+
+    return name, TensorLayout(name, shape, dtype, shape, (Piece(Box.whole(shape), (0,) * len(shape)),))
+
+
+class _Through(NameMap):
+    """Identity through a map of its own segments (the planner's general path, where the
+    validity key is built from segments rather than from the two tensors alone)."""
+
+    def segments(self, dst_name, dst_shape, src_names, src_aliases):
+        return super().segments(dst_name, dst_shape, src_names, src_aliases)
+
+
+@pytest.mark.parametrize("name_map", [None, _Through()], ids=["whole-tensor map", "segments map"])
+@pytest.mark.parametrize("src_b,rule", [(((4, 5), "float32"), "global shape"),
+                                        (((4, 4), "bfloat16"), "dtype")])
+def test_each_pair_of_geometries_is_checked(name_map, src_b, rule) -> None:
+    """Validation checks each distinct (destination geometry, source geometry) once: ``b``
+    looks like the valid ``a`` on the destination, but its source differs, so it is
+    checked too and named."""
+    from torchrefit.layout._types import ModelLayout
+
+    src = ModelLayout((_whole("a", (4, 4)), _whole("b", *src_b)))
+    dst = ModelLayout((_whole("a", (4, 4)), _whole("b", (4, 4))))
+    with pytest.raises(PlanError) as err:
+        plan_world([src, None], [None, dst], name_map=name_map, cast=False)
+    assert (err.value.tensor, err.value.rule, err.value.ranks) == ("b", rule, (1,))
+
+
+def test_planning_pauses_the_collector_and_restores_it() -> None:
+    """Planning runs with Python's cyclic GC paused (hundreds of thousands of acyclic
+    objects at 16k ranks) and leaves it as it found it, also where a caller paused it."""
+    import gc
+
+    seen: list[bool] = []
+
+    class Spy(NameMap):
+        def segments(self, *args):
+            seen.append(gc.isenabled())
+            return super().segments(*args)
+
+    src, dst = _layouts(ModelSpec(), Mesh(2, ranks=4), 4), _layouts(ModelSpec(), Mesh(1, ranks=4), 4)
+    assert gc.isenabled()
+    plan_world(src, dst, name_map=Spy())
+    assert seen and not any(seen) and gc.isenabled()
+    gc.disable()
+    try:
+        plan_world(src, dst, name_map=Spy())
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
