@@ -232,7 +232,7 @@ def section(results: dict) -> str:
         MARK_BEGIN,
         "## 16384 ranks, and predicted refit times",
         "",
-        f"`torchrefit plan` at {m.get('commit', 'eef9080 or earlier')} on {m['machine']} "
+        f"`torchrefit plan` at {m.get('commit', '9b4fded')} on {m['machine']} "
         f"({m['cpus']} cores shared with other jobs, no GPU, "
         f"{m['when']}), Python {m['python']}, torch {m['torch']}. Rosters: distinct source + "
         "destination rosters. Gathered: bytes every rank receives in the deduplicated gather "
@@ -261,7 +261,7 @@ def section(results: dict) -> str:
         "Per-rank planning is sensitive to the load: on this machine's two hyperthreads, CPU "
         "seconds inflate with the other jobs' too (at 9b4fded, before the speed-up below, the largest of "
         "the sampled DeepSeek-V3 ranks took 0.78 CPU s in a run at load 17 and 1.28 - 1.61 in "
-        "two others). Planning alone below runs the planner of an earlier commit interleaved with "
+        "two others; planning alone at 9623f86, load 3: 1.11 - 1.17 CPU s). Planning alone below runs the planner of an earlier commit interleaved with "
         "this one, so that both columns see the same load.",
         "",
         *_quick_lines(),
