@@ -145,6 +145,12 @@ class ShmNvshmem(NvshmemTransport):
         torch.distributed.barrier(group=self.group)  # every rank mapped it before rank 0 may drop its handle
         return rows[self.rank]
 
+    def _free(self, heap: torch.Tensor) -> None:
+        # collective like nvshmem_free: a rank that skipped close() would leave the others waiting
+        assert heap.data_ptr() == self.fake.base, "freed memory that _allocate did not return"
+        LOG.append("free")
+        torch.distributed.barrier(group=self.group)
+
     def _bindings(self):
         return self.fake
 

@@ -61,7 +61,16 @@ def _case(case, rank: int) -> dict:
         kind, peer, value = entry.split(":")
         if kind == "put":
             puts.setdefault(peer, []).append(int(value))
-    return {"wrong": wrong, "puts": puts, "recvs": len(r.plan.recvs)}
+    r.close()
+    r.close()  # a second close frees nothing
+    freed = shm_transport.LOG.count("free")
+    try:
+        r.refit()
+        after = "refit after close ran"
+    except Exception as e:
+        after = f"{type(e).__name__}: {e}"
+    return {"wrong": wrong, "puts": puts, "recvs": len(r.plan.recvs), "freed": freed, "after_close": after,
+            "exchanges": bool(r.plan.sends or r.plan.recvs)}
 
 
 def _world(rank: int, world: int) -> dict:
@@ -102,6 +111,16 @@ def test_layouts_through_nvshmem(case: str, results) -> None:
         assert got["wrong"] == [], f"rank {rank}: {got['wrong'][:4]}"
         for peer, values in got["puts"].items():  # per pair: 1, 2, 3, ... across refits and verify
             assert values == list(range(1, len(values) + 1)), f"rank {rank} -> {peer}: {values}"
+
+
+def test_close_frees_the_inbox(results) -> None:
+    """close() frees the symmetric heap on every rank, once, collectively; a refit after
+    it raises instead of putting into freed memory."""
+    for rank, got in enumerate(results):
+        for case in SELECTED:
+            assert got[case.id]["freed"] == 1, f"rank {rank}, {case.id}: freed {got[case.id]['freed']} times"
+            if got[case.id]["exchanges"]:
+                assert "after close()" in got[case.id]["after_close"], (rank, case.id, got[case.id]["after_close"])
 
 
 def test_several_messages_per_pair(results) -> None:

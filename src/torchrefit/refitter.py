@@ -497,7 +497,9 @@ class Refitter:
                                  f"{self._failed}")
 
     def close(self) -> None:
-        """Release compiled programs and staging memory (not collective)."""
+        """Release compiled programs and staging memory. Not collective, except with
+        ``transport="nvshmem"``: NVSHMEM frees its symmetric inbox collectively, so
+        every rank of the group calls ``close()`` then."""
         self._program = None
         self._phase_programs = None
         self._verifier = None

@@ -53,6 +53,7 @@ from .base import (
     Availability,
     Exchange,
     RoundsTransport,
+    host_wait_current,
     register_transport,
     require_backend,
     require_cuda,
@@ -204,7 +205,7 @@ class NvshmemTransport(RoundsTransport):
         collective("nvshmem's inbox barrier", dist.barrier, group=self.group, timeout=self.timeout)
         self.inbox = inbox
 
-    # the four places NVSHMEM itself is touched (tests/shm_transport.py replaces them)
+    # the five places NVSHMEM itself is touched (tests/shm_transport.py replaces them)
     def _where(self) -> tuple[str, str]:
         props = torch.cuda.get_device_properties(self.device)
         return socket.gethostname(), str(getattr(props, "uuid", self.device))
@@ -216,6 +217,12 @@ class NvshmemTransport(RoundsTransport):
 
         _Pes.init(self.group, tuple(self._global), self.device, nbytes)
         return nvc.tensor((nbytes,), dtype=torch.uint8)
+
+    def _free(self, heap: torch.Tensor) -> None:
+        """Free what ``_allocate`` returned (collective)."""
+        import nvshmem.core as nvc
+
+        nvc.free_tensor(heap)
 
     def _bindings(self):
         from nvshmem import bindings
@@ -240,7 +247,8 @@ class NvshmemTransport(RoundsTransport):
     # ------------------------------------------------------------------- rounds
     def start(self, sends: Exchange, recvs: Exchange) -> object:
         if self.inbox is None:
-            raise TransportError("nvshmem: start() before prepare(); build the transport through a Refitter")
+            raise TransportError("nvshmem: no inbox: start() before prepare() (build the transport through a "
+                                 "Refitter) or after close() (build a new Refitter)")
         nvb, stream = self._bindings(), self._stream()
         for peer, buf in sends:
             if buf.nbytes > self.inbox.slot_bytes:
@@ -265,9 +273,15 @@ class NvshmemTransport(RoundsTransport):
             nvb.signal_op_on_stream(self._ack_signal(self.rank), seq, nvb.Signal_op.SIGNAL_SET, peer, stream)
 
     def close(self) -> None:
-        """Drops the inbox. Its symmetric memory stays until the process exits (NVSHMEM
-        frees collectively, and ``Refitter.close`` is not collective)."""
-        self.inbox = None
+        """Collective once the inbox exists: every rank of the group calls it (through
+        ``Refitter.close``), since NVSHMEM frees symmetric memory collectively. Waits on
+        the host for this rank's current stream (puts, signal waits and copies out of
+        the inbox queued there still use the heap), then frees signals and inbox.
+        Calling it again does nothing."""
+        heap, self._heap, self.inbox = self._heap, None, None
+        if heap is not None:
+            host_wait_current(self.device)
+            self._free(heap)
 
 
 def _one_gpu_per_rank(places: Sequence[tuple[str, str]]) -> None:
