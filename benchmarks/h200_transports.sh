@@ -33,7 +33,7 @@ for c in registered():
 PY
 
 if has bench; then
-  for done in ${IPC_DONE:-stream host}; do
+  for done in ${IPC_DONE:-host stream}; do
     step "seed model TP1 -> TP1, 2 processes non-collocated on one GPU, ipc, done wait on the $done"
     TORCHREFIT_IPC_DONE=$done $B --nproc 2 --mode non-collocated --transport ipc \
       --label "gpt-4b tp1->tp1 2 procs non-collocated ipc done=$done" --json "$R/h200_transports_noncolloc_ipc_$done.json"
@@ -59,6 +59,11 @@ fi
 if has diagnose; then
   step "where the first refit and the copies spend their time, ipc, 2 processes"
   python benchmarks/one_sided_first_refit.py --transport ipc
+  step "a refit's timeline on both ranks and raw protocols over its copies, ipc, 2 processes"
+  python benchmarks/ipc_timeline.py --iters 30 --json "$R/h200_ipc_timeline.json"
+  step "4 and 2 processes copying on the one GPU, no torchrefit (time slicing's floor)"
+  python benchmarks/shared_gpu_copies.py --nproc 4 --json "$R/h200_shared_gpu_copies_4.json"
+  python benchmarks/shared_gpu_copies.py --nproc 2 --json "$R/h200_shared_gpu_copies_2.json"
 fi
 if has tests; then
   # one pytest at a time: four at once (run 3) left a world waiting until its timeout

@@ -64,6 +64,7 @@ class _Shm(OneSidedTransport):
 class ShmPull(_Shm):
     name = "shm-pull"
     pull = True
+    mailbox = True  # as ipc: control words in host shared memory after a pair's first exchange
 
 
 @register_transport

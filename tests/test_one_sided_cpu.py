@@ -15,6 +15,8 @@ Refitter of plain models does not import ``torch.distributed.tensor``.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import shm_transport
 import torch
@@ -159,3 +161,87 @@ def test_auto_and_availability_reasons() -> None:
         # plain models: the DTensor check must not import torch.distributed.tensor
         # (seconds of Python import on a cold machine, counted in the first refit)
         assert not got["dtensor_imported"], f"rank {rank}"
+
+
+def test_host_poll_waits_for_the_event_and_is_bounded() -> None:
+    """ipc's default done wait polls the receiver's event from the sender's host
+    (``poll_until``): it returns only once the event completed, and gives up after the
+    timeout (the transport then raises TransportError naming the peer)."""
+    from torchrefit.transport.base import poll_until
+
+    calls = []
+
+    def done() -> bool:  # an event that completes on the fifth query
+        calls.append(1)
+        return len(calls) >= 5
+
+    assert poll_until(done, timeout=10.0) and len(calls) == 5
+    t0 = time.monotonic()
+    assert not poll_until(lambda: False, timeout=0.05)
+    assert time.monotonic() - t0 >= 0.05
+    assert poll_until(lambda: True, timeout=None)
+
+
+MAILBOX_SPEC = tr.testing.ModelSpec(layers=2, hidden=64, heads=4, groups=2, ffn=128, vocab=256)
+LATE = 0.3  # seconds a slow producer, reader or peer dawdles
+
+
+def _mailbox_world(rank: int, world: int) -> dict:
+    """Rank 0 holds the source, rank 1 the destination (shm-pull: headers and done
+    tokens as shared-memory words once the pair exchanged its table)."""
+    src_mesh, dst_mesh = tr.testing.Mesh(1, ranks=1), tr.testing.Mesh(1, ranks=1, offset=1)
+    src, dst = _shared(build_toy(MAILBOX_SPEC, src_mesh, rank, 1)), build_toy(MAILBOX_SPEC, dst_mesh, rank, 2)
+    r = tr.Refitter(src, dst, transport="shm-pull")
+    r.refit()
+    r.refit()
+    tp, out = r._transport, {}
+    before = tp.gloo_messages
+    for _ in range(3):  # the producer is late: the receiver must wait for the sender's header word
+        torch.distributed.barrier()
+        if src is not None:
+            time.sleep(LATE)
+            with torch.no_grad():
+                for p in src.parameters():
+                    p.add_(1.0)
+        r.refit()
+    out["gloo_messages"] = tp.gloo_messages - before
+    want = tr.testing.expected_local(MAILBOX_SPEC, dst_mesh, rank, 1)
+    want = {k: v + 1.0 + 1.0 + 1.0 for k, v in want.items()}  # the same roundings as the source's
+    out["stale"] = [k for k, v in _state(dst).items() if not torch.equal(v.detach(), want[k])] if dst else []
+    torch.distributed.barrier()
+    if dst is not None:  # the reader is late: the sender must wait for its done word
+        wait_ready = tp.wait_ready
+        tp.wait_ready = lambda peer, token: (time.sleep(LATE), wait_ready(peer, token))[1]
+    r.refit()
+    if src is not None:
+        with torch.no_grad():
+            for p in src.parameters():  # the next step, right after refit() returned
+                p.add_(1000.0)
+    torch.distributed.barrier()
+    out["overwritten"] = [k for k, v in _state(dst).items() if not torch.equal(v.detach(), want[k])] if dst else []
+    tp.timeout = 1.0  # a peer that stops: each side raises within its timeout, naming the other
+    if src is not None:
+        time.sleep(3.0)
+    t0 = time.perf_counter()
+    try:
+        r.refit()
+        out["stopped"] = "no error"
+    except tr.TransportError as e:
+        out["stopped"] = str(e)
+    out["stopped_s"] = time.perf_counter() - t0
+    return out
+
+
+def test_mailbox_orders_both_ways_and_times_out() -> None:
+    """After a pair's first exchange, shm-pull (as ipc) sends no Gloo message per refit:
+    the receiver waits for the sender's header word before reading (a late producer's
+    update is never missed), the sender waits for the receiver's done word before
+    returning (a late reader never sees the next step's values), and a stopped peer
+    raises TransportError naming it within the timeout on both sides."""
+    sender, receiver = run_world(_mailbox_world, 2, timeout=240)
+    assert sender["gloo_messages"] == 0 and receiver["gloo_messages"] == 0, (sender, receiver)
+    assert receiver["stale"] == [], f"the receiver read before the producer finished: {receiver['stale'][:3]}"
+    assert receiver["overwritten"] == [], f"the sender overwrote sources being read: {receiver['overwritten'][:3]}"
+    assert "rank 0" in receiver["stopped"] and "header" in receiver["stopped"], receiver["stopped"]
+    assert "rank 1" in sender["stopped"] and "done token" in sender["stopped"], sender["stopped"]
+    assert receiver["stopped_s"] < 1.0 + 5.0 and sender["stopped_s"] < 1.0 + 5.0, (sender, receiver)

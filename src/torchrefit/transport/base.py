@@ -15,6 +15,7 @@ speaks one of two protocols, and the executor compiles one program per protocol
 from __future__ import annotations
 
 import datetime
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from ..errors import TransportError
 
 __all__ = ["Transport", "RoundsTransport", "Availability", "register_transport", "get_transport",
            "transport_names", "registered", "transport_class", "Exchange", "require_backend", "require_cuda",
-           "host_wait_current",
+           "host_wait_current", "poll_until",
            "Pending", "DEFAULT_TIMEOUT"]
 
 Exchange = list[tuple[int, torch.Tensor]]
@@ -138,6 +139,12 @@ class Transport(ABC):
             except Exception as e:
                 raise self.peer_error(peer, kind, e) from e
 
+    def poll_timeout(self) -> float:
+        """Seconds a host poll for a peer may last: ``timeout``, or where that is None
+        (the group's own timeout rules Gloo's waits) Gloo's default of 30 minutes, so a
+        poll never waits forever for a dead peer."""
+        return self.timeout if self.timeout is not None else 1800.0
+
     def peer_error(self, peer: int, kind: str, e: BaseException) -> TransportError:
         """The error a failed or timed-out message with group rank ``peer`` raises."""
         if isinstance(e, TransportError):
@@ -183,6 +190,34 @@ def host_wait_current(device: torch.device) -> None:
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     event.synchronize()
+
+
+_SPIN_S = 0.005  # a poll spins this long (a seed-model refit's copies take 4 ms), then naps
+_NAP_S = 50e-6
+
+
+def poll_until(done: Callable[[], bool], timeout: float | None) -> bool:
+    """Poll on the host until ``done()`` is true (returns True) or ``timeout`` seconds
+    passed (returns False; None: no limit): spinning for the first 5 ms, then napping
+    50 us between polls.
+
+    For a cross-process wait on a GPU shared by processes: a wait queued on a stream
+    and not yet satisfied makes the GPU switch contexts to resolve it, which measured
+    0.25 ms per refit on an H200, while polling the event from the host queues
+    nothing (``benchmarks/ipc_timeline.py``, BENCHMARKS.md "Transports run 4").
+    ``cudaEventSynchronize`` on an interprocess event measured slower still (run 3).
+    """
+    start = time.monotonic()
+    deadline = None if timeout is None else start + timeout
+    while not done():
+        now = time.monotonic()
+        if deadline is not None and now > deadline:
+            return bool(done())
+        if now - start < _SPIN_S:
+            os.sched_yield()  # returns at once on an idle core; lets the peer run on a busy one
+        else:  # a long wait (a large model's copies, a slow peer): stop taking a core from others
+            time.sleep(_NAP_S)
+    return True
 
 
 def require_backend(group: dist.ProcessGroup, backend: str, transport: str, use: str) -> None:

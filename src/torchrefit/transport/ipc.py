@@ -14,11 +14,14 @@ captures them in a CUDA graph. Ordering tokens are interprocess CUDA events:
 * done: the receiver records its event after queuing its copies; the sender's
   later writes (the next step) must not overwrite sources still being read. Two
   ways, chosen per transport (``done_wait``, default from ``TORCHREFIT_IPC_DONE``):
-  ``"stream"`` (default): the sender's stream waits for the event, the host returns
-  at once; ``"host"``: the sender's host waits until the event completed and queues
-  nothing. Processes sharing a GPU without MPS are time-sliced by it, and a wait
-  pending in the sender's context while the receiver copies can cost context
-  switches (``benchmarks/h200_transports.sh`` measures both).
+  ``"host"`` (default): the sender's host polls the event until it completed (within
+  the timeout) and queues nothing, so ``refit()`` returns on the sender once the
+  receiver's copies finished; ``"stream"``: the sender's stream waits for the event
+  and the host returns at once. Processes sharing a GPU without MPS are time-sliced,
+  and a wait queued in the sender's context while the receiver copies costs a
+  context switch when it resolves: in ``benchmarks/ipc_timeline.py`` on an H200 the
+  same copies cost 4.26 ms with the host polling and 4.51 ms with the stream waiting
+  (BENCHMARKS.md, "Transports run 4").
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch.distributed as dist
 
 from ..errors import TransportError
 from ..layout._types import dtype_from_name, dtype_name
-from .base import Availability, register_transport, require_cuda
+from .base import Availability, poll_until, register_transport, require_cuda
 from .one_sided import OneSidedTransport, Table
 
 __all__ = ["IpcTransport", "Segment", "Exported", "export_segments"]
@@ -112,6 +115,7 @@ def _extent(t: torch.Tensor) -> int:
 class IpcTransport(OneSidedTransport):
     name = "ipc"
     pull = True
+    mailbox = True  # one host: headers and done tokens as shared-memory words (transport.mailbox)
     preference = 30  # no staging and no packing: copies at the device's copy bandwidth
     needs_cuda = True
     one_host = True
@@ -119,7 +123,7 @@ class IpcTransport(OneSidedTransport):
     def __init__(self, group: dist.ProcessGroup, device: torch.device, done_wait: str | None = None) -> None:
         require_cuda(device, "ipc")
         super().__init__(group, device)
-        self.done_wait = done_wait or os.environ.get("TORCHREFIT_IPC_DONE", "stream")
+        self.done_wait = done_wait or os.environ.get("TORCHREFIT_IPC_DONE", "host")
         if self.done_wait not in ("stream", "host"):
             raise TransportError(f"ipc: done_wait must be 'stream' or 'host', not {self.done_wait!r}")
         # two events, one per role, so a rank that both sends and receives never makes
@@ -172,13 +176,14 @@ class IpcTransport(OneSidedTransport):
         return self._done_handle
 
     def wait_done(self, peer: int, token: bytes) -> None:
-        # the token arrived after the peer recorded its event behind its reads: waiting
-        # for that record is waiting for the reads (tests/test_gpu_one_sided.py moves
-        # the sources right after a refit)
-        if self.done_wait == "host":
-            self._peer_event(token).synchronize()
-        else:
-            torch.cuda.current_stream(self.device).wait_event(self._peer_event(token))
+        # the token (a Gloo message or a mailbox word) came after the peer recorded its
+        # event behind its reads: waiting for that record is waiting for the reads
+        # (tests/test_gpu_one_sided.py moves the sources right after a refit)
+        event = self._peer_event(token)
+        if self.done_wait == "stream":
+            torch.cuda.current_stream(self.device).wait_event(event)
+        elif not poll_until(event.query, self.poll_timeout()):  # not synchronize(): it measured slower
+            raise self.peer_error(peer, "receive", TimeoutError("its done event (reads finished) never completed"))
 
     def _peer_event(self, handle: bytes) -> torch.cuda.Event:
         event = self._peer_events.get(handle)

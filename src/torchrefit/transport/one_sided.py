@@ -8,7 +8,9 @@ into the receiver's destination tensors.
 
 The order of one refit is written once, in ``execute.one_sided``; a transport
 supplies the primitives it calls, and this base class the small control messages
-(over the group's Gloo backend):
+(over the group's Gloo backend; for a one-host transport with ``mailbox``, after a
+pair's first exchange only when they carry a new table or token, otherwise as words
+in host shared memory, ``transport.mailbox``):
 
 1. target: ``ready()`` -> token, once everything queued on its current stream is
    ordered before the peer's access (the sender's producer for pull; for push, the
@@ -24,6 +26,7 @@ supplies the primitives it calls, and this base class the small control messages
 from __future__ import annotations
 
 import ctypes
+import os
 import pickle
 import struct
 from abc import abstractmethod
@@ -38,6 +41,7 @@ from ..errors import TransportError
 from ..layout._types import Box
 from ..plan.types import RankPlan
 from .base import Transport, require_backend
+from .mailbox import Mailbox, done_word, header_word
 
 __all__ = ["OneSidedTransport", "Table"]
 
@@ -58,13 +62,26 @@ class OneSidedTransport(Transport):
     protocol = "one_sided"
     #: True: receivers read senders' memory (ipc); False: senders write receivers' memory
     pull: ClassVar[bool]
+    #: one host: headers and done tokens with nothing new go through host shared memory
+    #: (``transport.mailbox``) instead of Gloo; ``TORCHREFIT_MAILBOX=0`` turns it off
+    mailbox: ClassVar[bool] = False
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         super().__init__(group, device)
         require_backend(group, "gloo", self.name, "exchanges its small control messages")
+        self.rank = dist.get_rank(group)
         self._announced: set[tuple[int, int]] = set()  # (peer, generation) whose table it holds
         self._attached: dict[int, OrderedDict[int, tuple]] = {}  # peer -> generation -> remote regions
         self._works: list = []  # posted gloo sends (peer, "send", work), with the tensors they read
+        # per pair and direction (a collocated pair exchanges both ways), exchanges counted on
+        # both ends: the header and done words carry the count
+        self._exchanges: dict[tuple[str, int], int] = {}
+        self._box: Mailbox | None = None  # target: this rank's words (made with its first table)
+        self._boxed: set[int] = set()  # target: initiators that were sent its mailbox
+        self._peer_boxes: dict[int, Mailbox] = {}  # initiator: the targets' mailboxes
+        self._sent_token: dict[tuple[str, int], bytes] = {}  # last token sent over Gloo per pair
+        self._got: dict[tuple[str, int], object] = {}  # last header (generation, token) / done token
+        self.gloo_messages = 0  # control messages posted or received over Gloo (tests count them)
 
     @classmethod
     def plan_problem(cls, plan: RankPlan) -> str | None:
@@ -118,35 +135,95 @@ class OneSidedTransport(Transport):
     def finish_writes(self) -> None:
         """Push only: return once every write posted since the last call has landed."""
 
-    # ------------------------------------------------- control messages (gloo)
+    # ------------------------------------------- control messages (gloo or mailbox)
     def post_header(self, peer: int, generation: int, table: Table, token: bytes) -> None:
-        """Target: send ``peer`` the header, and the table the first time it needs it."""
+        """Target: tell ``peer`` this refit's ready token and generation, with the table
+        the first time it needs it: over Gloo, or as a mailbox word when the peer holds
+        this rank's mailbox and nothing is new."""
+        seq = self._count("header out", peer)
         new = (peer, generation) not in self._announced
-        blob = pickle.dumps(table) if new else b""
-        self._send(peer, struct.pack("<qq", generation, len(blob)) + token, _HEADER)
-        if new:
-            self._send(peer, blob, _TABLE, fixed=False)
-            self._announced.add((peer, generation))
+        boxed = peer in self._boxed
+        follows = not boxed or new or self._sent_token.get(("header", peer)) != token
+        if follows:
+            handle = self._mailbox_handle() if new and not boxed else None
+            blob = pickle.dumps((table, handle)) if new else b""
+            self._send(peer, struct.pack("<qq", generation, len(blob)) + token, _HEADER)
+            if new:
+                self._send(peer, blob, _TABLE, fixed=False)
+                self._announced.add((peer, generation))
+            self._sent_token["header", peer] = token
+            if handle is not None:  # the peer maps it while reading this header
+                self._boxed.add(peer)
+        if boxed:
+            self._box.post(header_word(peer), seq, follows)
 
     def recv_header(self, peer: int) -> tuple[int, bytes, tuple]:
         """Initiator: ``peer``'s generation, ready token and remote regions."""
+        seq = self._count("header in", peer)
+        box = self._peer_boxes.get(peer)
+        if box is not None and not self._take(box, header_word(self.rank), seq, peer, "header"):
+            generation, token = self._got["header", peer]
+            return generation, token, self._attached[peer][generation]
         data = self._recv(peer, _HEADER)
         generation, size = struct.unpack_from("<qq", data)
         token = data[16:]
         regions = self._attached.setdefault(peer, OrderedDict())
         if size:
-            regions[generation] = self.attach(peer, pickle.loads(self._recv(peer, _TABLE, fixed=False)))
+            table, handle = pickle.loads(self._recv(peer, _TABLE, fixed=False))
+            regions[generation] = self.attach(peer, table)
+            if handle is not None:
+                self._peer_boxes[peer] = Mailbox.open(handle)
             while len(regions) > _KEEP:
                 regions.popitem(last=False)
         if generation not in regions:
             raise TransportError(f"{self.name}: rank {peer} sent generation {generation} without its table")
+        self._got["header", peer] = (generation, token)
         return generation, token, regions[generation]
 
     def post_done(self, peer: int, token: bytes) -> None:
-        self._send(peer, token, _DONE)
+        seq = self._count("done out", peer)
+        box = self._peer_boxes.get(peer)
+        follows = box is None or self._sent_token.get(("done", peer)) != token
+        if follows:
+            self._send(peer, token, _DONE)
+            self._sent_token["done", peer] = token
+        if box is not None:
+            box.post(done_word(self.rank), seq, follows)
 
     def recv_done(self, peer: int) -> bytes:
-        return self._recv(peer, _DONE)
+        seq = self._count("done in", peer)
+        if peer in self._boxed and not self._take(self._box, done_word(peer), seq, peer, "done token"):
+            return self._got["done", peer]
+        token = self._recv(peer, _DONE)
+        self._got["done", peer] = token
+        return token
+
+    def _count(self, kind: str, peer: int) -> int:
+        seq = self._exchanges[kind, peer] = self._exchanges.get((kind, peer), 0) + 1
+        return seq
+
+    def _mailbox_handle(self) -> tuple | None:
+        """This rank's mailbox handle for a new initiator; None: Gloo only (no mailbox
+        for this transport, turned off, or shared memory unavailable)."""
+        if not self.mailbox or os.environ.get("TORCHREFIT_MAILBOX", "1") == "0":
+            return None
+        if self._box is None:
+            try:
+                self._box = Mailbox.create(dist.get_world_size(self.group))
+            except (RuntimeError, OSError):  # no shared memory here: stay on Gloo
+                return None
+        return self._box.handle()
+
+    def _take(self, box: Mailbox, index: int, seq: int, peer: int, what: str) -> bool:
+        """Wait for ``peer``'s word of exchange ``seq``; whether a Gloo message follows."""
+        try:
+            follows = box.take(index, seq, self.poll_timeout())
+        except ValueError as e:
+            raise TransportError(f"{self.name}: rank {peer}'s {what}: {e}; the refits disagree: "
+                                 "rebuild the Refitter", ranks=(peer,), rule="out of step") from None
+        if follows is None:
+            raise self.peer_error(peer, "receive", TimeoutError(f"its {what} {seq} never came"))
+        return follows
 
     def settle(self) -> None:
         """Wait for every control message this rank posted (end of a refit), within
@@ -171,12 +248,14 @@ class OneSidedTransport(Transport):
             self._post_send(peer, torch.frombuffer(bytearray(data), dtype=torch.uint8), tag)
 
     def _post_send(self, peer: int, buf: torch.Tensor, tag: int) -> None:
+        self.gloo_messages += 1
         (posted,) = self.post([(peer, buf)], [], lambda _, dst, t: dist.isend(t, dst, self.group, tag=tag))
         self._works.append((posted, buf))
 
     def _recv_into(self, peer: int, buf: torch.Tensor, tag: int) -> None:
         """Receive into ``buf`` within ``timeout`` (a blocking gloo receive from a peer
         that died would wait for the group's own timeout, 30 minutes by default)."""
+        self.gloo_messages += 1
         self.wait(self.post([], [(peer, buf)], lambda _, src, t: dist.irecv(t, src, self.group, tag=tag)))
 
     def _recv(self, peer: int, tag: int, fixed: bool = True) -> bytes:
@@ -196,3 +275,6 @@ class OneSidedTransport(Transport):
     def close(self) -> None:
         self._attached.clear()
         self._announced.clear()
+        self._peer_boxes.clear()
+        self._boxed.clear()
+        self._box = None
