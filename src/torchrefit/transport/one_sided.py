@@ -172,7 +172,7 @@ class OneSidedTransport(Transport):
             table, handle = pickle.loads(self._recv(peer, _TABLE, fixed=False))
             regions[generation] = self.attach(peer, table)
             if handle is not None:
-                self._peer_boxes[peer] = Mailbox.open(handle)
+                self._peer_boxes[peer] = self._open_mailbox(peer, handle)
             while len(regions) > _KEEP:
                 regions.popitem(last=False)
         if generation not in regions:
@@ -213,6 +213,14 @@ class OneSidedTransport(Transport):
             except (RuntimeError, OSError):  # no shared memory here: stay on Gloo
                 return None
         return self._box.handle()
+
+    def _open_mailbox(self, peer: int, handle: tuple) -> Mailbox:
+        try:
+            return Mailbox.open(handle)
+        except (RuntimeError, OSError) as e:  # the target then times out waiting for this rank
+            raise TransportError(f"{self.name}: cannot map rank {peer}'s control words in shared memory "
+                                 f"({e}); set TORCHREFIT_MAILBOX=0 on every rank", ranks=(peer,),
+                                 rule="shared memory") from e
 
     def _take(self, box: Mailbox, index: int, seq: int, peer: int, what: str) -> bool:
         """Wait for ``peer``'s word of exchange ``seq``; whether a Gloo message follows."""
