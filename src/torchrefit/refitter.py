@@ -460,23 +460,25 @@ class Refitter:
         sums; raises :class:`VerificationError` on every rank naming the first
         differing tensors, regions and ranks. Costs reading both models once.
 
-        Not the witness: where the plan has FP8 destinations, verify moves the same
-        bytes as a refit into scratch buffers and compares them with the shadows, and the
-        FP8 values and scales with the torch quantization of them (the refit's own
-        path, not an independent one).
+        FP8 destinations: the witness's source side quantizes every block that one
+        source rank holds whole (``torchrefit.verify.fp8``) and compares values and
+        scales; blocks that no single source rank holds are then compared through the
+        plan (the same bytes as a refit moved into scratch buffers and compared with the
+        shadows and the torch quantization of them: the refit's own path, not an
+        independent one), and its error says so.
         """
         self._raise_if_failed()
         self._rebind()  # compare what the model holds now
         if self._phases is not None:
             raise VerificationError("verify() cannot check a refit into a load_weights sink: the "
                                     "sink keeps no copy of what it handed to the engine")
-        if self._planner.fp8:  # the same on every rank: all take this path or none
-            return self._verify_by_plan()
         if self._witness is None:
             self._witness = Witness(self._planner, self.rank, self._src.layout if self._src else None,
                                     self._dst.layout if self._dst else None)
         check(self._witness, self._src.tensors if self._src else {},
               self._dst.tensors if self._dst else {}, self.group, self.timeout)
+        if self._witness.unchecked:  # the same on every rank: all take this path or none
+            self._verify_by_plan()
 
     def _verify_by_plan(self) -> None:
         if self._verifier is None:
@@ -485,7 +487,15 @@ class Refitter:
         out = all_gather_pickled(bad[:5], self.group, self.timeout)
         found = [f"rank {r}: {m}" for r, ms in enumerate(out) for m in (ms or [])]
         if found:
-            raise VerificationError("destination differs from source: " + "; ".join(found[:5]))
+            raise VerificationError(
+                "destination differs from source: " + "; ".join(found[:5]) + f" (compared through the "
+                f"plan: FP8 blocks that no single source rank holds, {self._unchecked_text()}, are "
+                "not covered by the checksum witness)")
+
+    def _unchecked_text(self) -> str:
+        u = self._witness.unchecked if self._witness is not None else {}
+        return f"{sum(u.values())} in {len(u)} tensor(s), first {min(u)}" if u else "none"
+
 
     def _raise_if_failed(self) -> None:
         try:

@@ -30,6 +30,7 @@ from ..maps import relocate
 from ..plan.index import RoleIndex, TensorInfo
 from ..plan.planner import Planner
 from .checksum import MOD, region_sum
+from .fp8 import Unit, plan_units, quantize_unit
 from .fused import FusedSums, Item
 from .kernel import available as kernel_available
 
@@ -78,25 +79,39 @@ class Witness:
 
     def __init__(self, planner: Planner, rank: int, src: ModelLayout | None,
                  dst: ModelLayout | None) -> None:
-        self.names = sorted(n for n in planner.dst.tensors if planner.segments(n) is not None)
+        fed = sorted(n for n in planner.dst.tensors if planner.segments(n) is not None)
+        # FP8 targets' scales are compared too (``verify.fp8``): they have slots of their own
+        self.names = fed + sorted(t.scale for n, t in planner.fp8.items() if n in fed)
         self._number = {n: i for i, n in enumerate(self.names)}
         self._cells = {n: cells(planner.dst.tensors[n], planner.dst) for n in self.names}
+        self.units: list[Unit] = []
+        #: FP8 blocks no single source rank holds, per target: not checked here
+        self.unchecked: dict[str, int] = {}
+        for name in sorted(planner.fp8):
+            if name in self._number:
+                got, missing = plan_units(planner, name, self._cells[name],
+                                          self._cells[planner.fp8[name].scale])
+                self.units.extend(got)
+                if missing:
+                    self.unchecked[name] = missing
         self._src_cells: dict[str, list] = {}
         self.planner = planner
         self.rank = rank
         self.terms: list[Term] = []
         self.weight: list[int] = []  # per term: destination ranks holding its region
         self._fused: FusedSums | None = None
+        self._src = src
         if dst is not None:
             self._dst_terms(dst)
+            self._fp8_dst_terms(dst)
         if src is not None:
             self._src_terms(src)
 
     def _dst_terms(self, dst: ModelLayout) -> None:
         for key, t in dst:
             i = self._number.get(t.name)
-            if i is None:
-                continue  # skipped on purpose: nothing feeds it
+            if i is None or t.name in self.planner.fp8 or self.planner.segments(t.name) is None:
+                continue  # skipped on purpose (nothing feeds it), or FP8 (by units)
             # only what the name map fills: padding (an engine's spare vocabulary rows)
             # is left alone by a refit, so it is not compared either
             fed = [seg.dst_box for seg in self.planner.segments(t.name) or ()]
@@ -116,7 +131,7 @@ class Witness:
                      for p in t.pieces if p.box.contains(cell)]
             for name in planner.consumers(t.name):
                 i = self._number.get(name)
-                if i is None:
+                if i is None or name in planner.fp8:
                     continue
                 dtype = planner.dst.tensors[name].dtype
                 for seg in planner.segments(name) or ():
@@ -134,6 +149,29 @@ class Witness:
                                 sbox = relocate(q, seg.dst_box.offset, seg.src_offset)
                                 local = sbox.moved(piece.box.offset, piece.local_offset)
                                 self._add(Term("src", key, local, i, q, j, dtype), len(dranks))
+
+    def _fp8_dst_terms(self, dst: ModelLayout) -> None:
+        """What this rank holds of every FP8 unit: its bytes and its scales."""
+        held = {t.name: (key, t) for key, t in dst}
+        for u in self.units:
+            if self.rank not in u.dst_ranks:
+                continue
+            for name, box, cell, dtype in ((u.name, u.box, u.cell, "float8_e4m3fn"),
+                                           (u.scale, u.scale_box, u.scale_cell, "float32")):
+                key, t = held[name]
+                piece = next(p for p in t.pieces if (p.box.contains(box) if box.ndim else True))
+                local = box.moved(piece.box.offset, piece.local_offset) if box.ndim else box
+                self._add(Term("dst", key, local, self._number[name], box, cell, dtype), 1)
+
+    def _fp8_src_sums(self, src: Mapping[str, torch.Tensor]):
+        """(tensor, cell, destination ranks, checksum) of what this rank quantizes: the
+        values and the scales of the FP8 units it owns."""
+        for u in self.units:
+            if u.owner != self.rank:
+                continue
+            q, s = quantize_unit(u, self._src, src, self.planner.fp8_block)
+            yield self._number[u.name], u.cell, u.dst_ranks, region_sum(q, u.box)
+            yield self._number[u.scale], u.scale_cell, u.dst_ranks, region_sum(s, u.scale_box)
 
     def _owned_src_cells(self, name: str):
         got = self._src_cells.get(name)
@@ -165,8 +203,12 @@ class Witness:
         if self._fusable(tables):
             if self._fused is None:
                 self._fused = FusedSums(self._items(), 2 * len(self.names))
-            return self._fused.sums(tables, self._home(tables)).view(2, -1).to(device)
-        return self.reference_sums(src, dst, device)
+            out = self._fused.sums(tables, self._home(tables)).view(2, -1).to(device)
+        else:
+            out = self.reference_sums(src, dst, device, fp8=False)
+        for i, _, dranks, x in self._fp8_src_sums(src):
+            out[1, i] = (out[1, i] + x.to(device) * len(dranks)) % MOD
+        return out
 
     def _home(self, tables) -> torch.device:
         term = self.terms[0]
@@ -186,13 +228,16 @@ class Witness:
                 for t, w in zip(self.terms, self.weight)]
 
     def reference_sums(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor],
-                       device: torch.device) -> torch.Tensor:
-        """What :meth:`sums` returns, term by term with :func:`region_sum` (on any device)."""
+                       device: torch.device, fp8: bool = True) -> torch.Tensor:
+        """What :meth:`sums` returns, term by term with :func:`region_sum` (on any device);
+        ``fp8=False``: without the FP8 units' source side."""
         out = torch.zeros(2, len(self.names), dtype=torch.int64, device=device)
         for term, weight in zip(self.terms, self.weight):
             s = region_sum(self._value(term, src, dst), term.region).to(device)
             row = 0 if term.side == "dst" else 1
             out[row, term.tensor] = (out[row, term.tensor] + s * weight) % MOD
+        for i, _, dranks, x in (self._fp8_src_sums(src) if fp8 else ()):
+            out[1, i] = (out[1, i] + x.to(device) * len(dranks)) % MOD
         return out
 
     def slots(self, tensor: int) -> list[tuple[int, int]]:
@@ -217,6 +262,11 @@ class Witness:
                 for r in self._cells[self.names[tensor]][term.cell][1]:
                     k = where[(term.cell, r)]
                     out[1, k] = (out[1, k] + s) % MOD
+        for i, cell, dranks, x in self._fp8_src_sums(src):
+            if i == tensor:
+                for r in dranks:
+                    k = where[(cell, r)]
+                    out[1, k] = (out[1, k] + x.to(device)) % MOD
         return out
 
     def describe_slot(self, tensor: int, slot: int) -> str:
@@ -224,5 +274,8 @@ class Witness:
         name = self.names[tensor]
         j, r = self.slots(tensor)[slot]
         box = self._cells[name][j][0]
-        owners = sorted({self.planner.src.ranks(reg.holders)[0] for reg in self.planner.regions(name, box)})
+        try:
+            owners = sorted({self.planner.src.ranks(reg.holders)[0] for reg in self.planner.regions(name, box)})
+        except KeyError:  # an FP8 scale's cell: no region of its own
+            owners = sorted({u.owner for u in self.units if u.scale == name and u.scale_cell == j})
         return f"{name}{box} on destination rank {r} (source rank{'s' if len(owners) != 1 else ''} {owners})"
