@@ -11,14 +11,12 @@ installed), against copies made directly; and that the kernel is opt-in.
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from torchrefit.execute.batched import ALIGN, BATCH_MAX_BYTES, WORD, batchable, plan_tiles
 
@@ -109,12 +107,8 @@ _INTERPRETED = textwrap.dedent("""
 
 
 def test_kernel_under_triton_interpreter() -> None:
-    pytest.importorskip("triton", reason="Triton not installed: the kernel runs only on GPUs with it")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().endswith("EXACT"), out.stdout + out.stderr[-3000:]
+    out = run_interpreted(_INTERPRETED, timeout=300)
+    assert out.strip().endswith("EXACT"), out
 
 
 def test_batched_kernel_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,7 +15,6 @@ the same random regions on CUDA tensors, bit for bit.
 
 from __future__ import annotations
 
-import os
 import random
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import textwrap
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from torchrefit.verify.segments import Region, aligned, runs, segment_rows
 
@@ -117,18 +117,10 @@ _RANDOM_REGIONS = textwrap.dedent("""
 """)
 
 
-def _interpreted(code: str, env: dict | None = None) -> str:
-    pytest.importorskip("triton", reason="Triton not installed: the kernel runs only on GPUs with it")
-    env = dict(os.environ, TRITON_INTERPRET="1", **(env or {}))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
-
-
 @pytest.mark.parametrize("seed,target", [(0, 1 << 17), (1, 64), (2, 1000)])
 def test_kernel_equals_region_sum_under_interpreter(seed: int, target: int) -> None:
     code = _RANDOM_REGIONS.replace("__SEED__", str(seed)).replace("__TARGET__", str(target)).replace("__DEVICE__", '"cpu"')
-    out = _interpreted(code)
+    out = run_interpreted(code)
     assert out.strip().endswith("EXACT"), out
     if seed == 0:  # every kind of launch took part
         assert "(1, 'wide'" in out and "(2, 'narrow'" in out and "(2, 'wide', True)" in out, out
