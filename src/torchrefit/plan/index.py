@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .._gc_pause import gc_paused
 from ..errors import PlanError
 from ..layout._types import Box
-from .gc_pause import gc_paused
 from .roster import decode_roster
 
 __all__ = ["TensorInfo", "RoleIndex"]

@@ -23,6 +23,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .._gc_pause import gc_paused
 from ..errors import PlanError
 from ..layout._types import Box, ModelLayout, TensorLayout, dtype_from_name
 from ..maps import Identity, NameMap, Segment, relocate
@@ -35,7 +36,6 @@ from ..transforms.fp8 import (
     scale_cells,
     whole_blocks,
 )
-from .gc_pause import gc_paused
 from .index import RoleIndex, TensorInfo
 from .shares import ClassBlock, ShareLine
 from .types import LocalCopy, Quantize, RankPlan, Transfer, itemsize, shadow_key, staging_keys
