@@ -13,13 +13,20 @@ holds ``seq << 1 | follows``: ``seq`` counts the pair's exchanges (both ends cou
 the same), ``follows`` says a Gloo message comes with this exchange. Each side
 writes a word only after the peer read the previous one (the protocol alternates
 header, done, header), so a word is never overwritten unread.
+
+The words live in a file of ``/dev/shm`` mapped by both processes, created and
+unlinked by the target (when its mailbox is dropped or the process exits). Not
+torch's ``share_memory_``: its first use starts torch's shared-memory manager
+process, 0.24 s that every first refit paid.
 """
 
 from __future__ import annotations
 
 import ctypes
-
-import torch
+import mmap
+import os
+import uuid
+import weakref
 
 from .base import poll_until
 
@@ -43,26 +50,32 @@ class Mailbox:
     inside its first table; an initiator maps it with :meth:`open`.
     """
 
-    def __init__(self, words: torch.Tensor, share: tuple) -> None:
-        self.words = words  # keeps the shared storage mapped
-        self._share = share
-        self._base = words.data_ptr()
+    def __init__(self, path: str, words: int, *, owner: bool) -> None:
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if owner else 0), 0o600)
+        try:
+            if owner:
+                os.ftruncate(fd, 8 * words)  # zero-filled: every exchange count starts at 0
+            self._map = mmap.mmap(fd, 8 * words)
+        finally:
+            os.close(fd)
+        self._path, self._words = path, words
+        # the address stays valid while this object holds the map open (an mmap never moves)
+        self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        if owner:  # the name goes with the target's mailbox; a peer that mapped it keeps its map
+            weakref.finalize(self, _unlink, path)
 
     @classmethod
     def create(cls, world: int) -> Mailbox:
-        words = torch.zeros(2 * world, dtype=torch.int64)
-        # moves the storage into named shared memory: take its address only afterwards
-        share = words.untyped_storage()._share_filename_cpu_()
-        return cls(words, share)
+        path = f"/dev/shm/torchrefit-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        return cls(path, 2 * world, owner=True)
 
     def handle(self) -> tuple:
-        return self._share, self.words.numel()
+        return self._path, self._words
 
     @classmethod
     def open(cls, handle: tuple) -> Mailbox:
-        share, n = handle
-        storage = torch.UntypedStorage._new_shared_filename_cpu(*share)
-        return cls(torch.empty(0, dtype=torch.int64).set_(storage, 0, (n,), (1,)), share)
+        path, words = handle
+        return cls(path, words, owner=False)
 
     def _word(self, index: int) -> ctypes.c_int64:
         # aligned 8-byte loads and stores: whole on x86-64 and AArch64
@@ -82,3 +95,10 @@ class Mailbox:
         if value >> 1 != seq:
             raise ValueError(f"control word holds exchange {value >> 1}, expected {seq}")
         return bool(value & 1)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
