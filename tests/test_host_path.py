@@ -14,6 +14,12 @@
   that is the whole local and global tensor is accepted without the tiling checks
   (``layout._types.TensorLayout``), and every other single piece is still checked
   (one whole-sized piece moved off the origin, globally or locally, is rejected).
+* Building a Refitter walks each model's module tree once (``layout.walk``: the
+  describe adapters and the binding share the walk; outside a construction every
+  call walks afresh), and ``named_refit_tensors`` built from that walk yields what
+  torch's ``named_parameters()`` does (a tied parameter once, under its first path; a
+  shared submodule once; None skipped), or the model's own ``named_parameters`` where
+  it overrides it. The refit is checked against the oracle.
 * The benchmark's aggregation (``bench.runner._aggregate``) derives the device-time
   and flat-copy ratios from the samples it is given (figures worked out by hand).
 """
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import MutableMapping
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -32,9 +39,11 @@ from torchrefit._gc_pause import gc_paused
 from torchrefit.bench.config import BenchConfig
 from torchrefit.bench.runner import _aggregate
 from torchrefit.errors import LayoutError
+from torchrefit.layout._described import named_refit_tensors
 from torchrefit.layout._types import Box, Piece, TensorLayout
 from torchrefit.layout.binding import Binding
 from torchrefit.layout.sharding import whole_piece
+from torchrefit.layout.walk import named_modules, shared_walks
 from torchrefit.testing import Mesh, ModelSpec, build_toy, expected_local, run_world
 
 
@@ -153,6 +162,65 @@ def test_no_collection_while_a_refitter_builds_and_first_refits() -> None:
     # each paused region leaves its allocations counted: one collection follows it at the
     # next allocation (after construction, after the first compile), not one per few hundred
     assert got["during"] <= 2, f"{got['during']} collections while building and first refitting"
+
+
+def _walks_world(rank: int, world: int) -> dict:
+    mesh = Mesh(1, ranks=1)
+    src = build_toy(SPEC, mesh, rank, seed=1)
+    dst = build_toy(SPEC, mesh, rank, seed=2)
+    walks = {"src": 0, "dst": 0}
+    for side, model in (("src", src), ("dst", dst)):
+        def counting(*args, _side=side, _walk=model.named_modules, **kwargs):
+            if not args and not kwargs:  # a walk from the root (named_modules recurses with memo)
+                walks[_side] += 1
+            return _walk(*args, **kwargs)
+        model.named_modules = counting
+    tr.Refitter(src, dst).refit()
+    built = dict(walks)
+    named_modules(src)
+    named_modules(src)  # outside a construction nothing is kept
+    want = expected_local(SPEC, mesh, rank, seed=1)
+    got = dict(dst.named_parameters())
+    wrong = [k for k, v in want.items() if not torch.equal(got[k].detach(), v)]
+    return {"built": built, "after": walks["src"] - built["src"], "wrong": wrong, "compared": len(want)}
+
+
+def test_each_model_is_walked_once_while_a_refitter_builds() -> None:
+    (got,) = run_world(_walks_world, 1, timeout=300)
+    assert got["built"] == {"src": 1, "dst": 1}, got["built"]
+    assert got["after"] == 2
+    assert got["compared"] > 1000 and got["wrong"] == [], got["wrong"][:3]
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(4, 3)
+        self.block = nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3))
+        self.again = self.block  # a shared submodule: walked once, under its first path
+        self.head = nn.Linear(3, 4, bias=False)
+        self.head.weight = self.embed.weight  # tied: one parameter, its first path
+        self.register_parameter("unset", None)
+        self.register_buffer("steps", torch.zeros(1))
+        self.register_buffer("cache", torch.zeros(2), persistent=False)
+
+
+class _Renaming(_Tied):
+    def named_parameters(self, *args, **kwargs):
+        for name, p in super().named_parameters(*args, **kwargs):
+            yield f"renamed.{name}", p
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_named_refit_tensors_walks_as_torch_does(shared: bool) -> None:
+    for cls in (_Tied, _Renaming):
+        m = cls()
+        with shared_walks() if shared else nullcontext():
+            got = list(named_refit_tensors(m))
+            assert named_modules(m) == list(m.named_modules())
+        want = list(m.named_parameters()) + [("steps", m.steps)]
+        assert [n for n, _ in got] == [n for n, _ in want], cls
+        assert all(a is b for (_, a), (_, b) in zip(got, want))
 
 
 def test_aggregate_derives_device_and_flat_copy_ratios() -> None:

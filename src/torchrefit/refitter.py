@@ -31,6 +31,7 @@ from .execute.rounds import Staging
 from .layout import Described, LayoutArg, describe, layout_kind
 from .layout.binding import Binding
 from .layout.sink import SinkDescribed
+from .layout.walk import shared_walks
 from .maps import Identity, NameMap
 from .plan.buckets import plan_buckets, split_plan
 from .plan.planner import CastPolicy, Planner
@@ -211,9 +212,10 @@ class Refitter:
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, not {verify!r}")
         self.verify_mode = verify
-        src, dst, error = self._describe(src_model, dst_model, src_layout, dst_layout)
-        self._src, self._dst = src, dst
-        self._bindings = _bindings(src_model, src, dst_model, dst)
+        with shared_walks():  # describing and binding each model walk its modules once
+            src, dst, error = self._describe(src_model, dst_model, src_layout, dst_layout)
+            self._src, self._dst = src, dst
+            self._bindings = _bindings(src_model, src, dst_model, dst)
         infos = self._gather_infos(src, dst, error, staging_bytes)
         _raise_layout_errors(infos)
         _check_offsets(infos, src_rank_offset, dst_rank_offset)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ._types import ModelLayout
+from .walk import named_modules
 
 __all__ = ["Described", "named_refit_tensors", "unwrap_chunks"]
 
@@ -38,12 +39,28 @@ def named_refit_tensors(module: nn.Module | Mapping[str, torch.Tensor]) -> Itera
     if isinstance(module, Mapping):
         yield from module.items()
         return
-    yield from module.named_parameters()
-    for prefix, sub in module.named_modules():
+    modules = named_modules(module)  # one walk for parameters and buffers
+    if type(module).named_parameters is nn.Module.named_parameters:
+        yield from _named_parameters(modules)
+    else:  # a wrapper that names its parameters its own way (FSDP1) names them
+        yield from module.named_parameters()
+    for prefix, sub in modules:
         skip = sub._non_persistent_buffers_set
         for name, buf in sub._buffers.items():
             if buf is not None and name not in skip:
                 yield (f"{prefix}.{name}" if prefix else name), buf
+
+
+def _named_parameters(modules: list[tuple[str, nn.Module]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """What ``named_parameters()`` yields, from the walk ``named_modules()`` made: each
+    parameter once, under its first path."""
+    seen: set[int] = set()
+    for prefix, sub in modules:
+        for name, p in sub._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            yield (f"{prefix}.{name}" if prefix else name), p
 
 
 def unwrap_chunks(model) -> list:

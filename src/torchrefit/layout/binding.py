@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..errors import LayoutError
+from .walk import named_modules
 
 __all__ = ["Binding", "Meta", "check_same_meta", "meta_of"]
 
@@ -130,7 +131,7 @@ def _holders(model) -> dict[int, tuple[MutableMapping, str, bool]]:
             continue
         if not isinstance(chunk, nn.Module):
             continue
-        for module in chunk.modules():
+        for _, module in named_modules(chunk):
             for d in (module._parameters, module._buffers):
                 for name, t in d.items():
                     if t is None:

@@ -36,6 +36,7 @@ from ._described import Described, chunk_key, named_refit_tensors, unwrap_chunks
 from ._types import ModelLayout, TensorLayout, dtype_name
 from .placements import placement_pieces
 from .replicated import whole_tensor_layout
+from .walk import named_modules
 
 __all__ = ["dtensor", "is_dtensor_model", "global_name"]
 
@@ -142,7 +143,7 @@ def _fsdp_modules(chunks: list) -> tuple[nn.Module, ...]:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
         return ()
-    return tuple(m for c in chunks if isinstance(c, nn.Module) for m in c.modules()
+    return tuple(m for c in chunks if isinstance(c, nn.Module) for _, m in named_modules(c)
                  if isinstance(m, FSDPModule))
 
 

@@ -24,6 +24,7 @@ from ..errors import LayoutError
 from ._described import Described, chunk_key, named_refit_tensors, unwrap_chunks
 from ._types import ModelLayout, TensorLayout, dtype_name
 from .sharding import shard_pieces, whole_piece
+from .walk import named_modules
 
 __all__ = ["megatron", "is_megatron_model", "TIED_OUTPUT", "WORD_EMBEDDING"]
 
@@ -100,7 +101,7 @@ def _describe_chunk(core: nn.Module, pg) -> Iterable[tuple[str, TensorLayout, to
 def _layer_prefix_map(core: nn.Module) -> dict[str, str]:
     """``decoder.layers.0`` -> ``decoder.layers.16`` for a module with ``layer_number`` 17."""
     out = {}
-    for mod_name, mod in core.named_modules():
+    for mod_name, mod in named_modules(core):
         number = getattr(mod, "layer_number", None)
         parts = mod_name.split(".")
         if isinstance(number, int) and mod_name and parts[-1].isdigit():
