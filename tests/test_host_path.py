@@ -20,6 +20,8 @@
   torch's ``named_parameters()`` does (a tied parameter once, under its first path; a
   shared submodule once; None skipped), or the model's own ``named_parameters`` where
   it overrides it. The refit is checked against the oracle.
+* Compiling takes a box that is the whole tensor as the tensor itself (no indexing),
+  and any other box, also one at the origin, as its slice (``execute.views.Views``).
 * The benchmark's aggregation (``bench.runner._aggregate``) derives the device-time
   and flat-copy ratios from the samples it is given (figures worked out by hand).
 """
@@ -39,11 +41,13 @@ from torchrefit._gc_pause import gc_paused
 from torchrefit.bench.config import BenchConfig
 from torchrefit.bench.runner import _aggregate
 from torchrefit.errors import LayoutError
+from torchrefit.execute.views import Views
 from torchrefit.layout._described import named_refit_tensors
 from torchrefit.layout._types import Box, Piece, TensorLayout
 from torchrefit.layout.binding import Binding
 from torchrefit.layout.sharding import whole_piece
 from torchrefit.layout.walk import named_modules, shared_walks
+from torchrefit.plan.types import RankPlan
 from torchrefit.testing import Mesh, ModelSpec, build_toy, expected_local, run_world
 
 
@@ -221,6 +225,17 @@ def test_named_refit_tensors_walks_as_torch_does(shared: bool) -> None:
         want = list(m.named_parameters()) + [("steps", m.steps)]
         assert [n for n, _ in got] == [n for n, _ in want], cls
         assert all(a is b for (_, a), (_, b) in zip(got, want))
+
+
+def test_views_take_a_whole_box_as_the_tensor_and_slice_any_other() -> None:
+    t = torch.arange(24.0).reshape(4, 6)
+    views = Views(RankPlan(0, 1, (), (), ()), {"w": t}, {})
+    for offset, size in [((0, 0), (4, 6)), ((0, 0), (4, 5)), ((0, 0), (3, 6)), ((1, 2), (3, 4))]:
+        got = views.view("src", "w", Box(offset, size))
+        want = t[tuple(slice(o, o + s) for o, s in zip(offset, size))]
+        assert got.shape == want.shape and got.stride() == want.stride(), (offset, size)
+        assert got.data_ptr() == want.data_ptr() and torch.equal(got, want), (offset, size)
+    assert views.view("src", "w", Box((0, 0), (4, 6))).storage_offset() == 0
 
 
 def test_aggregate_derives_device_and_flat_copy_ratios() -> None:
