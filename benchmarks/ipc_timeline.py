@@ -6,11 +6,14 @@ destination. Every timed iteration starts as ``torchrefit bench`` starts one (de
 idle, ranks aligned by a barrier); a rank's time runs from its own start to its
 finished device work, and an iteration costs the slower rank's time.
 
-1. ``refit``: whole ``Refitter.refit()`` calls with a timeline: host timestamps
-   (``time.perf_counter``, CLOCK_MONOTONIC, comparable between the two processes)
-   entering and leaving every one-sided primitive on both ranks, and device events
-   (receiver: after ``wait_ready`` and before ``done``, bracketing the copies;
-   sender: after ``wait_done``).
+1. ``refit``: whole ``Refitter.refit()`` calls with a timeline, once per ipc wait
+   variant (``--variants``, ``ready:done``: where the receiver waits for the sender's
+   ready event and the sender for the receiver's done event, ``host`` or ``stream``):
+   host timestamps (``time.perf_counter``, CLOCK_MONOTONIC, comparable between the two
+   processes) entering and leaving every one-sided primitive and the refit's binding
+   and storage checks on both ranks, and device events (receiver: after
+   ``wait_ready`` and before ``done``, bracketing the copies; sender: after
+   ``wait_done``).
 2. Raw protocols without torchrefit, over the receiver's compiled copies (its CUDA
    graph) and the same two processes, each removing one suspect:
    ``alone`` (the copies, the sender idle), ``events+gloo`` (the refit's protocol:
@@ -24,7 +27,8 @@ finished device work, and an iteration costs the slower rank's time.
    with the Gloo header kept).
 3. Gloo's round trip for a 128-byte message.
 
-    python benchmarks/ipc_timeline.py [--layers 20] [--iters 30] [--json out.json]
+    python benchmarks/ipc_timeline.py [--layers 20] [--iters 30] [--variants host:host,stream:host]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import torch.distributed as dist
 import torchrefit as tr
 from torchrefit.bench.config import spec_from_preset
 from torchrefit.testing import Mesh, build_toy, run_world
-from torchrefit.transport.ipc import export_segments
+from torchrefit.transport.ipc import IpcTransport, export_segments
 
 SENDER, RECEIVER = 0, 1
 PHASES = ("ready", "post_header", "recv_header", "wait_ready", "done", "post_done", "recv_done", "wait_done",
@@ -108,6 +112,9 @@ def _refit_timeline(r, iters: int) -> list[dict]:
     tp = r._transport
     marks: list[tuple[str, float]] = []
     events: dict[str, torch.cuda.Event] = {}
+    # the refit's own host work before the exchange (binding and storage checks)
+    for obj, name in ((r, "_rebind"), (r._program, "check_storage")):
+        _host_marks(obj, name, marks)
 
     def device_mark(name: str) -> None:
         events[name] = torch.cuda.Event(enable_timing=True)
@@ -152,7 +159,20 @@ def _refit_timeline(r, iters: int) -> list[dict]:
     finally:
         for name in PHASES:
             delattr(tp, name)  # the class's methods again
+        del r._rebind, r._program.check_storage
     return rows
+
+
+def _host_marks(obj, name: str, marks: list) -> None:
+    f = getattr(obj, name)
+
+    def timed(*a, **k):
+        marks.append((name + ">", time.perf_counter()))
+        out = f(*a, **k)
+        marks.append((name + "<", time.perf_counter()))
+        return out
+
+    setattr(obj, name, timed)
 
 
 # ---------------------------------------------------------------- 2. raw protocols
@@ -290,19 +310,33 @@ def _aligned(step: Callable[[int], object], iters: int) -> dict:
 
 
 # ------------------------------------------------------------------------- driver
-def _rank(rank: int, world: int, layers: int, iters: int) -> dict:
+def _refitter(src, dst, variant: str):
+    """A warm ipc Refitter whose transport waits as ``variant`` says ("ready:done", each
+    "host" or "stream"), whatever the environment says."""
+    ready, done = variant.split(":")
+    device = torch.device("cuda", torch.cuda.current_device())
+    r = tr.Refitter(src, dst, transport=IpcTransport(dist.group.WORLD, device, done_wait=done, ready_wait=ready))
+    for _ in range(5):
+        r.refit()
+    torch.cuda.synchronize()
+    dist.barrier()
+    return r
+
+
+def _rank(rank: int, world: int, layers: int, iters: int, variants: list[str]) -> dict:
     torch.cuda.set_device(0)
     spec = spec_from_preset("gpt-4b", layers=layers)
     src = build_toy(spec, Mesh(1, ranks=1), rank, 1, device="cuda", random_init=True)
     dst = build_toy(spec, Mesh(1, ranks=1, offset=1), rank, 2, device="cuda", random_init=True)
     torch.cuda.synchronize()
     dist.barrier()
-    r = tr.Refitter(src, dst, transport="ipc")
-    for _ in range(5):
-        r.refit()
-    torch.cuda.synchronize()
-    dist.barrier()
-    out = {"rank": rank, "gloo_rtt_us": _ping(rank), "refit": _refit_timeline(r, iters)}
+    out = {"rank": rank, "gloo_rtt_us": _ping(rank), "refits": {}}
+    for variant in variants[1:]:
+        other = _refitter(src, dst, variant)
+        out["refits"][variant] = _refit_timeline(other, iters)
+        other.close()
+    r = _refitter(src, dst, variants[0])  # the raw protocols reuse its compiled copies
+    out["refits"][variants[0]] = _refit_timeline(r, iters)
     out["raw"] = _raw(r, rank, iters)
     nbytes = r.plan.bytes_received
     if rank == RECEIVER:
@@ -332,10 +366,27 @@ def _med(xs: list[float]) -> float:
 def summarize(ranks: list[dict]) -> list[str]:
     snd, rcv = ranks[SENDER], ranks[RECEIVER]
     lines = [f"{rcv['bytes'] / 1e9:.2f} GB received; gloo round trip (128 B) {snd['gloo_rtt_us']:.0f} us; "
-             f"one flat local copy {_med(rcv['flat_copy_ms']):.3f} ms",
-             "refit timeline, medians in ms from the sender's start (S: sender, R: receiver):"]
+             f"one flat local copy {_med(rcv['flat_copy_ms']):.3f} ms"]
+    totals = []
+    for variant in snd["refits"]:
+        lines.append(f"refit timeline, ipc ready:done wait = {variant}, medians in ms from the sender's start "
+                     "(S: sender, R: receiver):")
+        lines += _timeline(snd["refits"][variant], rcv["refits"][variant])
+        totals.append(f"  {variant:<12} iteration {_med(_iterations(snd, rcv, variant)):.3f}")
+    lines.append("refits, ipc ready:done wait: median iteration (slower rank) in ms")
+    lines += totals
+    return lines + _raw_lines(snd, rcv)
+
+
+def _iterations(snd: dict, rcv: dict, variant: str) -> list[float]:
+    return [max(s["end"] - s["t0"], r["end"] - r["t0"]) * 1e3
+            for s, r in zip(snd["refits"][variant], rcv["refits"][variant])]
+
+
+def _timeline(srows: list[dict], rrows: list[dict]) -> list[str]:
+    lines = []
     rel: dict[str, list[float]] = {}
-    for s, r in zip(snd["refit"], rcv["refit"]):
+    for s, r in zip(srows, rrows):
         base = s["t0"]
         for who, row in (("S", s), ("R", r)):
             rel.setdefault(f"{who} start", []).append((row["t0"] - base) * 1e3)
@@ -349,6 +400,11 @@ def summarize(ranks: list[dict]) -> list[str]:
             max(s["end"] - s["t0"], r["end"] - r["t0"]) * 1e3)
     for key, xs in sorted(rel.items(), key=lambda kv: _med(kv[1])):
         lines.append(f"  {_med(xs):8.3f}  {key}")
+    return lines
+
+
+def _raw_lines(snd: dict, rcv: dict) -> list[str]:
+    lines = []
     lines.append("raw protocols over the same copies: median ms (iteration = slower rank; copies = receiver's device time)")
     if rcv["raw"].get("flags_error"):
         lines.append(f"  flags unavailable: {rcv['raw']['flags_error']}")
@@ -369,9 +425,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=20)
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--variants", default="host:host,stream:host",
+                   help="comma list of ipc waits ready:done to time (host|stream each); the first also "
+                        "serves the raw protocols")
     p.add_argument("--json")
     args = p.parse_args()
-    ranks = run_world(_rank, 2, args.layers, args.iters, backend="gloo", timeout=240)
+    ranks = run_world(_rank, 2, args.layers, args.iters, args.variants.split(","), backend="gloo", timeout=240)
     print("\n".join(summarize(ranks)))
     if args.json:
         with open(args.json, "w") as f:

@@ -10,7 +10,13 @@ regions device to device on its own streams, like local copies: the executor
 captures them in a CUDA graph. Ordering tokens are interprocess CUDA events:
 
 * ready: the sender records its event on its current stream (after the producer,
-  the optimizer step); the receiver's stream waits for it before reading;
+  the optimizer step); the receiver reads only after it completed. Two ways
+  (``ready_wait``, default from ``TORCHREFIT_IPC_READY``): ``"host"`` (default): the
+  receiver's host polls the event and launches its copies once it completed, so its
+  stream never holds a wait on work of another process's context; ``"stream"``: the
+  receiver's stream waits for the event. The mailbox posts the header microseconds
+  after the sender queued its record, so a stream wait often reaches the GPU before
+  the record ran, and the receiver's context then waits on the sender's (see below);
 * done: the receiver records its event after queuing its copies; the sender's
   later writes (the next step) must not overwrite sources still being read. Two
   ways, chosen per transport (``done_wait``, default from ``TORCHREFIT_IPC_DONE``):
@@ -120,12 +126,12 @@ class IpcTransport(OneSidedTransport):
     needs_cuda = True
     one_host = True
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, done_wait: str | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, done_wait: str | None = None,
+                 ready_wait: str | None = None) -> None:
         require_cuda(device, "ipc")
         super().__init__(group, device)
-        self.done_wait = done_wait or os.environ.get("TORCHREFIT_IPC_DONE", "host")
-        if self.done_wait not in ("stream", "host"):
-            raise TransportError(f"ipc: done_wait must be 'stream' or 'host', not {self.done_wait!r}")
+        self.done_wait = _wait_mode("done_wait", done_wait or os.environ.get("TORCHREFIT_IPC_DONE", "host"))
+        self.ready_wait = _wait_mode("ready_wait", ready_wait or os.environ.get("TORCHREFIT_IPC_READY", "host"))
         # two events, one per role, so a rank that both sends and receives never makes
         # its readers wait for its own reads
         self._ready = torch.cuda.Event(interprocess=True)  # sender: sources are final
@@ -169,7 +175,11 @@ class IpcTransport(OneSidedTransport):
     def wait_ready(self, peer: int, token: bytes) -> None:
         # the only thing that keeps a receiver from reading sources the producer has
         # not finished writing (tests/test_gpu_stale_read.py removes it to prove that)
-        torch.cuda.current_stream(self.device).wait_event(self._peer_event(token))
+        event = self._peer_event(token)
+        if self.ready_wait == "stream":
+            torch.cuda.current_stream(self.device).wait_event(event)
+        elif not poll_until(event.query, self.poll_timeout()):
+            raise self.peer_error(peer, "receive", TimeoutError("its ready event (sources final) never completed"))
 
     def done(self) -> bytes:
         self._done.record(torch.cuda.current_stream(self.device))
@@ -195,6 +205,12 @@ class IpcTransport(OneSidedTransport):
         super().close()
         self._opened.clear()
         self._peer_events.clear()
+
+
+def _wait_mode(what: str, mode: str) -> str:
+    if mode not in ("stream", "host"):
+        raise TransportError(f"ipc: {what} must be 'stream' or 'host', not {mode!r}")
+    return mode
 
 
 def _fixed(handle: bytes) -> bytes:
