@@ -182,6 +182,60 @@ def test_host_poll_waits_for_the_event_and_is_bounded() -> None:
     assert poll_until(lambda: True, timeout=None)
 
 
+class _Event:
+    """A peer's interprocess event as ipc's waits see it: completes on query ``n``."""
+
+    def __init__(self, n: int | None) -> None:
+        self.n, self.queries = n, 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.n is not None and self.queries >= self.n
+
+
+def _bare_ipc(ready_wait: str, done_wait: str, event: _Event, timeout: float = 10.0):
+    """An ``IpcTransport`` without CUDA or a group: only what its waits read."""
+    from torchrefit.transport.ipc import IpcTransport
+
+    t = object.__new__(IpcTransport)
+    t.ready_wait, t.done_wait, t.timeout = ready_wait, done_wait, timeout
+    t.device, t._global, t._peer_events = torch.device("cpu"), [0, 1], {b"token": event}
+    return t
+
+
+@pytest.mark.parametrize("wait", ["wait_ready", "wait_done"])
+def test_ipc_host_waits_poll_the_peer_event(wait: str, monkeypatch) -> None:
+    """ipc's default waits (``ready_wait`` / ``done_wait`` "host") return only once the
+    peer's event completed, queue nothing on a stream, and raise TransportError naming
+    the peer after the timeout; "stream" queues the wait on the stream and polls nothing."""
+    queued = []
+
+    class Stream:
+        def wait_event(self, event) -> None:
+            queued.append(event)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    event = _Event(5)
+    getattr(_bare_ipc("host", "host", event), wait)(1, b"token")
+    assert event.queries == 5 and queued == []
+    never = _Event(None)
+    with pytest.raises(tr.TransportError, match="rank 1") as e:
+        getattr(_bare_ipc("host", "host", never, timeout=0.05), wait)(1, b"token")
+    assert ("ready event" if wait == "wait_ready" else "done event") in str(e.value)
+    event = _Event(5)
+    getattr(_bare_ipc("stream", "stream", event), wait)(1, b"token")
+    assert event.queries == 0 and queued == [event]
+
+
+def test_ipc_wait_modes_are_checked(monkeypatch) -> None:
+    from torchrefit.transport import ipc
+
+    monkeypatch.setattr(ipc, "require_cuda", lambda device, name: None)
+    monkeypatch.setenv("TORCHREFIT_IPC_READY", "device")
+    with pytest.raises(tr.TransportError, match="ready_wait must be 'stream' or 'host', not 'device'"):
+        ipc.IpcTransport(None, torch.device("cpu"))
+
+
 MAILBOX_SPEC = tr.testing.ModelSpec(layers=2, hidden=64, heads=4, groups=2, ffn=128, vocab=256)
 LATE = 0.3  # seconds a slow producer, reader or peer dawdles
 

@@ -129,9 +129,9 @@ class IpcTransport(OneSidedTransport):
     def __init__(self, group: dist.ProcessGroup, device: torch.device, done_wait: str | None = None,
                  ready_wait: str | None = None) -> None:
         require_cuda(device, "ipc")
-        super().__init__(group, device)
         self.done_wait = _wait_mode("done_wait", done_wait or os.environ.get("TORCHREFIT_IPC_DONE", "host"))
         self.ready_wait = _wait_mode("ready_wait", ready_wait or os.environ.get("TORCHREFIT_IPC_READY", "host"))
+        super().__init__(group, device)
         # two events, one per role, so a rank that both sends and receives never makes
         # its readers wait for its own reads
         self._ready = torch.cuda.Event(interprocess=True)  # sender: sources are final
