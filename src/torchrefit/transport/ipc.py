@@ -11,12 +11,12 @@ captures them in a CUDA graph. Ordering tokens are interprocess CUDA events:
 
 * ready: the sender records its event on its current stream (after the producer,
   the optimizer step); the receiver reads only after it completed. Two ways
-  (``ready_wait``, default from ``TORCHREFIT_IPC_READY``): ``"host"`` (default): the
-  receiver's host polls the event and launches its copies once it completed, so its
-  stream never holds a wait on work of another process's context; ``"stream"``: the
-  receiver's stream waits for the event. The mailbox posts the header microseconds
-  after the sender queued its record, so a stream wait often reaches the GPU before
-  the record ran, and the receiver's context then waits on the sender's (see below);
+  (``ready_wait``, default from ``TORCHREFIT_IPC_READY``): ``"stream"`` (default): the
+  receiver's stream waits for the event; ``"host"``: the receiver's host polls the
+  event and launches its copies once it completed, so its stream never holds a wait
+  on work queued in another process's context (the mailbox posts the header
+  microseconds after the sender queued its record, so a stream wait can reach the
+  GPU before the record ran);
 * done: the receiver records its event after queuing its copies; the sender's
   later writes (the next step) must not overwrite sources still being read. Two
   ways, chosen per transport (``done_wait``, default from ``TORCHREFIT_IPC_DONE``):
@@ -130,7 +130,7 @@ class IpcTransport(OneSidedTransport):
                  ready_wait: str | None = None) -> None:
         require_cuda(device, "ipc")
         self.done_wait = _wait_mode("done_wait", done_wait or os.environ.get("TORCHREFIT_IPC_DONE", "host"))
-        self.ready_wait = _wait_mode("ready_wait", ready_wait or os.environ.get("TORCHREFIT_IPC_READY", "host"))
+        self.ready_wait = _wait_mode("ready_wait", ready_wait or os.environ.get("TORCHREFIT_IPC_READY", "stream"))
         super().__init__(group, device)
         # two events, one per role, so a rank that both sends and receives never makes
         # its readers wait for its own reads
