@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# issue 10, call 1: the timeline on main's code, then the branch's variants and benches
+# issue 10, run 5 (as run from a copy of the branch under .dev/transports of main): the timeline variants, the benches, the ipc GPU tests
 set -u
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,utilization.gpu --format=csv
