@@ -7,7 +7,8 @@ megatron-core builds them, and must be re-captured when a tensor's storage moves
 on either side (``param.data = ...``) so no refit writes through stale views.
 Expert tensors the caching allocator put back to back on both models are copied
 as merged runs (``execute.runs``: byte views across tensors of one allocation),
-exactly, also after the source's storage moved.
+exactly, also after the source's storage moved. With ``TORCHREFIT_SM_COPY_BELOW``
+(opt-in) the large copies run as elementwise kernels inside the graph, exactly.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def _models(seed: int) -> torch.nn.Module:
     return model
 
 
-def _graph_path(rank: int, world: int, batched: str = "1") -> dict:
+def _graph_path(rank: int, world: int, batched: str = "1", sm_below: str = "0") -> dict:
     os.environ["TORCHREFIT_BATCHED_COPY"] = batched
+    os.environ["TORCHREFIT_SM_COPY_BELOW"] = sm_below
     torch.cuda.set_device(0)
     src, dst = _models(1), _models(2)
     r = tr.Refitter(src, dst, transport="nccl", cuda_graph=True)
@@ -49,6 +51,7 @@ def _graph_path(rank: int, world: int, batched: str = "1") -> dict:
     torch.cuda.synchronize()
     out = {"differed": differed, "exact": _same(src, dst), "graph": r._program.local.graph is not None,
            "large": len(r._program.local.big),
+           "kernels": sum(w is not None for w in r._program.local.words),
            "batched": len(r._program.local.batch.dst) if r._program.local.batch else 0,
            "groups": sorted({(str(g.dst[0].dtype), str(g.src[0].dtype)) for g in r._program.local.small})}
     r.verify()
@@ -68,6 +71,14 @@ def _graph_path(rank: int, world: int, batched: str = "1") -> dict:
     torch.cuda.synchronize()
     out["again_exact"] = _same(src, dst)
     return out
+
+
+def test_graph_path_with_large_copies_as_kernels() -> None:
+    """``TORCHREFIT_SM_COPY_BELOW`` (opt-in): the 8 MB weights as elementwise kernels inside
+    the captured graph, exact, also after both sides' storage moved (re-captured)."""
+    (got,) = run_world(_graph_path, 1, "0", str(16 << 20), backend="nccl", timeout=180)
+    assert got["graph"] and got["kernels"] > 0, got
+    assert got["differed"] and got["exact"] and got["after_moves_exact"] and got["again_exact"], got
 
 
 @pytest.mark.parametrize("batched", ["1", "0"])

@@ -7,7 +7,9 @@ launch (``execute.batched``) on a stream of their own; large copies run one by o
 parallel side streams (graph branches); small ones (the remaining ones where batched)
 in one ``torch._foreach_copy_`` per (destination dtype, source dtype, dense) group on
 another stream; with ``cuda_graph`` the whole set, fork and join included, is
-captured once and replayed with one launch. All stream ordering goes through ``streams.SideStreams``.
+captured once and replayed with one launch. With ``TORCHREFIT_SM_COPY_BELOW=<bytes>``
+(opt-in), large plain copies below that size run as elementwise kernels instead of
+memcpy (``execute.kernel_copies``). All stream ordering goes through ``streams.SideStreams``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import kernel_copies
 from .batched import Batch, batchable, compile_batch, kernel_available
 from .runs import merge_local
 from .streams import SideStreams
@@ -77,6 +80,8 @@ class LocalCopies:
     small: tuple[CopyGroup, ...]
     batch: Batch | None = None
     graph: torch.cuda.CUDAGraph | None = None
+    #: per large copy, its integer views where it runs as a kernel (``kernel_copies``), else None
+    words: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self.big or self.small or self.batch)
@@ -95,9 +100,13 @@ class LocalCopies:
         if self.batch is not None:
             with side.placed(_BATCH_LANE):
                 self.batch.launch()
-        for branch, (dst, src, _) in zip(self.branch_of, self.big):
+        words = self.words or (None,) * len(self.big)
+        for branch, (dst, src, _), w in zip(self.branch_of, self.big, words):
             with side.placed(branch):
-                dst.copy_(src)
+                if w is None:
+                    dst.copy_(src)
+                else:
+                    kernel_copies.run(w)
         with side.placed(_SMALL_LANE):
             for g in self.small:
                 torch._foreach_copy_(g.dst, g.src)
@@ -150,9 +159,11 @@ def compile_copies(copies: Iterable[Copy], side: SideStreams, cuda_graph: bool,
         else:
             small[(dst.dtype, src.dtype, dst.is_contiguous() and src.is_contiguous())].append(c)
     groups = tuple(CopyGroup(*(tuple(x) for x in zip(*g))) for g in small.values())
+    below = kernel_copies.sm_copy_below()
+    words = tuple(kernel_copies.word_views(c.dst, c.src) if c.dst.nbytes < below else None for c in big)
     compiled = LocalCopies(tuple(planned), tuple(big),
                            tuple(balance_by_bytes([c.dst.nbytes for c in big], BRANCHES)), groups,
-                           compile_batch(batch, side.device))
+                           compile_batch(batch, side.device), words=words)
     if cuda_graph and side.streams and compiled:
         return replace(compiled, graph=_capture(compiled, side))
     return compiled

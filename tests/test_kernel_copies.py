@@ -1,0 +1,102 @@
+"""Large plain copies as elementwise kernels (``execute.kernel_copies``, opt-in with
+``TORCHREFIT_SM_COPY_BELOW=<bytes>``), on CPU.
+
+* A refit of a model of 1-4 MB tensors (fp32, bf16 of odd shapes, a bool buffer) with
+  the switch at 4 MB runs exactly the copies below 4 MB as kernels and the 4 MB one as
+  a copy; every destination equals its source bit for bit (the oracle: the source's
+  bits cloned before the refit, random bit patterns, NaN payloads included), on a
+  second refit after the source changed too.
+* Unset or 0: no kernel copy. A value that is no byte count warns, naming the
+  variable, and copies as without it.
+* ``word_views`` picks the widest word the size and both addresses allow, and refuses
+  casts and strided views.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import torchrefit as tr
+from torchrefit.execute import kernel_copies
+from torchrefit.testing import run_world
+
+MB = 1 << 20
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.empty(512, 1024))  # 2 MB fp32: a kernel
+        self.b = nn.Parameter(torch.empty(1024, 1024))  # 4 MB: not below 4 MB, a copy
+        self.c = nn.Parameter(torch.empty(701, 751, dtype=torch.bfloat16))  # ~1.05 MB, odd: 2-byte words
+        self.register_buffer("mask", torch.zeros(3 * MB // 2, dtype=torch.bool))
+
+
+def _scramble(model: nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            b = t.view(torch.uint8) if t.dtype != torch.bool else t.view(torch.uint8)
+            b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=g))
+            if t.dtype == torch.bool:
+                b.bitwise_and_(1)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8).clone()
+
+
+def _kernel_world(rank: int, world: int, below: str | None) -> dict:
+    if below is None:
+        os.environ.pop(kernel_copies.SM_COPY_ENV, None)
+    else:
+        os.environ[kernel_copies.SM_COPY_ENV] = below
+    src, dst = _Model(), _Model()
+    out: dict = {"wrong": []}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = tr.Refitter(src, dst)
+        for seed in (1, 2):
+            _scramble(src, seed)
+            _scramble(dst, seed + 10)
+            want = {k: _bits(v) for k, v in src.state_dict().items()}
+            r.refit()
+            got = {k: _bits(v) for k, v in dst.state_dict().items()}
+            out["wrong"] += [f"{k} refit {seed}" for k in want if not torch.equal(want[k], got[k])]
+    local = r._program.local
+    out["kernels"] = sorted(n for (_, _, n), w in zip(local.big, local.words) if w is not None)
+    out["copies"] = sorted(n for (_, _, n), w in zip(local.big, local.words) if w is None)
+    out["warnings"] = [str(w.message) for w in caught if kernel_copies.SM_COPY_ENV in str(w.message)]
+    return out
+
+
+@pytest.mark.parametrize("below", [str(4 * MB), None, "0", "4MB"])
+def test_copies_below_the_switch_run_as_exact_kernels(below: str | None) -> None:
+    (got,) = run_world(_kernel_world, 1, below, timeout=300)
+    assert got["wrong"] == []
+    if below == str(4 * MB):
+        assert got["kernels"] == ["a", "c", "mask"] and got["copies"] == ["b"], got
+        assert got["warnings"] == []
+    else:
+        assert got["kernels"] == [] and got["copies"] == ["a", "b", "c", "mask"], got
+        assert len(got["warnings"]) == (below == "4MB"), got["warnings"]
+
+
+def test_word_views_take_the_widest_word_and_refuse_casts_and_strides() -> None:
+    x = torch.zeros(1024, dtype=torch.float32)
+    d, s = kernel_copies.word_views(x, x.clone())
+    assert d.dtype == torch.int64 and d.numel() == 512
+    odd = torch.zeros(3, dtype=torch.bfloat16)
+    d, s = kernel_copies.word_views(odd, odd.clone())
+    assert d.dtype == torch.int16
+    base = torch.zeros(17, dtype=torch.bfloat16)
+    d, s = kernel_copies.word_views(base[1:9], base.clone()[1:9])  # 2-byte aligned only
+    assert d.dtype == torch.int16 and d.numel() == 8
+    assert kernel_copies.word_views(x, x.to(torch.bfloat16).float().half()) is None  # a cast
+    m = torch.zeros(8, 8)
+    assert kernel_copies.word_views(m.t(), m.clone()) is None  # strided
