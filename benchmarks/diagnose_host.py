@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import pstats
 import time
 
 import torch
-import torch.distributed as dist
 
 import torchrefit as tr
 from torchrefit.bench.config import spec_from_preset
 from torchrefit.bench.timing import median_host_ms, sleep_cycles_per_ms
+from torchrefit.bench.world import one_gpu_world
 from torchrefit.testing import Mesh, build_toy
 
 
@@ -50,10 +49,7 @@ def stale_probe(cycles_per_ms: float, user_stream: bool, big: bool) -> float:
 
 
 def main() -> None:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29544")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    torch.cuda.set_device(0)
+    one_gpu_world(29544)
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="gpt-4b")
     ap.add_argument("--layers", type=int)

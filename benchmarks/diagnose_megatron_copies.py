@@ -23,17 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 
 import torchrefit as tr
 from torchrefit.bench.config import spec_from_preset
 from torchrefit.bench.megatron_models import build_megatron_gpt
 from torchrefit.bench.timing import copy_bandwidth, median_host_ms, median_ms
+from torchrefit.bench.world import one_gpu_world
 from torchrefit.execute.local import balance_by_bytes
 from torchrefit.testing import Mesh, build_toy
 
@@ -187,10 +186,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--skip-megatron", action="store_true")
     args = ap.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29577")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    torch.cuda.set_device(DEV)
+    one_gpu_world(29577)
     spec = spec_from_preset("gpt-4b")
     bw = copy_bandwidth(DEV)
     rows = []

@@ -34,11 +34,11 @@ import time
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 
 import torchrefit as tr
 from torchrefit.bench.config import spec_from_preset
 from torchrefit.bench.timing import copy_bandwidth, median_host_ms, time_calls
+from torchrefit.bench.world import one_gpu_world
 from torchrefit.execute import program
 from torchrefit.testing import Mesh, build_toy
 
@@ -211,10 +211,7 @@ def main() -> None:
     ap.add_argument("--only", help="comma list of shape labels' first words")
     ap.add_argument("--megatron", action="append", default=[], help="also megatron-core models of this label")
     args = ap.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29578")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    torch.cuda.set_device(DEV)
+    one_gpu_world(29578)
     bw = copy_bandwidth(DEV)
     rows = []
     only = set(args.only.split(",")) if args.only else None

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import time
 
@@ -36,6 +35,7 @@ import torch.distributed as dist
 import torchrefit as tr
 from torchrefit.bench.config import spec_from_preset
 from torchrefit.bench.timing import copy_bandwidth, sleep_cycles_per_ms
+from torchrefit.bench.world import one_gpu_world
 from torchrefit.execute.local import balance_by_bytes
 from torchrefit.testing import Mesh, build_toy
 
@@ -225,10 +225,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--only", help="comma list of preset names' first words")
     args = ap.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29581")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    torch.cuda.set_device(DEV)
+    one_gpu_world(29581)
     bw = copy_bandwidth(DEV)
     cycles = int(20 * sleep_cycles_per_ms(DEV))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy {bw / 1e9:.0f} GB/s")

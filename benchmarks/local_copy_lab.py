@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
-import torch.distributed as dist
 
 import torchrefit as tr
 from torchrefit.bench.config import spec_from_preset
 from torchrefit.bench.timing import copy_bandwidth, median_host_ms, median_ms, sleep_cycles_per_ms
+from torchrefit.bench.world import one_gpu_world
 from torchrefit.testing import Mesh, build_toy
 
 
@@ -95,10 +94,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json")
     args = ap.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    torch.cuda.set_device(0)
+    one_gpu_world(29533)
     spec = spec_from_preset("gpt-4b", layers=args.layers)
     src = build_toy(spec, Mesh(1, ranks=1), 0, 1, device="cuda", random_init=True)
     dst = build_toy(spec, Mesh(1, ranks=1), 0, 2, device="cuda", random_init=True)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torchrefit as tr
 from torchrefit.bench.config import spec_from_preset
 from torchrefit.bench.timing import time_calls
+from torchrefit.bench.world import one_gpu_world
 from torchrefit.testing import Mesh, build_toy
 
 
@@ -59,11 +60,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29531")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
+    device = one_gpu_world(29531)
     spec = spec_from_preset(args.model, layers=args.layers)
     mesh = Mesh(1, ranks=1)
     src = build_toy(spec, mesh, 0, seed=1, device=device, random_init=True)

@@ -4,18 +4,15 @@ removed, printing what each path read (debugging aid for tests/test_gpu_stale_re
 import os
 import sys
 
-import torch.distributed as dist
-
 os.environ["TORCHREFIT_BREAK_PRODUCER_WAIT"] = "1"
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from test_gpu_stale_read import _stale_read  # noqa: E402
 
+from torchrefit.bench.world import one_gpu_world
 from torchrefit.testing import Mesh  # noqa: E402
 
 if __name__ == "__main__":
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29566")
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    one_gpu_world(29566)
     for graph in (False, True):
         stale = _stale_read(0, 1, Mesh(1, ranks=1), Mesh(1, ranks=1), "nccl", graph)
         print(f"broken wait, 1 process, cuda_graph={graph}: {len(stale)} stale tensors {stale[:2]}")
