@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 import torchrefit as tr
 from torchrefit.bench.config import spec_from_preset
-from torchrefit.bench.timing import copy_bandwidth, sleep_cycles_per_ms
+from torchrefit.bench.timing import copy_bandwidth, device_times, sleep_cycles_per_ms
 from torchrefit.bench.world import one_gpu_world
 from torchrefit.execute.local import balance_by_bytes
 from torchrefit.testing import Mesh, build_toy
@@ -75,17 +75,8 @@ def wall_ms(fn, iters: int = 30) -> float:
 
 def device_ms(fn, busy_cycles: int, iters: int = 20) -> float:
     """Device time of ``fn``'s work queued behind GPU sleep (host time left out)."""
-    out = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(busy_cycles)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end))
-    return statistics.median(out)
+    # device_times takes the sleep as ms x cycles per ms: one "ms" of busy_cycles cycles
+    return statistics.median(device_times(fn, iters, DEV, busy_ms=1.0, cycles_per_ms=busy_cycles)) * 1e3
 
 
 def checks(r, busy_cycles: int) -> dict:
