@@ -299,3 +299,44 @@ def test_mailbox_orders_both_ways_and_times_out() -> None:
     assert "rank 0" in receiver["stopped"] and "header" in receiver["stopped"], receiver["stopped"]
     assert "rank 1" in sender["stopped"] and "done token" in sender["stopped"], sender["stopped"]
     assert receiver["stopped_s"] < 1.0 + 5.0 and sender["stopped_s"] < 1.0 + 5.0, (sender, receiver)
+
+
+class _Headers:
+    """A pull transport whose next header is set by the test (the target's regions)."""
+
+    pull = True
+
+    def __init__(self) -> None:
+        self.header: tuple = ()
+
+    def recv_header(self, peer: int) -> tuple:
+        return self.header
+
+    def wait_ready(self, peer: int, token) -> None:
+        pass
+
+
+def test_initiator_refuses_regions_that_disagree_once_per_generation() -> None:
+    """The initiator checks a target's exposed regions against its own views before any
+    copy: on the first header of each target generation (a generation's regions never
+    change, so a refit within it skips the check). Oracle: the numels of the two sides."""
+    from torchrefit.errors import TransportError
+    from torchrefit.execute.one_sided import Initiated, OneSided, OneSidedProgram
+
+    mine = (torch.zeros(4), torch.zeros(6))
+    pair = Initiated(1, mine, ("w[0:4] from rank 1", "v[0:6] from rank 1"))
+    transport = _Headers()
+    program = OneSidedProgram(OneSided(0, None, (), (), 0, 0), transport, torch.device("cpu"), False)
+    wrong = (torch.zeros(4), torch.zeros(5))
+    transport.header = (7, None, wrong)
+    with pytest.raises(TransportError, match=r"rank 1's exposed regions do not match.*w\[0:4\]"):
+        program._attach(pair)
+    transport.header = (7, None, (torch.zeros(4),))  # one region short
+    with pytest.raises(TransportError, match="rank 1's exposed regions"):
+        program._attach(pair)
+    right = (torch.zeros(4), torch.zeros(6))
+    transport.header = (7, None, right)
+    assert program._attach(pair) == (7, right)
+    transport.header = (8, None, wrong)  # the target re-exposed: checked again
+    with pytest.raises(TransportError, match="rank 1's exposed regions"):
+        program._attach(pair)
