@@ -175,11 +175,7 @@ class IpcTransport(OneSidedTransport):
     def wait_ready(self, peer: int, token: bytes) -> None:
         # the only thing that keeps a receiver from reading sources the producer has
         # not finished writing (tests/test_gpu_stale_read.py removes it to prove that)
-        event = self._peer_event(token)
-        if self.ready_wait == "stream":
-            torch.cuda.current_stream(self.device).wait_event(event)
-        elif not poll_until(event.query, self.poll_timeout()):
-            raise self.peer_error(peer, "receive", TimeoutError("its ready event (sources final) never completed"))
+        self._wait_peer(peer, token, self.ready_wait, "ready event (sources final)")
 
     def done(self) -> bytes:
         self._done.record(torch.cuda.current_stream(self.device))
@@ -189,11 +185,16 @@ class IpcTransport(OneSidedTransport):
         # the token (a Gloo message or a mailbox word) came after the peer recorded its
         # event behind its reads: waiting for that record is waiting for the reads
         # (tests/test_gpu_one_sided.py moves the sources right after a refit)
+        self._wait_peer(peer, token, self.done_wait, "done event (reads finished)")
+
+    def _wait_peer(self, peer: int, token: bytes, mode: str, what: str) -> None:
+        """``mode`` "stream": the current stream waits for the peer's event; "host": poll
+        it until it completed (not synchronize(): it measured slower), bounded."""
         event = self._peer_event(token)
-        if self.done_wait == "stream":
+        if mode == "stream":
             torch.cuda.current_stream(self.device).wait_event(event)
-        elif not poll_until(event.query, self.poll_timeout()):  # not synchronize(): it measured slower
-            raise self.peer_error(peer, "receive", TimeoutError("its done event (reads finished) never completed"))
+        elif not poll_until(event.query, self.poll_timeout()):
+            raise self.peer_error(peer, "receive", TimeoutError(f"its {what} never completed"))
 
     def _peer_event(self, handle: bytes) -> torch.cuda.Event:
         event = self._peer_events.get(handle)
