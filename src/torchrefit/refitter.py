@@ -498,7 +498,6 @@ class Refitter:
         u = self._witness.unchecked if self._witness is not None else {}
         return f"{sum(u.values())} in {len(u)} tensor(s), first {min(u)}" if u else "none"
 
-
     def _raise_if_failed(self) -> None:
         try:
             self._transport.raise_if_failed()

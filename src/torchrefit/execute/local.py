@@ -78,10 +78,10 @@ class LocalCopies:
     big: tuple[Copy, ...]
     branch_of: tuple[int, ...]
     small: tuple[CopyGroup, ...]
+    #: per large copy, its integer views where it runs as a kernel (``kernel_copies``), else None
+    words: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]
     batch: Batch | None = None
     graph: torch.cuda.CUDAGraph | None = None
-    #: per large copy, its integer views where it runs as a kernel (``kernel_copies``), else None
-    words: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self.big or self.small or self.batch)
@@ -100,8 +100,7 @@ class LocalCopies:
         if self.batch is not None:
             with side.placed(_BATCH_LANE):
                 self.batch.launch()
-        words = self.words or (None,) * len(self.big)
-        for branch, (dst, src, _), w in zip(self.branch_of, self.big, words):
+        for branch, (dst, src, _), w in zip(self.branch_of, self.big, self.words):
             with side.placed(branch):
                 if w is None:
                     dst.copy_(src)
@@ -162,8 +161,8 @@ def compile_copies(copies: Iterable[Copy], side: SideStreams, cuda_graph: bool,
     below = kernel_copies.sm_copy_below()
     words = tuple(kernel_copies.word_views(c.dst, c.src) if c.dst.nbytes < below else None for c in big)
     compiled = LocalCopies(tuple(planned), tuple(big),
-                           tuple(balance_by_bytes([c.dst.nbytes for c in big], BRANCHES)), groups,
-                           compile_batch(batch, side.device), words=words)
+                           tuple(balance_by_bytes([c.dst.nbytes for c in big], BRANCHES)), groups, words,
+                           compile_batch(batch, side.device))
     if cuda_graph and side.streams and compiled:
         return replace(compiled, graph=_capture(compiled, side))
     return compiled
