@@ -44,8 +44,8 @@ import torch
 import torch.distributed as dist
 
 import torchrefit as tr
-from torchrefit.bench.config import spec_from_preset
-from torchrefit.testing import Mesh, build_toy, run_world
+from torchrefit.bench.world import one_gpu_toy_pair
+from torchrefit.testing import run_world
 from torchrefit.transport.ipc import IpcTransport, export_segments
 
 SENDER, RECEIVER = 0, 1
@@ -324,12 +324,7 @@ def _refitter(src, dst, variant: str):
 
 
 def _rank(rank: int, world: int, layers: int, iters: int, variants: list[str]) -> dict:
-    torch.cuda.set_device(0)
-    spec = spec_from_preset("gpt-4b", layers=layers)
-    src = build_toy(spec, Mesh(1, ranks=1), rank, 1, device="cuda", random_init=True)
-    dst = build_toy(spec, Mesh(1, ranks=1, offset=1), rank, 2, device="cuda", random_init=True)
-    torch.cuda.synchronize()
-    dist.barrier()
+    src, dst = one_gpu_toy_pair(rank, layers)
     out = {"rank": rank, "gloo_rtt_us": _ping(rank), "refits": {}}
     for variant in variants[1:]:
         other = _refitter(src, dst, variant)

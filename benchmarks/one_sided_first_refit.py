@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 import torchrefit as tr
-from torchrefit.bench.config import spec_from_preset
-from torchrefit.testing import Mesh, build_toy, run_world
+from torchrefit.bench.world import one_gpu_toy_pair
+from torchrefit.testing import run_world
 
 
 def _device_ms(fn, iters: int = 20) -> float:
@@ -41,12 +41,7 @@ def _device_ms(fn, iters: int = 20) -> float:
 
 
 def _rank(rank: int, world: int, transport: str, layers: int) -> str:
-    torch.cuda.set_device(0)
-    spec = spec_from_preset("gpt-4b", layers=layers)
-    src = build_toy(spec, Mesh(1, ranks=1), rank, 1, device="cuda", random_init=True)
-    dst = build_toy(spec, Mesh(1, ranks=1, offset=1), rank, 2, device="cuda", random_init=True)
-    torch.cuda.synchronize()
-    dist.barrier()
+    src, dst = one_gpu_toy_pair(rank, layers)
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()

@@ -8,7 +8,10 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["one_gpu_world"]
+from ..testing import Mesh, build_toy
+from .config import spec_from_preset
+
+__all__ = ["one_gpu_world", "one_gpu_toy_pair"]
 
 
 def one_gpu_world(port: int) -> torch.device:
@@ -20,3 +23,17 @@ def one_gpu_world(port: int) -> torch.device:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     return device
+
+
+def one_gpu_toy_pair(rank: int, layers: int | None) -> tuple:
+    """The seed's toy model (``layers`` to shrink it) as source and destination of a
+    non-collocated TP1 -> TP1 refit between two processes sharing GPU 0 (rank 0 holds
+    the source, rank 1 the destination); returns once both ranks built theirs.
+    Called by the one-sided transport diagnostics on both ranks."""
+    torch.cuda.set_device(0)
+    spec = spec_from_preset("gpt-4b", layers=layers)
+    src = build_toy(spec, Mesh(1, ranks=1), rank, 1, device="cuda", random_init=True)
+    dst = build_toy(spec, Mesh(1, ranks=1, offset=1), rank, 2, device="cuda", random_init=True)
+    torch.cuda.synchronize()
+    dist.barrier()
+    return src, dst
