@@ -3,7 +3,10 @@
 shared storages, as ``ipc`` does on GPUs) and ``shm-push`` (senders write into the
 receivers' shared storages, as ``nixl`` does). Tensors must live in shared memory
 (``model.share_memory()``). Each rank logs the protocol calls it made, in order,
-so tests can check the cross-process ordering without a GPU. ``shm-nvshmem`` is
+so tests can check the cross-process ordering without a GPU. ``shm-pull-word``
+is ``shm-pull`` ordered as ``ipc`` orders by default: by mailbox words its
+"stream" writes (:data:`STREAM`, one worker thread per process standing in for
+the GPU stream that runs what was queued before, in order). ``shm-nvshmem`` is
 the ``nvshmem`` transport itself (inbox schedule, slots, signals, acknowledgements)
 with NVSHMEM's host bindings faked over CPU shared memory.
 """
@@ -12,14 +15,16 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from torchrefit.layout._types import dtype_from_name, dtype_name
 from torchrefit.transport.base import Availability, register_transport
+from torchrefit.transport.mailbox import Mailbox
 from torchrefit.transport.nvshmem import NvshmemTransport
-from torchrefit.transport.one_sided import OneSidedTransport, Table
+from torchrefit.transport.one_sided import WORD, OneSidedTransport, Table
 
 LOG: list[str] = []  # this process's protocol calls
 
@@ -76,6 +81,58 @@ class ShmPush(_Shm):
         LOG.append(f"write:{peer}")
         for dst, src in zip(remote, local):
             dst.copy_(src)
+
+
+class _Stream:
+    """A GPU stream's order on CPU: what is queued runs on one worker thread, in order."""
+
+    def __init__(self) -> None:
+        self._worker = ThreadPoolExecutor(1)
+
+    def queue(self, fn: Callable[[], object]) -> Future:
+        return self._worker.submit(fn)
+
+    def synchronize(self) -> None:
+        self.queue(lambda: None).result()
+
+
+STREAM = _Stream()  # this process's fake stream
+
+
+@register_transport
+class ShmPullWord(ShmPull):
+    """``shm-pull`` ordered by stream-written mailbox words: ``ready()`` and ``done()``
+    return :data:`WORD` and :data:`STREAM` writes the words, after whatever a test
+    queued on it before (a late producer, late reads)."""
+
+    name = "shm-pull-word"
+
+    def ready(self) -> bytes:
+        if self.own_stream_words():
+            LOG.append("ready:word")
+            return WORD
+        return self.event_token("ready")
+
+    def done(self) -> bytes:
+        LOG.append("done:word")
+        return WORD
+
+    def event_token(self, role: str) -> bytes:
+        LOG.append(f"{role}:event")
+        return b"token" if role == "ready" else b"done"
+
+    def wait_ready(self, peer: int, token: bytes) -> None:
+        assert token in (WORD, b"token"), token
+        LOG.append(f"wait_ready:{peer}")
+
+    def wait_done(self, peer: int, token: bytes) -> None:
+        assert token in (WORD, b"done"), token
+        LOG.append(f"wait_done:{peer}")
+
+    def stream_writer(self, box: Mailbox) -> Callable[[int, int], None]:
+        def write(index: int, value: int) -> None:
+            STREAM.queue(lambda: setattr(ctypes.c_int64.from_address(box.address + 8 * index), "value", value))
+        return write
 
 
 class _SymmetricHeaps:

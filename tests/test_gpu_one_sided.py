@@ -102,3 +102,31 @@ def test_one_sided_two_processes_one_gpu(transport: str) -> None:
                 assert got["segments"] * 4 <= got["tensors"], f"rank {rank} {name}: {got}"
     for name in results[0]:
         assert results[1][name]["received"] > 0, f"{name}: nothing came through {transport} to rank 1"
+
+
+def test_ipc_stream_words_land_after_queued_work() -> None:
+    """ipc's stream-written mailbox word: queuing it returns at once (the mailbox's pages
+    are registered, so the copy is asynchronous), and the word lands only after the
+    work queued before it (a 50 ms sleep kernel): never earlier, and then exactly."""
+    import time
+
+    from torchrefit.bench.timing import sleep_cycles_per_ms
+    from torchrefit.transport.ipc import StreamWords
+    from torchrefit.transport.mailbox import Mailbox
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    device = torch.device("cuda", 0)
+    box = Mailbox.create(2)
+    write = StreamWords(box, device)
+    cycles = int(50 * sleep_cycles_per_ms(device))
+    for value in (3, 5, 70_001):  # 70_001: past the device table, refilled behind a synchronize
+        torch.cuda._sleep(cycles)
+        t0 = time.perf_counter()
+        write(1, value)
+        queued = time.perf_counter() - t0
+        early = box.words()[1].item()
+        torch.cuda.synchronize(device)
+        assert box.words()[1].item() == value
+        assert early != value, f"word {value} landed before the work queued ahead of it"
+        assert value == 70_001 or queued < 0.02, f"queuing the word blocked the host for {queued * 1e3:.1f} ms"

@@ -14,13 +14,16 @@ its producer before posting its WRITEs), and nvshmem on its one PE (one process)
 its remote path runs in the multi-GPU suite.
 
 Setting ``TORCHREFIT_BREAK_PRODUCER_WAIT=1`` removes the side stream's wait for the
-producer and every one-sided transport's ``wait_ready`` (test-only monkeypatches)
-to show that the test then fails.
+producer and every one-sided transport's ``wait_ready``, and makes ipc's stream-written
+mailbox words land at once, written by the host (test-only monkeypatches), to show
+that the test then fails. ipc runs in both orders: ``ipc`` (stream-written words, the
+default) and ``ipc:event`` (interprocess events).
 
 The other direction: a one-sided sender's next step (queued right after ``refit()``
 returns) must not overwrite sources a receiver, its reads queued behind a gate,
 has not read yet; for ipc with the done token awaited on the sender's stream and on
-its host. ``TORCHREFIT_BREAK_DONE_WAIT=1`` removes every one-sided ``wait_done``.
+its host, and with stream-written words. ``TORCHREFIT_BREAK_DONE_WAIT=1`` removes every
+one-sided ``wait_done`` and makes ipc's words land at once.
 """
 
 from __future__ import annotations
@@ -74,12 +77,33 @@ def _break_producer_wait() -> None:
     for cls in registered():  # one-sided: initiators stop waiting for their producer's token
         if cls.protocol == "one_sided":
             cls.wait_ready = lambda self, peer, token: None
+    _words_at_once()
+
+
+def _words_at_once() -> None:
+    """ipc's mailbox words written by the host when queued, not by the stream after
+    the work before them: a word then no longer orders anything."""
+    from torchrefit.transport import ipc
+
+    def at_once(self, index: int, value: int) -> None:
+        self._words[index] = value
+
+    ipc.StreamWords.__call__ = at_once
+
+
+def _order(transport: str) -> str:
+    """``"ipc:event"``: ipc with interprocess events (set for this process); the name."""
+    name, _, order = transport.partition(":")
+    if order:
+        os.environ["TORCHREFIT_IPC_ORDER"] = order
+    return name
 
 
 def _stale_read(rank: int, world: int, src_mesh: Mesh, dst_mesh: Mesh, transport: str,
                 cuda_graph: bool) -> list[str]:
     if os.environ.get("TORCHREFIT_BREAK_PRODUCER_WAIT") == "1":
         _break_producer_wait()
+    transport = _order(transport)
     torch.cuda.set_device(0)
     src = build_toy(SPEC, src_mesh, rank, seed=1)
     dst = build_toy(SPEC, dst_mesh, rank, seed=2)
@@ -125,6 +149,9 @@ if torch.cuda.is_available() and transport_class("nvshmem").available():  # one 
 for _t in (usable_transports(cuda=True, one_sided_only=True) if torch.cuda.is_available() else ["ipc"]):
     CASES[f"{_t}-2proc-collocated-tp2->tp1"] = (2, Mesh(2, ranks=2), Mesh(1, ranks=2), _t, True)
     CASES[f"{_t}-2proc-noncollocated"] = (2, Mesh(1, ranks=1), Mesh(1, ranks=1, offset=1), _t, True)
+if "ipc-2proc-noncollocated" in CASES:  # ipc ordered by its events too
+    CASES["ipc:event-2proc-collocated-tp2->tp1"] = (2, Mesh(2, ranks=2), Mesh(1, ranks=2), "ipc:event", True)
+    CASES["ipc:event-2proc-noncollocated"] = (2, Mesh(1, ranks=1), Mesh(1, ranks=1, offset=1), "ipc:event", True)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -143,6 +170,7 @@ def _break_done_wait() -> None:
     for cls in registered():  # one-sided: targets stop waiting for their initiator's done token
         if cls.protocol == "one_sided":
             cls.wait_done = lambda self, peer, token: None
+    _words_at_once()
 
 
 def _early_overwrite(rank: int, world: int, transport: str, done_wait: str) -> list[str]:
@@ -152,6 +180,7 @@ def _early_overwrite(rank: int, world: int, transport: str, done_wait: str) -> l
     os.environ["TORCHREFIT_IPC_DONE"] = done_wait
     if os.environ.get("TORCHREFIT_BREAK_DONE_WAIT") == "1":
         _break_done_wait()
+    transport = _order(transport)
     torch.cuda.set_device(0)
     src_mesh, dst_mesh = Mesh(1, ranks=1), Mesh(1, ranks=1, offset=1)
     src, dst = build_toy(SPEC, src_mesh, rank, seed=1), build_toy(SPEC, dst_mesh, rank, seed=2)
@@ -180,7 +209,7 @@ def _early_overwrite(rank: int, world: int, transport: str, done_wait: str) -> l
             for k, v in dst.state_dict().items() if not torch.equal(v.cpu(), expected[k])]
 
 
-OVERWRITE = [("ipc", "stream"), ("ipc", "host")] + [
+OVERWRITE = [("ipc", "host"), ("ipc:event", "stream"), ("ipc:event", "host")] + [
     (t, "stream") for t in (usable_transports(cuda=True, one_sided_only=True) if torch.cuda.is_available() else [])
     if t != "ipc"]
 

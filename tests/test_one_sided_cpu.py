@@ -15,6 +15,7 @@ Refitter of plain models does not import ``torch.distributed.tensor``.
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -225,6 +226,13 @@ def test_ipc_host_waits_poll_the_peer_event(wait: str, monkeypatch) -> None:
     event = _Event(5)
     getattr(_bare_ipc("stream", "stream", event), wait)(1, b"token")
     assert event.queries == 0 and queued == [event]
+    from torchrefit.transport.one_sided import (
+        WORD,  # a stream-written word was the wait: nothing more
+    )
+
+    for mode in ("host", "stream"):
+        getattr(_bare_ipc(mode, mode, event), wait)(1, WORD)
+    assert event.queries == 0 and queued == [event]
 
 
 def test_ipc_wait_modes_are_checked(monkeypatch) -> None:
@@ -233,6 +241,10 @@ def test_ipc_wait_modes_are_checked(monkeypatch) -> None:
     monkeypatch.setattr(ipc, "require_cuda", lambda device, name: None)
     monkeypatch.setenv("TORCHREFIT_IPC_READY", "device")
     with pytest.raises(tr.TransportError, match="ready_wait must be 'stream' or 'host', not 'device'"):
+        ipc.IpcTransport(None, torch.device("cpu"))
+    monkeypatch.setenv("TORCHREFIT_IPC_READY", "host")
+    monkeypatch.setenv("TORCHREFIT_IPC_ORDER", "flags")
+    with pytest.raises(tr.TransportError, match="order must be 'word' or 'event', not 'flags'"):
         ipc.IpcTransport(None, torch.device("cpu"))
 
 
@@ -340,3 +352,68 @@ def test_initiator_refuses_regions_that_disagree_once_per_generation() -> None:
     transport.header = (8, None, wrong)  # the target re-exposed: checked again
     with pytest.raises(TransportError, match="rank 1's exposed regions"):
         program._attach(pair)
+
+
+def _read_mark(box) -> int:
+    import ctypes
+
+    return ctypes.c_int64.from_address(box.address).value
+
+
+def _stream_word_world(rank: int, world: int) -> dict:
+    """Rank 0 holds the source, rank 1 the destination; shm-pull-word orders by words
+    the fake stream writes. Each refit, the sender's producer and the receiver's
+    reads are late on their streams (queued before ``refit()``, run LATE later)."""
+    from torchrefit.transport.mailbox import Mailbox
+
+    src_mesh, dst_mesh = tr.testing.Mesh(1, ranks=1), tr.testing.Mesh(1, ranks=1, offset=1)
+    src, dst = _shared(build_toy(MAILBOX_SPEC, src_mesh, rank, 1)), build_toy(MAILBOX_SPEC, dst_mesh, rank, 2)
+    marks = Mailbox.create(1) if rank == 1 else None  # the receiver's stream marks its reads done here
+    handle = [marks.handle() if marks else None]
+    torch.distributed.broadcast_object_list(handle, src=1)
+    marks = marks or Mailbox.open(handle[0])
+    stream = shm_transport.STREAM
+    r = tr.Refitter(src, dst, transport="shm-pull-word")
+    want = tr.testing.expected_local(MAILBOX_SPEC, dst_mesh, rank, 1)
+    out: dict = {"stale": [], "marks_seen": [], "log": []}
+    for k in range(1, 4):  # 1: the pair's first exchange (its header over Gloo, then the word)
+        torch.distributed.barrier()
+        shm_transport.LOG.clear()
+        late = 2.0 if k == 1 else LATE  # the first refit also compiles: its producer is later still
+        if src is not None:
+            stream.queue(lambda late=late: (time.sleep(late), [p.data.add_(1.0) for p in src.parameters()]))
+        else:  # the reads end after the producer's bump was seen
+            stream.queue(lambda k=k, late=late: (time.sleep(late + 0.6), marks.post(0, k, False)))
+        r.refit()
+        out["log"].append(list(shm_transport.LOG))
+        if src is not None:  # the receiver's stream has passed its reads of this refit
+            out["marks_seen"].append(_read_mark(marks) >> 1)
+        else:
+            want = {n: v + 1.0 for n, v in want.items()}  # the same roundings as the source's
+            out["stale"].append([n for n, v in _state(dst).items() if not torch.equal(v.detach(), want[n])])
+        stream.synchronize()
+    r.close()
+    torch.distributed.barrier()
+    os.environ["TORCHREFIT_MAILBOX"] = "0"  # no mailbox: the same transport falls back to its tokens
+    shm_transport.LOG.clear()
+    r = tr.Refitter(src, dst, transport="shm-pull-word")
+    r.refit()
+    r.refit()
+    out["fallback_log"] = list(shm_transport.LOG)
+    out["fallback_wrong"] = [n for n, v in _state(dst).items() if not torch.equal(v.detach(), want[n])] if dst else []
+    return out
+
+
+def test_stream_words_order_both_ways() -> None:
+    """Ordered by words a stream writes (ipc's default): the receiver reads only after
+    the sender's late producer ran, on the pair's first exchange and later ones, and the
+    sender's ``refit()`` returns only after the receiver's late reads; where no mailbox
+    can be shared, both sides fall back to their tokens. Oracle: the toy's values plus
+    the producer's bumps; the receiver's mark, written by its stream before its word."""
+    sender, receiver = run_world(_stream_word_world, 2, timeout=240)
+    assert receiver["stale"] == [[], [], []], f"the receiver read before the producer ran: {receiver['stale']}"
+    assert sender["marks_seen"] == [1, 2, 3], f"the sender returned before the reads ran: {sender['marks_seen']}"
+    assert all("ready:word" in log and "ready:event" not in log for log in sender["log"]), sender["log"]
+    assert all("done:word" in log and "done:event" not in log for log in receiver["log"]), receiver["log"]
+    assert "ready:event" in sender["fallback_log"] and "done:event" in receiver["fallback_log"], (sender, receiver)
+    assert receiver["fallback_wrong"] == [], receiver["fallback_wrong"]

@@ -7,26 +7,33 @@ tensor: one ``_share_cuda_()`` handle per segment plus each tensor's byte offset
 dtype, shape and strides. A receiver opens each segment once (again only when a
 sender's storage moves to a segment it has not opened) and then copies its
 regions device to device on its own streams, like local copies: the executor
-captures them in a CUDA graph. Ordering tokens are interprocess CUDA events:
+captures them in a CUDA graph.
 
-* ready: the sender records its event on its current stream (after the producer,
-  the optimizer step); the receiver reads only after it completed. Two ways
-  (``ready_wait``, default from ``TORCHREFIT_IPC_READY``): ``"stream"`` (default): the
-  receiver's stream waits for the event; ``"host"``: the receiver's host polls the
-  event and launches its copies once it completed, so its stream never holds a wait
-  on work queued in another process's context (the mailbox posts the header
-  microseconds after the sender queued its record, so a stream wait can reach the
-  GPU before the record ran);
-* done: the receiver records its event after queuing its copies; the sender's
-  later writes (the next step) must not overwrite sources still being read. Two
-  ways, chosen per transport (``done_wait``, default from ``TORCHREFIT_IPC_DONE``):
-  ``"host"`` (default): the sender's host polls the event until it completed (within
-  the timeout) and queues nothing, so ``refit()`` returns on the sender once the
-  receiver's copies finished; ``"stream"``: the sender's stream waits for the event
-  and the host returns at once. Processes sharing a GPU without MPS are time-sliced,
-  and a wait queued in the sender's context while the receiver copies costs a
-  context switch when it resolves: in ``benchmarks/ipc_timeline.py`` on an H200 the
-  same copies cost 4.26 ms with the host polling and 4.51 ms with the stream waiting
+Ordering (``order``, default from ``TORCHREFIT_IPC_ORDER``):
+
+* ``"word"`` (default): the control words of the mailbox (``transport.mailbox``, a
+  page of host shared memory) are registered with CUDA, and each side's *stream*
+  writes its word: the sender's after everything queued before ``refit()`` (its
+  producer, the optimizer step), the receiver's after its copies. The peer's host
+  polls the word, so seeing it is the order: the receiver launches its copies once
+  the sender's producer finished, and the sender's ``refit()`` returns once the
+  receiver's copies finished. No interprocess event is recorded or waited for, and
+  no wait is queued in one process's context on work of another's, which a GPU
+  time-sliced between processes pays as context switches (BENCHMARKS.md,
+  "Transports run 6"). A word is an 8-byte device-to-host copy from a table of
+  values on the device.
+* ``"event"``: interprocess CUDA events, with the host writing the words (the
+  order of the first sessions; also what ``"word"`` falls back to for a peer
+  without a mailbox, e.g. ``TORCHREFIT_MAILBOX=0``). *ready*: the sender records
+  its event after its producer; the receiver waits for it (``ready_wait``, default
+  from ``TORCHREFIT_IPC_READY``): ``"stream"``, its stream waits, or ``"host"``, its
+  host polls the event and then launches its copies. *done*: the receiver records
+  its event after queuing its copies; the sender waits (``done_wait``, default from
+  ``TORCHREFIT_IPC_DONE``): ``"host"`` (default) polls it, so ``refit()`` returns on
+  the sender once the copies finished, or ``"stream"``: its stream waits and the
+  host returns at once. On a GPU shared without MPS the stream wait costs a context
+  switch when it resolves: in ``benchmarks/ipc_timeline.py`` on an H200 the same
+  copies cost 4.26 ms with the host polling and 4.51 ms with the stream waiting
   (BENCHMARKS.md, "Transports run 4").
 """
 
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,11 +51,14 @@ import torch.distributed as dist
 from ..errors import TransportError
 from ..layout._types import dtype_from_name, dtype_name
 from .base import Availability, poll_until, register_transport, require_cuda
-from .one_sided import OneSidedTransport, Table
+from .mailbox import Mailbox
+from .one_sided import WORD, OneSidedTransport, Table
 
 __all__ = ["IpcTransport", "Segment", "Exported", "export_segments"]
 
 _EVENT_BYTES = 64  # cudaIpcEventHandle_t
+_WAITS = ("stream", "host")  # how this rank waits for a peer's interprocess event
+_CODES = 1 << 16  # word values a stream writes from (512 KB of device memory), refilled past them
 
 
 @dataclass(frozen=True)
@@ -127,10 +138,12 @@ class IpcTransport(OneSidedTransport):
     one_host = True
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, done_wait: str | None = None,
-                 ready_wait: str | None = None) -> None:
+                 ready_wait: str | None = None, order: str | None = None) -> None:
         require_cuda(device, "ipc")
-        self.done_wait = _wait_mode("done_wait", done_wait or os.environ.get("TORCHREFIT_IPC_DONE", "host"))
-        self.ready_wait = _wait_mode("ready_wait", ready_wait or os.environ.get("TORCHREFIT_IPC_READY", "stream"))
+        self.order = _mode("order", order or os.environ.get("TORCHREFIT_IPC_ORDER", "word"), ("word", "event"))
+        self.done_wait = _mode("done_wait", done_wait or os.environ.get("TORCHREFIT_IPC_DONE", "host"), _WAITS)
+        self.ready_wait = _mode("ready_wait", ready_wait or os.environ.get("TORCHREFIT_IPC_READY", "stream"),
+                                _WAITS)
         super().__init__(group, device)
         # two events, one per role, so a rank that both sends and receives never makes
         # its readers wait for its own reads
@@ -169,23 +182,40 @@ class IpcTransport(OneSidedTransport):
 
     # ---------------------------------------------------------------- ordering
     def ready(self) -> bytes:
-        self._ready.record(torch.cuda.current_stream(self.device))
-        return self._ready_handle
+        if self.order == "word" and self.own_stream_words():
+            return WORD  # the header word, written by this stream after the producer
+        return self.event_token("ready")
 
     def wait_ready(self, peer: int, token: bytes) -> None:
+        # with a stream word, taking the word was the wait (one_sided.recv_header); else
         # the only thing that keeps a receiver from reading sources the producer has
         # not finished writing (tests/test_gpu_stale_read.py removes it to prove that)
-        self._wait_peer(peer, token, self.ready_wait, "ready event (sources final)")
+        if token != WORD:
+            self._wait_peer(peer, token, self.ready_wait, "ready event (sources final)")
 
     def done(self) -> bytes:
-        self._done.record(torch.cuda.current_stream(self.device))
-        return self._done_handle
+        return WORD if self.order == "word" else self.event_token("done")
 
     def wait_done(self, peer: int, token: bytes) -> None:
         # the token (a Gloo message or a mailbox word) came after the peer recorded its
         # event behind its reads: waiting for that record is waiting for the reads
-        # (tests/test_gpu_one_sided.py moves the sources right after a refit)
-        self._wait_peer(peer, token, self.done_wait, "done event (reads finished)")
+        # (tests/test_gpu_one_sided.py moves the sources right after a refit); a stream
+        # word was written after the reads themselves
+        if token != WORD:
+            self._wait_peer(peer, token, self.done_wait, "done event (reads finished)")
+
+    def event_token(self, role: str) -> bytes:
+        event, handle = (self._ready, self._ready_handle) if role == "ready" else (self._done, self._done_handle)
+        event.record(torch.cuda.current_stream(self.device))
+        return handle
+
+    def stream_writer(self, box: Mailbox) -> StreamWords | None:
+        if self.order != "word":
+            return None
+        try:
+            return StreamWords(box, self.device)
+        except RuntimeError:  # not registrable here: this rank's words and tokens stay host-written
+            return None
 
     def _wait_peer(self, peer: int, token: bytes, mode: str, what: str) -> None:
         """``mode`` "stream": the current stream waits for the peer's event; "host": poll
@@ -208,10 +238,47 @@ class IpcTransport(OneSidedTransport):
         self._peer_events.clear()
 
 
-def _wait_mode(what: str, mode: str) -> str:
-    if mode not in ("stream", "host"):
-        raise TransportError(f"ipc: {what} must be 'stream' or 'host', not {mode!r}")
+class StreamWords:
+    """Writes one mailbox's words from the caller's current stream: the mailbox's pages
+    are registered with CUDA (page-locked, so the copy is asynchronous), and a word is
+    an 8-byte device-to-host copy of its value out of a device table of consecutive
+    values (no kernel per word; past the table's end it is refilled once, behind a
+    device synchronize, so no pending copy reads a table being replaced)."""
+
+    def __init__(self, box: Mailbox, device: torch.device) -> None:
+        self.device = device
+        self._words = box.words()
+        err = torch.cuda.cudart().cudaHostRegister(box.address, box.nbytes, 0)
+        if err != 0:
+            raise RuntimeError(f"cudaHostRegister of the mailbox failed ({err})")
+        weakref.finalize(self, _unregister, box.address)  # before the mapping goes (it holds it)
+        self._lo = 0
+        self._codes = torch.arange(_CODES, dtype=torch.int64, device=device)
+        torch.cuda.synchronize(device)  # the table is written before any stream copies from it
+
+    def __call__(self, index: int, value: int) -> None:
+        i = value - self._lo
+        if not 0 <= i < _CODES:
+            torch.cuda.synchronize(self.device)  # every copy from the old table has run
+            self._lo = max(0, value - _CODES // 2)
+            self._codes = torch.arange(self._lo, self._lo + _CODES, dtype=torch.int64, device=self.device)
+            torch.cuda.synchronize(self.device)
+            i = value - self._lo
+        self._words[index:index + 1].copy_(self._codes[i:i + 1], non_blocking=True)
+
+
+def _unregister(address: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(address)
+    except Exception:  # noqa: BLE001 (at exit CUDA may be gone; the pages go with the process)
+        pass
+
+
+def _mode(what: str, mode: str, allowed: tuple[str, ...]) -> str:
+    if mode not in allowed:
+        raise TransportError(f"ipc: {what} must be {' or '.join(map(repr, allowed))}, not {mode!r}")
     return mode
+
 
 
 def _fixed(handle: bytes) -> bytes:

@@ -17,7 +17,10 @@ header, done, header), so a word is never overwritten unread.
 The words live in a file of ``/dev/shm`` mapped by both processes, created and
 unlinked by the target (when its mailbox is dropped or the process exits). Not
 torch's ``share_memory_``: its first use starts torch's shared-memory manager
-process, 0.24 s that every first refit paid.
+process, 0.24 s that every first refit paid. The mapping spans whole pages, so a
+GPU transport can register it with CUDA and have its streams write words
+(:meth:`Mailbox.words`, ``transport.ipc``): a word then lands only once everything
+queued before it on the writer's stream ran.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import mmap
 import os
 import uuid
 import weakref
+
+import torch
 
 from .base import poll_until
 
@@ -52,10 +57,11 @@ class Mailbox:
 
     def __init__(self, path: str, words: int, *, owner: bool) -> None:
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if owner else 0), 0o600)
+        size = -(-8 * words // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages: registrable with CUDA
         try:
             if owner:
-                os.ftruncate(fd, 8 * words)  # zero-filled: every exchange count starts at 0
-            self._map = mmap.mmap(fd, 8 * words)
+                os.ftruncate(fd, size)  # zero-filled: every exchange count starts at 0
+            self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
         self._path, self._words = path, words
@@ -76,6 +82,20 @@ class Mailbox:
     def open(cls, handle: tuple) -> Mailbox:
         path, words = handle
         return cls(path, words, owner=False)
+
+    @property
+    def address(self) -> int:
+        """Where the mapping starts in this process (page-aligned)."""
+        return self._base
+
+    @property
+    def nbytes(self) -> int:
+        return len(self._map)
+
+    def words(self) -> torch.Tensor:
+        """The words as a CPU int64 ``torch`` tensor sharing this mapping (for a transport
+        whose streams write them). It keeps the mapping alive while it lives."""
+        return torch.frombuffer(self._map, dtype=torch.int64)
 
     def _word(self, index: int) -> ctypes.c_int64:
         # aligned 8-byte loads and stores: whole on x86-64 and AArch64

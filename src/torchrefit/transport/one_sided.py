@@ -21,6 +21,13 @@ in host shared memory, ``transport.mailbox``):
    transfer, ``done()`` -> token, sent back;
 3. target: ``wait_done(peer, token)``: its later work (the next optimizer step,
    the engine's reads) is ordered after the initiator's access.
+
+A transport whose GPU streams can write the mailbox (:meth:`stream_writer`) may
+return :data:`WORD` from ``ready()`` / ``done()``: its header or done word is then
+written by its current stream, after the work the token orders, so the peer's host
+seeing the word *is* the order and no token needs waiting for (no interprocess
+event, no wait queued in another process's context). Where a peer has no mailbox
+the base asks the transport for another token instead (:meth:`event_token`).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import pickle
 import struct
 from abc import abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import torch
@@ -43,7 +50,7 @@ from ..plan.types import RankPlan
 from .base import Transport, require_backend
 from .mailbox import Mailbox, done_word, header_word
 
-__all__ = ["OneSidedTransport", "Table"]
+__all__ = ["OneSidedTransport", "Table", "WORD"]
 
 _HEADER, _TABLE, _DONE = 31, 32, 33  # gloo tags of the control messages
 _KEEP = 4  # tables remembered per peer: a refit and a verify program alternate
@@ -53,6 +60,10 @@ _FIXED = 128  # bytes of a header or token message (an interprocess event handle
 #: description of its registered tensors, and per transfer (plan order) the index of
 #: its tensor there and the region of that tensor
 Table = tuple[object, tuple[tuple[int, Box], ...]]
+
+#: a ready or done token that orders nothing itself: the mailbox word sent with it was
+#: written by the peer's stream after the work it stands for
+WORD = b"stream word"
 
 
 class OneSidedTransport(Transport):
@@ -81,6 +92,7 @@ class OneSidedTransport(Transport):
         self._peer_boxes: dict[int, Mailbox] = {}  # initiator: the targets' mailboxes
         self._sent_token: dict[tuple[str, int], bytes] = {}  # last token sent over Gloo per pair
         self._got: dict[tuple[str, int], object] = {}  # last header (generation, token) / done token
+        self._writers: dict[Mailbox, Callable[[int, int], None] | None] = {}  # per mailbox, stream_writer's
         self.gloo_messages = 0  # control messages posted or received over Gloo (tests count them)
 
     @classmethod
@@ -135,6 +147,40 @@ class OneSidedTransport(Transport):
     def finish_writes(self) -> None:
         """Push only: return once every write posted since the last call has landed."""
 
+    def stream_writer(self, box: Mailbox) -> Callable[[int, int], None] | None:
+        """A function writing ``(index, value)`` into ``box`` from this rank's current
+        stream, after everything queued on it; None (the default): words are written
+        by the host and the tokens order. Asked once per mailbox."""
+        return None
+
+    def event_token(self, role: str) -> bytes:
+        """A ``role`` ("ready" or "done") token that orders by itself, for a peer that
+        cannot see this rank's stream-written word. Transports that return :data:`WORD`
+        implement it."""
+        raise TransportError(f"{self.name}: returned a stream-word token but has no other {role} token")
+
+    def own_stream_words(self) -> bool:
+        """Target: whether this rank's mailbox exists (made now if needed) and its
+        stream writes the words, so ``ready()`` may return :data:`WORD`."""
+        return self._mailbox_handle() is not None and self._writer(self._box) is not None
+
+    def peer_stream_words(self, peer: int) -> bool:
+        """Initiator: whether this rank's stream writes its words in ``peer``'s mailbox."""
+        return self._writer(self._peer_boxes.get(peer)) is not None
+
+    def _writer(self, box: Mailbox | None) -> Callable[[int, int], None] | None:
+        if box is None:
+            return None
+        if box not in self._writers:
+            self._writers[box] = self.stream_writer(box)
+        return self._writers[box]
+
+    def _post_word(self, box: Mailbox, index: int, seq: int, follows: bool, token: bytes) -> None:
+        if token == WORD:  # in stream order: the peer seeing it is the order
+            self._writer(box)(index, seq << 1 | int(follows))
+        else:
+            box.post(index, seq, follows)
+
     # ------------------------------------------- control messages (gloo or mailbox)
     def post_header(self, peer: int, generation: int, table: Table, token: bytes) -> None:
         """Target: tell ``peer`` this refit's ready token and generation, with the table
@@ -143,6 +189,8 @@ class OneSidedTransport(Transport):
         seq = self._count("header out", peer)
         new = (peer, generation) not in self._announced
         boxed = peer in self._boxed
+        if token == WORD and not (boxed or new):  # the peer cannot be sent this rank's mailbox
+            token = self.event_token("ready")
         follows = not boxed or new or self._sent_token.get(("header", peer)) != token
         if follows:
             handle = self._mailbox_handle() if new and not boxed else None
@@ -154,14 +202,15 @@ class OneSidedTransport(Transport):
             self._sent_token["header", peer] = token
             if handle is not None:  # the peer maps it while reading this header
                 self._boxed.add(peer)
-        if boxed:
-            self._box.post(header_word(peer), seq, follows)
+        if boxed or (token == WORD and peer in self._boxed):  # a stream word orders even the first
+            self._post_word(self._box, header_word(peer), seq, follows, token)
 
     def recv_header(self, peer: int) -> tuple[int, bytes, tuple]:
         """Initiator: ``peer``'s generation, ready token and remote regions."""
         seq = self._count("header in", peer)
         box = self._peer_boxes.get(peer)
-        if box is not None and not self._take(box, header_word(self.rank), seq, peer, "header"):
+        taken = box is not None
+        if taken and not self._take(box, header_word(self.rank), seq, peer, "header"):
             generation, token = self._got["header", peer]
             return generation, token, self._attached[peer][generation]
         data = self._recv(peer, _HEADER)
@@ -172,23 +221,30 @@ class OneSidedTransport(Transport):
             table, handle = pickle.loads(self._recv(peer, _TABLE, fixed=False))
             regions[generation] = self.attach(peer, table)
             if handle is not None:
-                self._peer_boxes[peer] = self._open_mailbox(peer, handle)
+                box = self._peer_boxes[peer] = self._open_mailbox(peer, handle)
             while len(regions) > _KEEP:
                 regions.popitem(last=False)
         if generation not in regions:
             raise TransportError(f"{self.name}: rank {peer} sent generation {generation} without its table")
+        if token == WORD and not taken:  # the first header: its order is the word, written after it
+            if box is None:
+                raise TransportError(f"{self.name}: rank {peer} ordered its header by a mailbox word it never "
+                                     "shared with this rank", ranks=(peer,), rule="out of step")
+            self._take(box, header_word(self.rank), seq, peer, "header")
         self._got["header", peer] = (generation, token)
         return generation, token, regions[generation]
 
     def post_done(self, peer: int, token: bytes) -> None:
         seq = self._count("done out", peer)
         box = self._peer_boxes.get(peer)
+        if token == WORD and self._writer(box) is None:  # no word of this rank's stream reaches the peer
+            token = self.event_token("done")
         follows = box is None or self._sent_token.get(("done", peer)) != token
         if follows:
             self._send(peer, token, _DONE)
             self._sent_token["done", peer] = token
         if box is not None:
-            box.post(done_word(self.rank), seq, follows)
+            self._post_word(box, done_word(self.rank), seq, follows, token)
 
     def recv_done(self, peer: int) -> bytes:
         seq = self._count("done in", peer)
@@ -285,4 +341,5 @@ class OneSidedTransport(Transport):
         self._announced.clear()
         self._peer_boxes.clear()
         self._boxed.clear()
+        self._writers.clear()
         self._box = None
