@@ -131,7 +131,7 @@ class ShmPullWord(ShmPull):
 
     def stream_writer(self, box: Mailbox) -> Callable[[int, int], None]:
         def write(index: int, value: int) -> None:
-            STREAM.queue(lambda: setattr(ctypes.c_int64.from_address(box.address + 8 * index), "value", value))
+            STREAM.queue(lambda: box.store(index, value))
         return write
 
 

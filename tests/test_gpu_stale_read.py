@@ -86,7 +86,7 @@ def _words_at_once() -> None:
     from torchrefit.transport import ipc
 
     def at_once(self, index: int, value: int) -> None:
-        self._words[index] = value
+        self._box.store(index, value)
 
     ipc.StreamWords.__call__ = at_once
 

@@ -354,12 +354,6 @@ def test_initiator_refuses_regions_that_disagree_once_per_generation() -> None:
         program._attach(pair)
 
 
-def _read_mark(box) -> int:
-    import ctypes
-
-    return ctypes.c_int64.from_address(box.address).value
-
-
 def _stream_word_world(rank: int, world: int) -> dict:
     """Rank 0 holds the source, rank 1 the destination; shm-pull-word orders by words
     the fake stream writes. Each refit, the sender's producer and the receiver's
@@ -387,7 +381,7 @@ def _stream_word_world(rank: int, world: int) -> dict:
         r.refit()
         out["log"].append(list(shm_transport.LOG))
         if src is not None:  # the receiver's stream has passed its reads of this refit
-            out["marks_seen"].append(_read_mark(marks) >> 1)
+            out["marks_seen"].append(marks.load(0) >> 1)
         else:
             want = {n: v + 1.0 for n, v in want.items()}  # the same roundings as the source's
             out["stale"].append([n for n, v in _state(dst).items() if not torch.equal(v.detach(), want[n])])

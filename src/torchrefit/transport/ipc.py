@@ -20,8 +20,7 @@ Ordering (``order``, default from ``TORCHREFIT_IPC_ORDER``):
   receiver's copies finished. No interprocess event is recorded or waited for, and
   no wait is queued in one process's context on work of another's, which a GPU
   time-sliced between processes pays as context switches (BENCHMARKS.md,
-  "Transports run 6"). A word is an 8-byte device-to-host copy from a table of
-  values on the device.
+  "Transports run 6"). A word is one ``cuStreamWriteValue64`` (:class:`StreamWords`).
 * ``"event"``: interprocess CUDA events, with the host writing the words (the
   order of the first sessions; also what ``"word"`` falls back to for a peer
   without a mailbox, e.g. ``TORCHREFIT_MAILBOX=0``). *ready*: the sender records
@@ -40,6 +39,7 @@ Ordering (``order``, default from ``TORCHREFIT_IPC_ORDER``):
 from __future__ import annotations
 
 import bisect
+import ctypes
 import os
 import weakref
 from collections.abc import Sequence
@@ -58,7 +58,7 @@ __all__ = ["IpcTransport", "Segment", "Exported", "export_segments"]
 
 _EVENT_BYTES = 64  # cudaIpcEventHandle_t
 _WAITS = ("stream", "host")  # how this rank waits for a peer's interprocess event
-_CODES = 1 << 16  # word values a stream writes from (512 KB of device memory), refilled past them
+_HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: the device may write the mailbox's pages
 
 
 @dataclass(frozen=True)
@@ -214,7 +214,7 @@ class IpcTransport(OneSidedTransport):
             return None
         try:
             return StreamWords(box, self.device)
-        except RuntimeError:  # not registrable here: this rank's words and tokens stay host-written
+        except RuntimeError:  # no driver memops or registration here: this rank orders by events
             return None
 
     def _wait_peer(self, peer: int, token: bytes, mode: str, what: str) -> None:
@@ -240,31 +240,62 @@ class IpcTransport(OneSidedTransport):
 
 class StreamWords:
     """Writes one mailbox's words from the caller's current stream: the mailbox's pages
-    are registered with CUDA (page-locked, so the copy is asynchronous), and a word is
-    an 8-byte device-to-host copy of its value out of a device table of consecutive
-    values (no kernel per word; past the table's end it is refilled once, behind a
-    device synchronize, so no pending copy reads a table being replaced)."""
+    are registered with CUDA as mapped host memory, and a word is one
+    ``cuStreamWriteValue64`` into them (through the driver library; no kernel, no
+    copy). It runs once everything queued before it on the stream finished, behind a
+    memory fence, so a host that sees the word may rely on that work. Raises
+    RuntimeError where the driver cannot (the transport then orders by events)."""
 
     def __init__(self, box: Mailbox, device: torch.device) -> None:
         self.device = device
-        self._words = box.words()
-        err = torch.cuda.cudart().cudaHostRegister(box.address, box.nbytes, 0)
-        if err != 0:
-            raise RuntimeError(f"cudaHostRegister of the mailbox failed ({err})")
-        weakref.finalize(self, _unregister, box.address)  # before the mapping goes (it holds it)
-        self._lo = 0
-        self._codes = torch.arange(_CODES, dtype=torch.int64, device=device)
-        torch.cuda.synchronize(device)  # the table is written before any stream copies from it
+        self._box = box  # keeps the mapping while words are written into it
+        self._write, device_pointer = _driver()
+        with torch.cuda.device(device):
+            err = torch.cuda.cudart().cudaHostRegister(box.address, box.nbytes, _HOST_REGISTER_MAPPED)
+            if err != 0:
+                raise RuntimeError(f"cudaHostRegister of the mailbox failed ({err})")
+            weakref.finalize(self, _unregister, box.address)  # before the mapping goes (self holds it)
+            self._base = device_pointer(box.address)
 
     def __call__(self, index: int, value: int) -> None:
-        i = value - self._lo
-        if not 0 <= i < _CODES:
-            torch.cuda.synchronize(self.device)  # every copy from the old table has run
-            self._lo = max(0, value - _CODES // 2)
-            self._codes = torch.arange(self._lo, self._lo + _CODES, dtype=torch.int64, device=self.device)
-            torch.cuda.synchronize(self.device)
-            i = value - self._lo
-        self._words[index:index + 1].copy_(self._codes[i:i + 1], non_blocking=True)
+        stream = torch.cuda.current_stream(self.device)
+        if stream.query():
+            # everything queued before has finished: the host stores the word now. A write
+            # queued on an idle stream would wait for this process's context to get a time
+            # slice of a GPU busy with other processes' copies (4 processes: 1.78x the floor)
+            self._box.store(index, value)
+            return
+        rc = self._write(ctypes.c_void_p(stream.cuda_stream), self._base + 8 * index, value, 0)
+        if rc:
+            raise TransportError(f"ipc: cuStreamWriteValue64 into the mailbox failed (CUresult {rc})")
+
+
+def _driver() -> tuple:
+    """``cuStreamWriteValue64`` and a host -> device pointer function from libcuda."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise RuntimeError(f"no CUDA driver library: {e}") from None
+    write = _symbol(lib, "cuStreamWriteValue64", [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint])
+    get = _symbol(lib, "cuMemHostGetDevicePointer", [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint])
+
+    def device_pointer(address: int) -> int:
+        out = ctypes.c_uint64()
+        rc = get(ctypes.byref(out), ctypes.c_void_p(address), 0)
+        if rc:
+            raise RuntimeError(f"cuMemHostGetDevicePointer failed (CUresult {rc})")
+        return out.value
+
+    return write, device_pointer
+
+
+def _symbol(lib, name: str, argtypes: list):
+    for n in (name + "_v2", name):
+        f = getattr(lib, n, None)
+        if f is not None:
+            f.restype, f.argtypes = ctypes.c_int, argtypes
+            return f
+    raise RuntimeError(f"the CUDA driver has no {name}")
 
 
 def _unregister(address: int) -> None:

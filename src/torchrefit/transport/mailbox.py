@@ -19,7 +19,7 @@ unlinked by the target (when its mailbox is dropped or the process exits). Not
 torch's ``share_memory_``: its first use starts torch's shared-memory manager
 process, 0.24 s that every first refit paid. The mapping spans whole pages, so a
 GPU transport can register it with CUDA and have its streams write words
-(:meth:`Mailbox.words`, ``transport.ipc``): a word then lands only once everything
+(``transport.ipc.StreamWords``): a word then lands only once everything
 queued before it on the writer's stream ran.
 """
 
@@ -30,8 +30,6 @@ import mmap
 import os
 import uuid
 import weakref
-
-import torch
 
 from .base import poll_until
 
@@ -92,17 +90,19 @@ class Mailbox:
     def nbytes(self) -> int:
         return len(self._map)
 
-    def words(self) -> torch.Tensor:
-        """The words as a CPU int64 ``torch`` tensor sharing this mapping (for a transport
-        whose streams write them). It keeps the mapping alive while it lives."""
-        return torch.frombuffer(self._map, dtype=torch.int64)
+    def store(self, index: int, value: int) -> None:
+        """Word ``index`` := ``value`` (a raw word, as a stream writes it)."""
+        self._word(index).value = value
+
+    def load(self, index: int) -> int:
+        return self._word(index).value
 
     def _word(self, index: int) -> ctypes.c_int64:
         # aligned 8-byte loads and stores: whole on x86-64 and AArch64
         return ctypes.c_int64.from_address(self._base + 8 * index)
 
     def post(self, index: int, seq: int, follows: bool) -> None:
-        self._word(index).value = seq << 1 | int(follows)
+        self.store(index, seq << 1 | int(follows))
 
     def take(self, index: int, seq: int, timeout: float | None) -> bool | None:
         """Wait until word ``index`` holds exchange ``seq``; whether a Gloo message
