@@ -254,7 +254,7 @@ class StreamWords:
             err = torch.cuda.cudart().cudaHostRegister(box.address, box.nbytes, _HOST_REGISTER_MAPPED)
             if err != 0:
                 raise RuntimeError(f"cudaHostRegister of the mailbox failed ({err})")
-            weakref.finalize(self, _unregister, box.address)  # before the mapping goes (self holds it)
+            weakref.finalize(self, _unregister, box.address, device)  # before the mapping goes (self holds it)
             self._base = device_pointer(box.address)
 
     def __call__(self, index: int, value: int) -> None:
@@ -298,8 +298,9 @@ def _symbol(lib, name: str, argtypes: list):
     raise RuntimeError(f"the CUDA driver has no {name}")
 
 
-def _unregister(address: int) -> None:
+def _unregister(address: int, device: torch.device) -> None:
     try:
+        torch.cuda.synchronize(device)  # a word still queued would land in pages no longer registered
         torch.cuda.cudart().cudaHostUnregister(address)
     except Exception:  # noqa: BLE001 (at exit CUDA may be gone; the pages go with the process)
         pass
