@@ -14,6 +14,7 @@ memcpy (``execute.kernel_copies``). All stream ordering goes through ``streams.S
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -40,6 +41,8 @@ SMALL_COPY_BYTES = 1 << 20
 #: copies get one more stream of their own, so their many short kernels overlap the
 #: large copies instead of lengthening a branch (benchmarks/diagnose_megatron_copies.py).
 BRANCHES = 8
+#: fewer branches (1 to BRANCHES) for the large copies, read when compiling (a tuning switch)
+BRANCHES_ENV = "TORCHREFIT_BRANCHES"
 _SMALL_LANE = BRANCHES
 #: the batched kernel gets a stream of its own too: it overlaps the large copies
 _BATCH_LANE = BRANCHES + 1
@@ -161,7 +164,7 @@ def compile_copies(copies: Iterable[Copy], side: SideStreams, cuda_graph: bool,
     below = kernel_copies.sm_copy_below()
     words = tuple(kernel_copies.word_views(c.dst, c.src) if c.dst.nbytes < below else None for c in big)
     compiled = LocalCopies(tuple(planned), tuple(big),
-                           tuple(balance_by_bytes([c.dst.nbytes for c in big], BRANCHES)), groups, words,
+                           tuple(balance_by_bytes([c.dst.nbytes for c in big], branches())), groups, words,
                            compile_batch(batch, side.device))
     if cuda_graph and side.streams and compiled:
         return replace(compiled, graph=_capture(compiled, side))
@@ -190,6 +193,21 @@ def _capture(copies: LocalCopies, side: SideStreams) -> torch.cuda.CUDAGraph | N
                       "copying eagerly", stacklevel=4)
         return None
     return graph
+
+
+def branches() -> int:
+    """Side streams the large copies spread over: ``BRANCHES``, or fewer with
+    ``TORCHREFIT_BRANCHES`` (processes sharing one GPU without MPS are time-sliced;
+    ``benchmarks/ipc_four_timeline.py``). A value outside 1..BRANCHES warns and is
+    ignored, as ``kernel_copies.sm_copy_below`` does (compiling runs inside ``refit()``)."""
+    raw = os.environ.get(BRANCHES_ENV, "").strip()
+    if not raw:
+        return BRANCHES
+    if raw.isdigit() and 1 <= int(raw) <= BRANCHES:
+        return int(raw)
+    warnings.warn(f"torchrefit: {BRANCHES_ENV}={raw!r} is not a number from 1 to {BRANCHES}; "
+                  f"using {BRANCHES}", stacklevel=2)
+    return BRANCHES
 
 
 def balance_by_bytes(sizes: list[int], lanes: int) -> list[int]:
