@@ -54,7 +54,7 @@ from .base import Availability, poll_until, register_transport, require_cuda
 from .mailbox import Mailbox
 from .one_sided import WORD, OneSidedTransport, Table
 
-__all__ = ["IpcTransport", "Segment", "Exported", "export_segments"]
+__all__ = ["IpcTransport", "Segment", "Exported", "StreamWords", "export_segments"]
 
 _EVENT_BYTES = 64  # cudaIpcEventHandle_t
 _WAITS = ("stream", "host")  # how this rank waits for a peer's interprocess event
@@ -260,9 +260,9 @@ class StreamWords:
     def __call__(self, index: int, value: int) -> None:
         stream = torch.cuda.current_stream(self.device)
         if stream.query():
-            # everything queued before has finished: the host stores the word now. A write
-            # queued on an idle stream would wait for this process's context to get a time
-            # slice of a GPU busy with other processes' copies (4 processes: 1.78x the floor)
+            # everything queued before has finished: the host stores the word now, rather
+            # than queue a write that needs this process's context to get a time slice of a
+            # GPU busy with other processes' copies
             self._box.store(index, value)
             return
         rc = self._write(ctypes.c_void_p(stream.cuda_stream), self._base + 8 * index, value, 0)
@@ -310,7 +310,6 @@ def _mode(what: str, mode: str, allowed: tuple[str, ...]) -> str:
     if mode not in allowed:
         raise TransportError(f"ipc: {what} must be {' or '.join(map(repr, allowed))}, not {mode!r}")
     return mode
-
 
 
 def _fixed(handle: bytes) -> bytes:

@@ -164,10 +164,6 @@ class OneSidedTransport(Transport):
         stream writes the words, so ``ready()`` may return :data:`WORD`."""
         return self._mailbox_handle() is not None and self._writer(self._box) is not None
 
-    def peer_stream_words(self, peer: int) -> bool:
-        """Initiator: whether this rank's stream writes its words in ``peer``'s mailbox."""
-        return self._writer(self._peer_boxes.get(peer)) is not None
-
     def _writer(self, box: Mailbox | None) -> Callable[[int, int], None] | None:
         if box is None:
             return None
