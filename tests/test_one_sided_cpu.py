@@ -235,6 +235,21 @@ def test_ipc_host_waits_poll_the_peer_event(wait: str, monkeypatch) -> None:
     assert event.queries == 0 and queued == [event]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback where CUDA's driver is absent")
+def test_ipc_without_stream_words_orders_by_events() -> None:
+    """Where the driver cannot write words from a stream (no libcuda here), ipc's
+    ``stream_writer`` declines instead of raising, so ``ready()`` and ``post_done``
+    fall back to interprocess events; with ``order="event"`` it is never asked."""
+    from torchrefit.transport.mailbox import Mailbox
+
+    box = Mailbox.create(1)
+    t = _bare_ipc("host", "host", _Event(1))
+    t.order = "word"
+    assert t.stream_writer(box) is None
+    t.order = "event"
+    assert t.stream_writer(box) is None
+
+
 def test_ipc_wait_modes_are_checked(monkeypatch) -> None:
     from torchrefit.transport import ipc
 
