@@ -10,6 +10,10 @@
   variable, and copies as without it.
 * ``word_views`` picks the widest word the size and both addresses allow, and refuses
   casts and strided views.
+* ``TORCHREFIT_STRIDED_WORDS=1``: strided plain copies run on the widest integer views
+  that fit (``widened``); a collocated TP2 -> TP1 refit, whose row-parallel halves land
+  in strided views, then holds exactly the toy's global values (the oracle), over two
+  refits, and its large strided copies are int64 views; off, none is.
 """
 
 from __future__ import annotations
@@ -100,3 +104,56 @@ def test_word_views_take_the_widest_word_and_refuse_casts_and_strides() -> None:
     assert kernel_copies.word_views(x, x.to(torch.bfloat16).float().half()) is None  # a cast
     m = torch.zeros(8, 8)
     assert kernel_copies.word_views(m.t(), m.clone()) is None  # strided
+
+
+def test_widened_takes_the_widest_word_that_fits() -> None:
+    full = torch.zeros(8, 16, dtype=torch.bfloat16)
+    got = kernel_copies.widened(full[:, :8], torch.zeros(8, 8, dtype=torch.bfloat16))
+    assert got[0].dtype == torch.int64 and got[0].shape == (8, 2) and got[0].stride() == (4, 1)
+    assert got[0].data_ptr() == full.data_ptr()
+    rows12 = torch.zeros(4, 12, dtype=torch.bfloat16)[:, :6]  # 12-byte rows: int32, not int64
+    assert kernel_copies.widened(rows12, torch.zeros(4, 6, dtype=torch.bfloat16))[0].dtype == torch.int32
+    assert kernel_copies.widened(torch.zeros(4, 6, dtype=torch.bfloat16)[:, :3],
+                                 torch.zeros(4, 3, dtype=torch.bfloat16)) is None  # 6-byte rows
+    assert kernel_copies.widened(torch.zeros(8, 8), torch.zeros(8, 8)) is None  # dense: a memcpy already
+    assert kernel_copies.widened(torch.zeros(8, 8).t(), torch.zeros(8, 8)) is None  # last dim strided
+    assert kernel_copies.widened(torch.zeros(8, 16)[:, :8], torch.zeros(8, 8, dtype=torch.float64)) is None
+    assert kernel_copies.widened(torch.zeros(8, 16, dtype=torch.int64)[:, :8],
+                                 torch.zeros(8, 8, dtype=torch.int64)) is None  # no wider word
+
+
+WIDE_SPEC = tr.testing.ModelSpec(layers=2, hidden=512, heads=8, groups=4, ffn=2048, vocab=256)
+
+
+def _strided_world(rank: int, world: int, on: bool) -> dict:
+    if on:
+        os.environ[kernel_copies.STRIDED_WORDS_ENV] = "1"
+    src_mesh, dst_mesh = tr.testing.Mesh(2, ranks=2), tr.testing.Mesh(1, ranks=2)
+    src = tr.testing.build_toy(WIDE_SPEC, src_mesh, rank, 1)
+    dst = tr.testing.build_toy(WIDE_SPEC, dst_mesh, rank, 2)
+    r = tr.Refitter(src, dst)
+    want = tr.testing.expected_local(WIDE_SPEC, dst_mesh, rank, 1)
+    wrong = []
+    for step in (0.0, 1.0):
+        with torch.no_grad():
+            for p in src.parameters():
+                p.add_(step)
+        r.refit()
+        bump = {k: v + step for k, v in want.items()}
+        want = bump
+        wrong += [f"{k} refit {step}" for k, v in dst.state_dict().items() if not torch.equal(v, want[k])]
+    big = r._program.local.big
+    return {"wrong": wrong, "int64": sorted(n for d, _, n in big if d.dtype == torch.int64),
+            "strided": sorted(n for d, s_, n in big if not (d.is_contiguous() and s_.is_contiguous()))}
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_strided_copies_through_wider_words_stay_exact(on: bool) -> None:
+    results = run_world(_strided_world, 2, on, timeout=300)
+    for rank, got in enumerate(results):
+        assert got["wrong"] == [], (rank, got["wrong"][:3])
+        assert got["strided"], f"rank {rank}: no strided large copy to test"
+        if on:
+            assert got["int64"] == got["strided"], got
+        else:
+            assert got["int64"] == [], got

@@ -8,6 +8,9 @@ the copy floor); DeepSeek-V3's 29-59 MB copies were slower as kernels (1.043x ag
 executor: ``TORCHREFIT_SM_COPY_BELOW=<bytes>`` makes every plain copy (same dtype,
 both dense) of fewer bytes a kernel; unset or 0, none is.
 
+``TORCHREFIT_STRIDED_WORDS=1`` (opt-in, not yet measured on a GPU) copies strided
+plain copies through wider integer views of the same bytes (:func:`widened`).
+
 The kernel is ``torch.bitwise_or(src, 0, out=dst)`` on integer views of the same
 bytes: an exact copy of every bit pattern (NaN payloads and FP8 included), with no
 kernel of torchrefit's own to load. Called by ``execute.local.compile_copies`` while
@@ -21,9 +24,10 @@ import warnings
 
 import torch
 
-__all__ = ["SM_COPY_ENV", "sm_copy_below", "word_views", "run"]
+__all__ = ["SM_COPY_ENV", "STRIDED_WORDS_ENV", "sm_copy_below", "strided_words", "word_views", "widened", "run"]
 
 SM_COPY_ENV = "TORCHREFIT_SM_COPY_BELOW"
+STRIDED_WORDS_ENV = "TORCHREFIT_STRIDED_WORDS"
 _WORDS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2), (torch.uint8, 1))
 
 
@@ -55,6 +59,33 @@ def word_views(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torc
         if d.numel() % size == 0 and all(t.data_ptr() % size == 0 and t.storage_offset() % size == 0
                                          for t in (d, s)):
             return d.view(dtype), s.view(dtype)
+    return None
+
+
+def strided_words() -> bool:
+    """Whether strided plain copies run on wider integer views (:func:`widened`), read
+    when compiling: opt-in with ``TORCHREFIT_STRIDED_WORDS=1``, until a GPU run measures
+    it (``benchmarks/strided_copies.py``; the lead for ipc's collocated TP2 -> TP1)."""
+    return os.environ.get(STRIDED_WORDS_ENV, "0").strip() == "1"
+
+
+def widened(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A strided plain copy (same dtype and shape, not both dense: e.g. a TP half into
+    ``full[:, :half]``) as the same copy on views of the widest integer word, wider
+    than the element, that both tensors' last dim (stride 1), other strides and offsets
+    allow: the same bytes move, in fewer and wider elements (an elementwise kernel
+    either way: only dense pairs are memcpys). None where none fits or nothing is
+    strided."""
+    if (dst.dtype != src.dtype or dst.shape != src.shape or dst.dim() == 0 or dst.numel() == 0
+            or (dst.is_contiguous() and src.is_contiguous())):
+        return None
+    for dtype, size in _WORDS:
+        if size <= dst.element_size():
+            return None
+        try:
+            return dst.view(dtype), src.view(dtype)
+        except RuntimeError:  # the last dim, a stride or the offset does not divide
+            continue
     return None
 
 

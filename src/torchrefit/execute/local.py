@@ -9,7 +9,9 @@ in one ``torch._foreach_copy_`` per (destination dtype, source dtype, dense) gro
 another stream; with ``cuda_graph`` the whole set, fork and join included, is
 captured once and replayed with one launch. With ``TORCHREFIT_SM_COPY_BELOW=<bytes>``
 (opt-in), large plain copies below that size run as elementwise kernels instead of
-memcpy (``execute.kernel_copies``). All stream ordering goes through ``streams.SideStreams``.
+memcpy (``execute.kernel_copies``); with ``TORCHREFIT_STRIDED_WORDS=1`` (opt-in), strided
+large copies run on wider integer views of the same bytes. All stream ordering goes through
+``streams.SideStreams``.
 """
 
 from __future__ import annotations
@@ -161,6 +163,8 @@ def compile_copies(copies: Iterable[Copy], side: SideStreams, cuda_graph: bool,
         else:
             small[(dst.dtype, src.dtype, dst.is_contiguous() and src.is_contiguous())].append(c)
     groups = tuple(CopyGroup(*(tuple(x) for x in zip(*g))) for g in small.values())
+    if kernel_copies.strided_words():
+        big = [Copy(*w, c.name) if (w := kernel_copies.widened(c.dst, c.src)) else c for c in big]
     below = kernel_copies.sm_copy_below()
     words = tuple(kernel_copies.word_views(c.dst, c.src) if c.dst.nbytes < below else None for c in big)
     compiled = LocalCopies(tuple(planned), tuple(big),
