@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torchrefit as tr
 from torchrefit.bench.world import one_gpu_toy_pair
 from torchrefit.testing import run_world
-from torchrefit.transport.ipc import IpcTransport, export_segments
+from torchrefit.transport.ipc import IpcTransport, driver_function, export_segments
 
 SENDER, RECEIVER = 0, 1
 PHASES = ("ready", "post_header", "recv_header", "wait_ready", "done", "post_done", "recv_done", "wait_done",
@@ -61,18 +61,9 @@ class Memops:
     GEQ = 0x0
 
     def __init__(self) -> None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        self._write, self._wait = self._fn(lib, "cuStreamWriteValue32"), self._fn(lib, "cuStreamWaitValue32")
-
-    @staticmethod
-    def _fn(lib, name: str):
-        for n in (name + "_v2", name):
-            f = getattr(lib, n, None)
-            if f is not None:
-                f.restype = ctypes.c_int
-                f.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-                return f
-        raise RuntimeError(f"libcuda has no {name}")
+        args = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        self._write = driver_function("cuStreamWriteValue32", args)
+        self._wait = driver_function("cuStreamWaitValue32", args)
 
     def write(self, addr: int, value: int) -> None:
         rc = self._write(ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), addr, value, 0)

@@ -40,9 +40,10 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import functools
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +55,7 @@ from .base import Availability, poll_until, register_transport, require_cuda
 from .mailbox import Mailbox
 from .one_sided import WORD, OneSidedTransport, Table
 
-__all__ = ["IpcTransport", "Segment", "Exported", "StreamWords", "export_segments"]
+__all__ = ["IpcTransport", "Segment", "Exported", "StreamWords", "driver_function", "export_segments"]
 
 _EVENT_BYTES = 64  # cudaIpcEventHandle_t
 _WAITS = ("stream", "host")  # how this rank waits for a peer's interprocess event
@@ -272,12 +273,9 @@ class StreamWords:
 
 def _driver() -> tuple:
     """``cuStreamWriteValue64`` and a host -> device pointer function from libcuda."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError as e:
-        raise RuntimeError(f"no CUDA driver library: {e}") from None
-    write = _symbol(lib, "cuStreamWriteValue64", [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint])
-    get = _symbol(lib, "cuMemHostGetDevicePointer", [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint])
+    write = driver_function("cuStreamWriteValue64", [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint])
+    get = driver_function("cuMemHostGetDevicePointer", [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p,
+                                                        ctypes.c_uint])
 
     def device_pointer(address: int) -> int:
         out = ctypes.c_uint64()
@@ -289,13 +287,25 @@ def _driver() -> tuple:
     return write, device_pointer
 
 
-def _symbol(lib, name: str, argtypes: list):
+def driver_function(name: str, argtypes: list) -> Callable[..., int]:
+    """``name`` (its ``_v2`` where the driver has one) from CUDA's driver library, returning
+    its CUresult; RuntimeError where the library or the function is missing. Also used by
+    ``benchmarks/ipc_timeline.py``."""
+    lib = _libcuda()
     for n in (name + "_v2", name):
         f = getattr(lib, n, None)
         if f is not None:
             f.restype, f.argtypes = ctypes.c_int, argtypes
             return f
     raise RuntimeError(f"the CUDA driver has no {name}")
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise RuntimeError(f"no CUDA driver library: {e}") from None
 
 
 def _unregister(address: int, device: torch.device) -> None:
