@@ -18,7 +18,7 @@ for order in word event; do
     --label "tp2->tp1 4 procs ipc order=$order" --json $OUT/colloc_$order.json
 done
 echo "=== timeline, order=word $(date +%T)"
-timeout 150 python3 benchmarks/ipc_timeline.py --iters 30 --variants host:host --json $OUT/timeline_word.json
+timeout 150 python3 benchmarks/ipc_timeline.py --iters 30 --variants word --json $OUT/timeline_word.json
 echo "=== tests $(date +%T)"
 T="timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=line"
 $T tests/test_gpu_one_sided.py tests/test_gpu_stale_read.py -k "ipc"

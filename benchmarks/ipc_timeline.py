@@ -6,9 +6,10 @@ destination. Every timed iteration starts as ``torchrefit bench`` starts one (de
 idle, ranks aligned by a barrier); a rank's time runs from its own start to its
 finished device work, and an iteration costs the slower rank's time.
 
-1. ``refit``: whole ``Refitter.refit()`` calls with a timeline, once per ipc wait
-   variant (``--variants``, ``ready:done``: where the receiver waits for the sender's
-   ready event and the sender for the receiver's done event, ``host`` or ``stream``):
+1. ``refit``: whole ``Refitter.refit()`` calls with a timeline, once per ipc order
+   (``--variants``: ``word``, the stream-written mailbox words, or ``ready:done``,
+   interprocess events, where the receiver waits for the sender's ready event and the
+   sender for the receiver's done event, ``host`` or ``stream``):
    host timestamps (``time.perf_counter``, CLOCK_MONOTONIC, comparable between the two
    processes) entering and leaving every one-sided primitive and the refit's binding
    and storage checks on both ranks, and device events (receiver: after
@@ -27,7 +28,7 @@ finished device work, and an iteration costs the slower rank's time.
    with the Gloo header kept).
 3. Gloo's round trip for a 128-byte message.
 
-    python benchmarks/ipc_timeline.py [--layers 20] [--iters 30] [--variants host:host,stream:host]
+    python benchmarks/ipc_timeline.py [--layers 20] [--iters 30] [--variants word,host:host]
         [--json out.json]
 """
 
@@ -302,11 +303,16 @@ def _aligned(step: Callable[[int], object], iters: int) -> dict:
 
 # ------------------------------------------------------------------------- driver
 def _refitter(src, dst, variant: str):
-    """A warm ipc Refitter whose transport waits as ``variant`` says ("ready:done", each
-    "host" or "stream"), whatever the environment says."""
-    ready, done = variant.split(":")
+    """A warm ipc Refitter ordered as ``variant`` says, whatever the environment says:
+    ``"word"`` (stream-written mailbox words), or ``"ready:done"`` (interprocess events,
+    each wait ``host`` or ``stream``)."""
     device = torch.device("cuda", torch.cuda.current_device())
-    r = tr.Refitter(src, dst, transport=IpcTransport(dist.group.WORLD, device, done_wait=done, ready_wait=ready))
+    if variant == "word":
+        transport = IpcTransport(dist.group.WORLD, device, order="word")
+    else:
+        ready, done = variant.split(":")
+        transport = IpcTransport(dist.group.WORLD, device, done_wait=done, ready_wait=ready, order="event")
+    r = tr.Refitter(src, dst, transport=transport)
     for _ in range(5):
         r.refit()
     torch.cuda.synchronize()
@@ -355,11 +361,11 @@ def summarize(ranks: list[dict]) -> list[str]:
              f"one flat local copy {_med(rcv['flat_copy_ms']):.3f} ms"]
     totals = []
     for variant in snd["refits"]:
-        lines.append(f"refit timeline, ipc ready:done wait = {variant}, medians in ms from the sender's start "
+        lines.append(f"refit timeline, ipc order {variant}, medians in ms from the sender's start "
                      "(S: sender, R: receiver):")
         lines += _timeline(snd["refits"][variant], rcv["refits"][variant])
         totals.append(f"  {variant:<12} iteration {_med(_iterations(snd, rcv, variant)):.3f}")
-    lines.append("refits, ipc ready:done wait: median iteration (slower rank) in ms")
+    lines.append("refits, per ipc order: median iteration (slower rank) in ms")
     lines += totals
     return lines + _raw_lines(snd, rcv)
 
@@ -411,9 +417,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=20)
     p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--variants", default="host:host,stream:host",
-                   help="comma list of ipc waits ready:done to time (host|stream each); the first also "
-                        "serves the raw protocols")
+    p.add_argument("--variants", default="word,host:host",
+                   help="comma list of ipc orders to time: word, or ready:done (events, host|stream each); "
+                        "the first also serves the raw protocols")
     p.add_argument("--json")
     args = p.parse_args()
     ranks = run_world(_rank, 2, args.layers, args.iters, args.variants.split(","), backend="gloo", timeout=240)
