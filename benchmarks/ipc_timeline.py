@@ -45,9 +45,10 @@ import torch
 import torch.distributed as dist
 
 import torchrefit as tr
+from torchrefit._cuda_driver import driver_function
 from torchrefit.bench.world import one_gpu_toy_pair
 from torchrefit.testing import run_world
-from torchrefit.transport.ipc import IpcTransport, driver_function, export_segments
+from torchrefit.transport.ipc import IpcTransport, export_segments
 
 SENDER, RECEIVER = 0, 1
 PHASES = ("ready", "post_header", "recv_header", "wait_ready", "done", "post_done", "recv_done", "wait_done",

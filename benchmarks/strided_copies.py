@@ -7,8 +7,9 @@ in a strided view of the destination (``full[:, :half]``), about 38% of a rank's
 bytes; TP1 -> TP1 copies are all contiguous. Times, with the device idle before each
 call (``bench.timing.median_ms``), every layer's two halves copied into strided views
 (1) as they are (bf16 elements), (2) through int64 views of the same bytes (8-byte
-elements, exact), (3) the same bytes as contiguous copies, each against the copy floor
-(bytes read + written at this run's 4 GiB copy bandwidth).
+elements, exact), (3) the same bytes as contiguous copies, (4) as 2-D memcpys
+(``execute.pitched_copies``), each against the copy floor (bytes read + written at
+this run's 4 GiB copy bandwidth).
 
     python benchmarks/strided_copies.py [--layers 20] [--iters 30] [--json out.json]
 """
@@ -21,6 +22,7 @@ import json
 import torch
 
 from torchrefit.bench.timing import copy_bandwidth, median_ms
+from torchrefit.execute import pitched_copies
 
 
 def _pairs(layers: int, hidden: int, ffn: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -46,13 +48,19 @@ def main() -> None:
     pairs = _pairs(args.layers, args.hidden, args.ffn)
     wide = [(d.view(torch.int64), s.view(torch.int64)) for d, s in pairs]
     flat = [(torch.empty_like(s), s) for _, s in pairs]
+    pitches = [pitched_copies.pitch_of(d, s) for d, s in pairs]
     nbytes = sum(s.nbytes for _, s in pairs)
     floor = 2 * nbytes / bandwidth * 1e3
     rows = {}
     for name, group in (("strided bf16", pairs), ("strided int64 views", wide), ("contiguous", flat)):
         ms = median_ms(lambda g=group: [d.copy_(s) for d, s in g], args.iters, device)
         rows[name] = {"ms": ms, "x_floor": ms / floor}
-    exact = all(torch.equal(d, s) for d, s in pairs)
+    exact = {"torch": all(torch.equal(d, s) for d, s in pairs)}
+    for d, _ in pairs:
+        d.zero_()
+    ms = median_ms(lambda: [pitched_copies.run(p, "w") for p in pitches], args.iters, device)
+    rows["strided 2-D memcpy"] = {"ms": ms, "x_floor": ms / floor}
+    exact["2-D memcpy"] = all(torch.equal(d, s) for d, s in pairs)
     print(f"{len(pairs)} copies, {nbytes / 1e9:.2f} GB, floor {floor:.3f} ms at {bandwidth / 1e9:.0f} GB/s; "
           f"exact: {exact}")
     for name, r in rows.items():

@@ -40,22 +40,22 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import functools
 import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from .._cuda_driver import driver_function
 from ..errors import TransportError
 from ..layout._types import dtype_from_name, dtype_name
 from .base import Availability, poll_until, register_transport, require_cuda
 from .mailbox import Mailbox
 from .one_sided import WORD, OneSidedTransport, Table
 
-__all__ = ["IpcTransport", "Segment", "Exported", "StreamWords", "driver_function", "export_segments"]
+__all__ = ["IpcTransport", "Segment", "Exported", "StreamWords", "export_segments"]
 
 _EVENT_BYTES = 64  # cudaIpcEventHandle_t
 _WAITS = ("stream", "host")  # how this rank waits for a peer's interprocess event
@@ -285,27 +285,6 @@ def _driver() -> tuple:
         return out.value
 
     return write, device_pointer
-
-
-def driver_function(name: str, argtypes: list) -> Callable[..., int]:
-    """``name`` (its ``_v2`` where the driver has one) from CUDA's driver library, returning
-    its CUresult; RuntimeError where the library or the function is missing. Also used by
-    ``benchmarks/ipc_timeline.py``."""
-    lib = _libcuda()
-    for n in (name + "_v2", name):
-        f = getattr(lib, n, None)
-        if f is not None:
-            f.restype, f.argtypes = ctypes.c_int, argtypes
-            return f
-    raise RuntimeError(f"the CUDA driver has no {name}")
-
-
-@functools.cache
-def _libcuda() -> ctypes.CDLL:
-    try:
-        return ctypes.CDLL("libcuda.so.1")
-    except OSError as e:
-        raise RuntimeError(f"no CUDA driver library: {e}") from None
 
 
 def _unregister(address: int, device: torch.device) -> None:
