@@ -7,7 +7,10 @@ half from rank 0). Each case asserts the destination
 differed before and is exact after, ``verify()`` passes, a storage move on the
 sender (new handles must be exported and mapped) and on the receiver is followed,
 and ``verify()`` catches a corrupted destination on every rank. For ipc it also
-checks that the sender exported far fewer allocation segments than tensors.
+checks that the sender exported far fewer allocation segments than tensors. With
+tensors of 2-16 MB (``LARGE``), the row-parallel halves landing in ``full[:, :half]``
+(local copies and ipc's pulls out of the peer's memory) run widened to complex128
+views (``kernel_copies.widened``), exactly.
 """
 
 from __future__ import annotations
@@ -28,36 +31,47 @@ from torchrefit.testing import (
 pytestmark = pytest.mark.gpu
 
 SPEC = ModelSpec(layers=2, hidden=256, heads=8, groups=4, ffn=1024, vocab=4096)
+# fp32 halves of 2 MB (linear_proj) and 8 MB (linear_fc2): large copies, strided in TP2 -> TP1
+LARGE = ModelSpec(layers=2, hidden=1024, heads=8, groups=4, ffn=4096, vocab=4096)
 
 
 def _equal(model, expected) -> bool:
     return model is None or all(torch.equal(v.cpu(), expected[k]) for k, v in model.state_dict().items())
 
 
-def _build(mesh: Mesh, rank: int, seed: int):
-    model = build_toy(SPEC, mesh, rank, seed=seed)
+def _build(spec: ModelSpec, mesh: Mesh, rank: int, seed: int):
+    model = build_toy(spec, mesh, rank, seed=seed)
     return None if model is None else model.cuda()
+
+
+def _widened(r: tr.Refitter) -> int:
+    """Large copies this rank runs on complex128 views: local ones and pulls out of peers."""
+    one_sided = r._program.compiled.one_sided
+    pulls = one_sided._pulls[1] if one_sided is not None and one_sided._pulls else None
+    return sum(c.dst.dtype == torch.complex128 for copies in (r._program.local, pulls) if copies is not None
+               for c in copies.big)
 
 
 def _params(model) -> list:
     return [] if model is None else list(model.parameters())
 
 
-def _case(rank: int, src_mesh: Mesh, dst_mesh: Mesh, transport: str) -> dict:
-    src, dst = _build(src_mesh, rank, 1), _build(dst_mesh, rank, 2)
-    out = {"differed": dst is None or not _equal(dst, expected_local(SPEC, dst_mesh, rank, 1))}
+def _case(rank: int, src_mesh: Mesh, dst_mesh: Mesh, transport: str, spec: ModelSpec = SPEC) -> dict:
+    src, dst = _build(spec, src_mesh, rank, 1), _build(spec, dst_mesh, rank, 2)
+    out = {"differed": dst is None or not _equal(dst, expected_local(spec, dst_mesh, rank, 1))}
     r = tr.Refitter(src, dst, transport=transport)
     report = r.refit()
+    out["widened"] = _widened(r)
     out["transport"] = report.transport
     exposed = r._program.compiled.one_sided.compiled.exposed if r._program.compiled.one_sided else None
     if transport == "ipc" and exposed is not None:
         segments, tensors = exposed
         out["segments"], out["tensors"] = len(segments), len(tensors)
     torch.cuda.synchronize()
-    out["exact"] = _equal(dst, expected_local(SPEC, dst_mesh, rank, 1))
+    out["exact"] = _equal(dst, expected_local(spec, dst_mesh, rank, 1))
     out["received"] = report.bytes_received
     r.verify()
-    fresh = _build(src_mesh, rank, 3)
+    fresh = _build(spec, src_mesh, rank, 3)
     with torch.no_grad():
         for p, q in zip(_params(src), _params(fresh)):
             p.data = q.data.clone()  # the sender's storage moved: peers must re-map
@@ -65,7 +79,7 @@ def _case(rank: int, src_mesh: Mesh, dst_mesh: Mesh, transport: str) -> dict:
             p.data = torch.zeros_like(p)  # and the receiver's
     r.refit()
     torch.cuda.synchronize()
-    out["moved_exact"] = _equal(dst, expected_local(SPEC, dst_mesh, rank, 3))
+    out["moved_exact"] = _equal(dst, expected_local(spec, dst_mesh, rank, 3))
     with torch.no_grad():
         for p in _params(dst)[:1]:
             p.add_(1.0)  # corrupt the destination (every rank that holds one)
@@ -83,6 +97,7 @@ def _world(rank: int, world: int, transport: str) -> dict:
     return {
         "tp2->tp1": _case(rank, Mesh(2, ranks=2), Mesh(1, ranks=2), transport),
         "tp1 on rank 0 -> tp2": _case(rank, Mesh(1, ranks=1), Mesh(2, ranks=2), transport),
+        "large tp2->tp1": _case(rank, Mesh(2, ranks=2), Mesh(1, ranks=2), transport, LARGE),
     }
 
 
@@ -98,10 +113,12 @@ def test_one_sided_two_processes_one_gpu(transport: str) -> None:
             assert got["moved_exact"], f"rank {rank} {name}: storage moves not followed"
             assert got["verify_caught"], f"rank {rank} {name}: verify missed a corruption"
             assert got["transport"] == transport
-            if "segments" in got:  # exported per allocation segment, not per tensor
+            if "segments" in got and not name.startswith("large"):  # per allocation segment, not per tensor
                 assert got["segments"] * 4 <= got["tensors"], f"rank {rank} {name}: {got}"
     for name in results[0]:
         assert results[1][name]["received"] > 0, f"{name}: nothing came through {transport} to rank 1"
+    if transport == "ipc":  # each rank copies its own halves of 4 row-parallel weights, pulls its peer's 4
+        assert [c["large tp2->tp1"]["widened"] for c in results] == [8, 8], results
 
 
 def test_ipc_stream_words_land_after_queued_work() -> None:

@@ -10,10 +10,12 @@
   variable, and copies as without it.
 * ``word_views`` picks the widest word the size and both addresses allow, and refuses
   casts and strided views.
-* ``TORCHREFIT_STRIDED_WORDS=1``: strided plain copies run on the widest integer views
-  that fit (``widened``); a collocated TP2 -> TP1 refit, whose row-parallel halves land
-  in strided views, then holds exactly the toy's global values (the oracle), over two
-  refits, and its large strided copies are int64 views; off, none is.
+* Strided plain copies run on the widest views that fit (``widened``: complex128, then
+  integers; on unless ``TORCHREFIT_STRIDED_WORDS=0``), moving every bit pattern (random
+  bits, NaN payloads included, against the source's bytes); a collocated TP2 -> TP1
+  refit, whose row-parallel halves land in strided views, holds exactly the toy's global
+  values (the oracle) over two refits, and its large strided copies are complex128
+  views; with the switch at 0 none is widened.
 """
 
 from __future__ import annotations
@@ -109,8 +111,10 @@ def test_word_views_take_the_widest_word_and_refuse_casts_and_strides() -> None:
 def test_widened_takes_the_widest_word_that_fits() -> None:
     full = torch.zeros(8, 16, dtype=torch.bfloat16)
     got = kernel_copies.widened(full[:, :8], torch.zeros(8, 8, dtype=torch.bfloat16))
-    assert got[0].dtype == torch.int64 and got[0].shape == (8, 2) and got[0].stride() == (4, 1)
+    assert got[0].dtype == torch.complex128 and got[0].shape == (8, 1) and got[0].stride() == (2, 1)
     assert got[0].data_ptr() == full.data_ptr()
+    rows8 = torch.zeros(8, 16, dtype=torch.bfloat16)[:, 4:8]  # 8-byte rows: int64
+    assert kernel_copies.widened(rows8, torch.zeros(8, 4, dtype=torch.bfloat16))[0].dtype == torch.int64
     rows12 = torch.zeros(4, 12, dtype=torch.bfloat16)[:, :6]  # 12-byte rows: int32, not int64
     assert kernel_copies.widened(rows12, torch.zeros(4, 6, dtype=torch.bfloat16))[0].dtype == torch.int32
     assert kernel_copies.widened(torch.zeros(4, 6, dtype=torch.bfloat16)[:, :3],
@@ -118,16 +122,35 @@ def test_widened_takes_the_widest_word_that_fits() -> None:
     assert kernel_copies.widened(torch.zeros(8, 8), torch.zeros(8, 8)) is None  # dense: a memcpy already
     assert kernel_copies.widened(torch.zeros(8, 8).t(), torch.zeros(8, 8)) is None  # last dim strided
     assert kernel_copies.widened(torch.zeros(8, 16)[:, :8], torch.zeros(8, 8, dtype=torch.float64)) is None
-    assert kernel_copies.widened(torch.zeros(8, 16, dtype=torch.int64)[:, :8],
-                                 torch.zeros(8, 8, dtype=torch.int64)) is None  # no wider word
+    got = kernel_copies.widened(torch.zeros(8, 16, dtype=torch.int64)[:, :8], torch.zeros(8, 8, dtype=torch.int64))
+    assert got[0].dtype == torch.complex128 and got[0].shape == (8, 4)
+    assert kernel_copies.widened(torch.zeros(8, 16, dtype=torch.complex128)[:, :8],
+                                 torch.zeros(8, 8, dtype=torch.complex128)) is None  # no wider element
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+def test_widened_copies_move_every_bit_pattern(dtype: torch.dtype) -> None:
+    """Random bytes (NaN and inf payloads of every kind among them) into the right half
+    of a wider tensor: the widened copy leaves every byte as a byte copy would."""
+    g = torch.Generator().manual_seed(7)
+    full = torch.randint(0, 256, (64, 256), dtype=torch.uint8, generator=g)
+    src = torch.randint(0, 256, (64, 128), dtype=torch.uint8, generator=g)
+    want = full.clone()
+    want[:, 128:] = src
+    size = dtype.itemsize
+    dst_view = full.view(dtype)[:, 128 // size:]
+    w = kernel_copies.widened(dst_view, src.view(dtype))
+    assert w is not None and w[0].dtype == torch.complex128
+    w[0].copy_(w[1])
+    assert torch.equal(full, want)
 
 
 WIDE_SPEC = tr.testing.ModelSpec(layers=2, hidden=512, heads=8, groups=4, ffn=2048, vocab=256)
 
 
 def _strided_world(rank: int, world: int, on: bool) -> dict:
-    if on:
-        os.environ[kernel_copies.STRIDED_WORDS_ENV] = "1"
+    if not on:
+        os.environ[kernel_copies.STRIDED_WORDS_ENV] = "0"
     src_mesh, dst_mesh = tr.testing.Mesh(2, ranks=2), tr.testing.Mesh(1, ranks=2)
     src = tr.testing.build_toy(WIDE_SPEC, src_mesh, rank, 1)
     dst = tr.testing.build_toy(WIDE_SPEC, dst_mesh, rank, 2)
@@ -143,7 +166,7 @@ def _strided_world(rank: int, world: int, on: bool) -> dict:
         want = bump
         wrong += [f"{k} refit {step}" for k, v in dst.state_dict().items() if not torch.equal(v, want[k])]
     big = r._program.local.big
-    return {"wrong": wrong, "int64": sorted(n for d, _, n in big if d.dtype == torch.int64),
+    return {"wrong": wrong, "wide": sorted(n for d, _, n in big if d.dtype == torch.complex128),
             "strided": sorted(n for d, s_, n in big if not (d.is_contiguous() and s_.is_contiguous()))}
 
 
@@ -154,6 +177,6 @@ def test_strided_copies_through_wider_words_stay_exact(on: bool) -> None:
         assert got["wrong"] == [], (rank, got["wrong"][:3])
         assert got["strided"], f"rank {rank}: no strided large copy to test"
         if on:
-            assert got["int64"] == got["strided"], got
+            assert got["wide"] == got["strided"], got
         else:
-            assert got["int64"] == [], got
+            assert got["wide"] == [], got

@@ -9,8 +9,8 @@ in one ``torch._foreach_copy_`` per (destination dtype, source dtype, dense) gro
 another stream; with ``cuda_graph`` the whole set, fork and join included, is
 captured once and replayed with one launch. With ``TORCHREFIT_SM_COPY_BELOW=<bytes>``
 (opt-in), large plain copies below that size run as elementwise kernels instead of
-memcpy (``execute.kernel_copies``); with ``TORCHREFIT_STRIDED_WORDS=1`` (opt-in), strided
-large copies run on wider integer views of the same bytes. All stream ordering goes through
+memcpy (``execute.kernel_copies``); strided large copies run on the widest views of the
+same bytes that fit (off with ``TORCHREFIT_STRIDED_WORDS=0``). All stream ordering goes through
 ``streams.SideStreams``.
 """
 
