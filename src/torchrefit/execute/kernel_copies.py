@@ -1,4 +1,5 @@
-"""Plain copies run as elementwise kernels instead of memcpy nodes (opt-in, issue 16).
+"""Copies as elementwise kernels on other views of the same bytes: strided ones widened
+(default), plain ones below a size instead of memcpy nodes (opt-in, issue 16).
 
 On one H200 (``benchmarks/results/h200/h200_refit_phases_a5b9d01.json``) the 1424 copies
 of a qwen3-30b-a3b-shaped refit (3-20 MB each), captured on 8 graph branches, took
@@ -11,10 +12,10 @@ both dense) of fewer bytes a kernel; unset or 0, none is.
 Strided large copies (a TP half into ``full[:, :half]``) run on the widest views of the
 same bytes that fit, 16-byte complex128 elements first (:func:`widened`; off with
 ``TORCHREFIT_STRIDED_WORDS=0``). On one H200, 40 such copies of the seed's model took
-2.09 ms on bf16 elements, 1.05 ms on int64 views, 1.00 ms on complex128 views (1.28x the
-copy floor; 0.93 ms the same bytes contiguous), exact for all 65536 bf16 bit patterns;
-a 2-D ``cuMemcpy2DAsync`` took 2.17 ms (``benchmarks/strided_copies.py``). Collocated
-TP2 -> TP1 through ipc went from 1.80x to 1.24x the floor with int64 views.
+2.07 ms on bf16 elements, 1.03 ms on int64 views, 0.98 ms on complex128 views (1.25x the
+copy floor; 0.93 ms the same bytes contiguous), exact for random bits; a 2-D
+``cuMemcpy2DAsync`` took 2.17 ms (``benchmarks/strided_copies.py``). Collocated TP2 -> TP1
+through ipc went from 1.82x to 1.20x the floor (BENCHMARKS.md "Transports run 7").
 
 The kernel is ``torch.bitwise_or(src, 0, out=dst)`` on integer views of the same
 bytes: an exact copy of every bit pattern (NaN payloads and FP8 included), with no
