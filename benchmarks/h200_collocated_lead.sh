@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Issue 10's open lead, in one GPU call (not yet run): why collocated TP2 -> TP1 through ipc
-# costs 1.8x the floor with two processes as with four (BENCHMARKS.md "Transports run 6").
+# Issue 10's lead, in one GPU call (run at 2fbd758: benchmarks/results/h200/collocated_lead_2fbd758/):
+# why collocated TP2 -> TP1 through ipc cost 1.8x the floor with two processes as with four
+# (BENCHMARKS.md "Transports run 6" and 7). Since 8c3ccea step 5's switch is the default and
+# widens to complex128 where it fits (at 2fbd758: int64), and step 1 times more variants.
 # 1. the row-parallel halves into strided views, alone (bf16, int64 views, contiguous);
 # 2. the same layout non-collocated (two senders, one receiver: pulls into strided views,
 #    no local copies in the receiver's context);
