@@ -1,7 +1,7 @@
 """CUDA driver calls torch does not expose, through ctypes (no compiled extension).
 
-Used by ``transport.ipc`` (stream-written mailbox words) and ``execute.pitched_copies``
-(2-D memcpys); ``benchmarks/ipc_timeline.py`` too.
+Used by ``transport.ipc`` (stream-written mailbox words), and by
+``benchmarks/ipc_timeline.py`` and ``benchmarks/strided_copies.py`` (a 2-D memcpy).
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ def usable_transports(cuda: bool, one_sided_only: bool = False) -> list[str]:
     process that imported it: the worlds' spawned ranks would not know its name)."""
     names = []
     for cls in registered():
-        if not cls.__module__.startswith("torchrefit.") or not cls.available() or (cls.needs_cuda and not cuda) or cls.backend != "gloo":
+        if not cls.__module__.startswith("torchrefit."):
+            continue
+        if not cls.available() or (cls.needs_cuda and not cuda) or cls.backend != "gloo":
             continue
         if one_sided_only and cls.protocol != "one_sided":
             continue
