@@ -11,8 +11,8 @@
 * ``word_views`` picks the widest word the size and both addresses allow, and refuses
   casts and strided views.
 * Strided plain copies run on the widest views that fit (``widened``: complex128, then
-  integers; on unless ``TORCHREFIT_STRIDED_WORDS=0``), moving every bit pattern (random
-  bits, NaN payloads included, against the source's bytes); a collocated TP2 -> TP1
+  integers; on unless ``TORCHREFIT_STRIDED_WORDS=0``), moving every bit pattern (all
+  65536 16-bit patterns, against the source's bytes); a collocated TP2 -> TP1
   refit, whose row-parallel halves land in strided views, holds exactly the toy's global
   values (the oracle) over two refits, and its large strided copies are complex128
   views; with the switch at 0 none is widened.
@@ -130,16 +130,16 @@ def test_widened_takes_the_widest_word_that_fits() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
 def test_widened_copies_move_every_bit_pattern(dtype: torch.dtype) -> None:
-    """Random bytes (NaN and inf payloads of every kind among them) into the right half
-    of a wider tensor: the widened copy leaves every byte as a byte copy would."""
-    g = torch.Generator().manual_seed(7)
-    full = torch.randint(0, 256, (64, 256), dtype=torch.uint8, generator=g)
-    src = torch.randint(0, 256, (64, 128), dtype=torch.uint8, generator=g)
+    """Every 16-bit pattern (so every bf16 value and NaN payload, every FP8 byte) as the
+    source, copied into the right half of a wider tensor of random bytes: the widened
+    copy leaves every byte as a byte copy would."""
+    patterns = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    src = patterns.view(torch.uint8).view(512, 256)  # 512 rows of 256 bytes
+    full = torch.randint(0, 256, (512, 512), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
     want = full.clone()
-    want[:, 128:] = src
+    want[:, 256:] = src
     size = dtype.itemsize
-    dst_view = full.view(dtype)[:, 128 // size:]
-    w = kernel_copies.widened(dst_view, src.view(dtype))
+    w = kernel_copies.widened(full.view(dtype)[:, 256 // size:], src.view(dtype))
     assert w is not None and w[0].dtype == torch.complex128
     w[0].copy_(w[1])
     assert torch.equal(full, want)
