@@ -1,0 +1,203 @@
+"""Issue 16 on one GPU: why a refit of many mid-sized copies (qwen3-30b-a3b-shaped MoE:
+thousands of 3-20 MB expert tensors) runs 1.10-1.15x the copy floor on the device while
+one flat copy of the same bytes runs at it. Each hypothesis gets its own arrangement of
+the same bytes, device time of a CUDA-graph replay (queued behind GPU sleep, so host
+time is left out), against the floor measured in the same run:
+
+- *program*: the executor's own graph (default compile);
+- *memcpy / kernels, N branches*: the program's large copies (runs already merged)
+  captured by hand as memcpy nodes or as SM kernels (``torch.bitwise_or`` on integer
+  views), spread over N branches as the executor spreads them;
+- *packed*: copies of the same sizes, in the same order, between two flat buffers
+  (consecutive sub-ranges): same sizes, no scatter over the address space. If packed
+  runs at the floor and the program does not, placement costs; if packed runs as the
+  program does, the per-copy size does;
+- *batched T x W*: every copy cut into T-byte tiles, one Triton program per tile with W
+  warps, one launch (``execute.batched``'s kernel and tile table at other tile sizes);
+- *flat*: one copy of all the bytes.
+
+    PYTHONPATH=src python benchmarks/mid_copy_lab.py --json OUT.json [--only qwen3,dense]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+
+import torch
+import torch.distributed as dist
+
+import torchrefit as tr
+from torchrefit.bench.config import spec_from_preset
+from torchrefit.bench.timing import copy_bandwidth, device_times, sleep_cycles_per_ms
+from torchrefit.bench.world import one_gpu_world
+from torchrefit.execute import batched
+from torchrefit.execute.local import balance_by_bytes
+from torchrefit.testing import Mesh, build_toy
+
+DEV = torch.device("cuda", 0)
+SHAPES = [("qwen3-30b-a3b", 8), ("dense-0.5b", None), ("deepseek-v3-moe", 2)]
+#: (tile bytes as words per step x steps, warps)
+TILINGS = [((4096, 4), 8), ((4096, 16), 8), ((8192, 16), 16), ((2048, 8), 4)]
+
+
+def device_ms(fn, cycles: int, iters: int = 20) -> float:
+    return statistics.median(device_times(fn, iters, DEV, busy_ms=1.0, cycles_per_ms=cycles)) * 1e3
+
+
+def words(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1).view(torch.uint8)
+    for dt, n in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if flat.numel() % n == 0 and flat.data_ptr() % n == 0:
+            return flat.view(dt)
+    return flat
+
+
+def capture(pairs, branches: int, kernel: bool) -> torch.cuda.CUDAGraph:
+    streams = [torch.cuda.Stream() for _ in range(branches)]
+    lanes: list[list] = [[] for _ in range(branches)]
+    for pair, b in zip(pairs, balance_by_bytes([d.nbytes for d, _ in pairs], branches)):
+        lanes[b].append(pair)
+    graph = torch.cuda.CUDAGraph()
+    cap = torch.cuda.Stream()
+    cap.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(cap):
+        graph.capture_begin(capture_error_mode="thread_local")
+        for st in streams:
+            st.wait_stream(cap)
+        for st, lane in zip(streams, lanes):
+            with torch.cuda.stream(st):
+                for d, s in lane:
+                    if kernel:
+                        torch.bitwise_or(words(s), 0, out=words(d))
+                    else:
+                        d.copy_(s)
+        for st in streams:
+            cap.wait_stream(st)
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(cap)
+    return graph
+
+
+def batched_launch(pairs, block: int, steps: int, warps: int):
+    anchor = torch.zeros(8, dtype=torch.int32, device=DEV)
+    tile = block * steps * batched.WORD
+    table = batched.plan_tiles([(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s in pairs],
+                               anchor.data_ptr(), tile).to(DEV)
+    kernel = batched._kernel()
+
+    def launch() -> None:
+        kernel[(table.shape[0],)](anchor, table, BLOCK=block, STEPS=steps, num_warps=warps)
+
+    launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    cap = torch.cuda.Stream()
+    cap.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(cap):
+        graph.capture_begin(capture_error_mode="thread_local")
+        launch()
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(cap)
+    return graph, table.shape[0]
+
+
+def exact(pairs) -> bool:
+    return all(torch.equal(d.view(torch.uint8), s.view(torch.uint8)) for d, s in pairs)
+
+
+def histogram(sizes: list[int]) -> dict[str, tuple[int, float]]:
+    edges = [(0, 1), (1, 4), (4, 8), (8, 16), (16, 32), (32, 64), (64, 1 << 20)]
+    out = {}
+    for lo, hi in edges:
+        hit = [s for s in sizes if lo << 20 <= s < hi << 20]
+        out[f"{lo}-{hi} MiB"] = (len(hit), round(sum(hit) / 1e9, 3))
+    return out
+
+
+def study(name: str, layers: int | None, bw: float, cycles: int) -> dict:
+    spec = spec_from_preset(name, layers=layers)
+    src = build_toy(spec, Mesh(), 0, seed=1, device=DEV, random_init=True)
+    dst = build_toy(spec, Mesh(), 0, seed=2, device=DEV, random_init=True)
+    r = tr.Refitter(src, dst, transport="nccl")
+    for _ in range(3):
+        r.refit()
+    floor = 2 * r.plan.bytes_local / bw * 1e3
+    p = r._program
+    big = [(d, s) for d, s, _ in p.local.big if d.dtype == s.dtype and d.is_contiguous() and s.is_contiguous()]
+    sizes = [d.nbytes for d, _ in big]
+    row: dict = {"shape": name, "layers": layers, "floor_ms": floor, "large copies": len(p.local.big),
+                 "plain large copies": len(big), "bytes of them": sum(sizes), "sizes": histogram(sizes)}
+    t: dict[str, float] = {"program": device_ms(p.local.graph.replay, cycles)}
+    for b in (8, 16):
+        t[f"memcpy {b} br"] = device_ms(capture(big, b, False).replay, cycles)
+        t[f"kernels {b} br"] = device_ms(capture(big, b, True).replay, cycles)
+    total = sum(sizes)
+    try:
+        a = torch.empty(total, dtype=torch.uint8, device=DEV)
+        b_ = torch.empty(total, dtype=torch.uint8, device=DEV)
+        offs = [0]
+        for s in sizes:
+            offs.append(offs[-1] + s)
+        packed = [(b_[o:o + s], a[o:o + s]) for o, s in zip(offs, sizes)]
+        for br in (8, 16):
+            t[f"packed memcpy {br} br"] = device_ms(capture(packed, br, False).replay, cycles)
+        t["packed kernels 8 br"] = device_ms(capture(packed, 8, True).replay, cycles)
+        t["flat"] = device_ms(lambda a=a, b_=b_: b_.copy_(a), cycles)
+        del a, b_, packed
+    except torch.OutOfMemoryError:
+        row["packed"] = "no memory for two flat buffers"
+    torch.cuda.empty_cache()
+    aligned = [(d, s) for d, s in big if (d.data_ptr() | s.data_ptr() | d.nbytes) % 16 == 0]
+    row["batched copies"] = len(aligned)
+    for (block, steps), warps in TILINGS:
+        key = f"batched {block * steps * 4 >> 10} KB x {warps} warps"
+        g, tiles = batched_launch(aligned, block, steps, warps)
+        t[key] = device_ms(g.replay, cycles)
+        row[f"{key} tiles"] = tiles
+        for d, _ in aligned[:4]:
+            d.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        row[f"{key} exact"] = exact(aligned)
+    row["device ms"] = t
+    row["x floor"] = {k: v / floor for k, v in t.items()}
+    r.close()
+    del src, dst, r, p, big
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--only", help="comma list of preset names' first words")
+    args = ap.parse_args()
+    one_gpu_world(29583)
+    bw = copy_bandwidth(DEV)
+    cycles = int(20 * sleep_cycles_per_ms(DEV))
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy {bw / 1e9:.0f} GB/s", flush=True)
+    only = set(args.only.split(",")) if args.only else None
+    rows = []
+    for name, layers in SHAPES:
+        if only and name.split("-")[0] not in only:
+            continue
+        row = study(name, layers, bw, cycles)
+        rows.append(row)
+        print(f"\n== {name} ({layers} layers): floor {row['floor_ms']:.3f} ms, "
+              f"{row['large copies']} large copies ({row['plain large copies']} plain), {row['sizes']}")
+        for k, v in row["device ms"].items():
+            print(f"  {k:28s} {v:8.3f} ms  {row['x floor'][k]:.3f}x")
+        print("  " + json.dumps({k: v for k, v in row.items() if "tiles" in k or "exact" in k}), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                           "copy_gbs": bw / 1e9, "rows": rows}, f, indent=1, default=str)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
