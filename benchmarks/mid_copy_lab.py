@@ -14,7 +14,11 @@ time is left out), against the floor measured in the same run:
   program does, the per-copy size does;
 - *batched T x W*: every copy cut into T-byte tiles, one Triton program per tile with W
   warps, one launch (``execute.batched``'s kernel and tile table at other tile sizes);
-- *flat*: one copy of all the bytes.
+- *flat*: one copy of all the bytes;
+- *executor*: fresh Refitters on the same models, compiled under each switch
+  (``TORCHREFIT_SM_COPY_BELOW``, ``TORCHREFIT_BATCHED_COPY``): wall of ``refit()`` with
+  the device idle before (as the matrix times it), device time of its graph, and how
+  many large copies took each path.
 
     PYTHONPATH=src python benchmarks/mid_copy_lab.py --json OUT.json [--only qwen3,dense]
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 
 import torch
@@ -31,7 +36,7 @@ import torch.distributed as dist
 
 import torchrefit as tr
 from torchrefit.bench.config import spec_from_preset
-from torchrefit.bench.timing import copy_bandwidth, device_times, sleep_cycles_per_ms
+from torchrefit.bench.timing import copy_bandwidth, device_times, median_ms, sleep_cycles_per_ms
 from torchrefit.bench.world import one_gpu_world
 from torchrefit.execute import batched
 from torchrefit.execute.local import balance_by_bytes
@@ -41,6 +46,12 @@ DEV = torch.device("cuda", 0)
 SHAPES = [("qwen3-30b-a3b", 8), ("dense-0.5b", None), ("deepseek-v3-moe", 2)]
 #: (tile bytes as words per step x steps, warps)
 TILINGS = [((4096, 4), 8), ((4096, 16), 8), ((8192, 16), 16), ((2048, 8), 4)]
+#: compile switches of the executor variants (unset: the defaults)
+SWITCHES = {"defaults": {}, "SM below 16 MB": {"TORCHREFIT_SM_COPY_BELOW": str(16 << 20)},
+            "SM below 64 MB": {"TORCHREFIT_SM_COPY_BELOW": str(64 << 20)},
+            "batched": {"TORCHREFIT_BATCHED_COPY": "1"},
+            "SM all": {"TORCHREFIT_SM_COPY_BELOW": str(1 << 50)},
+            "batched all": {"TORCHREFIT_BATCHED_COPY": "1", "BATCH_MAX_BYTES": str(1 << 50)}}
 
 
 def device_ms(fn, cycles: int, iters: int = 20) -> float:
@@ -117,7 +128,30 @@ def histogram(sizes: list[int]) -> dict[str, tuple[int, float]]:
     return out
 
 
-def study(name: str, layers: int | None, bw: float, cycles: int) -> dict:
+def executor(src, dst, floor: float, cycles: int) -> dict:
+    out = {}
+    for label, env in SWITCHES.items():
+        os.environ.update(env)
+        # not an environment switch: the lab's override of the batched kernel's size bound
+        batched.BATCH_MAX_BYTES = int(env.get("BATCH_MAX_BYTES", 32 << 20))
+        try:
+            r = tr.Refitter(src, dst, transport="nccl")
+            r.refit()
+            loc = r._program.local
+            wall = median_ms(r.refit, 20, DEV)
+            out[label] = {"wall ms": wall, "wall x floor": wall / floor,
+                          "device x floor": device_ms(loc.graph.replay, cycles) / floor,
+                          "memcpy": sum(w is None for w in loc.words), "SM kernels": sum(w is not None for w in loc.words),
+                          "batched": 0 if loc.batch is None else len(loc.batch.dst), "small groups": len(loc.small)}
+            r.close()
+        finally:
+            for k in env:
+                del os.environ[k]
+        print(f"  executor {label:16s} {json.dumps(out[label])}", flush=True)
+    return out
+
+
+def study(name: str, layers: int | None, bw: float, cycles: int, hand: bool = True) -> dict:
     spec = spec_from_preset(name, layers=layers)
     src = build_toy(spec, Mesh(), 0, seed=1, device=DEV, random_init=True)
     dst = build_toy(spec, Mesh(), 0, seed=2, device=DEV, random_init=True)
@@ -131,6 +165,20 @@ def study(name: str, layers: int | None, bw: float, cycles: int) -> dict:
     row: dict = {"shape": name, "layers": layers, "floor_ms": floor, "large copies": len(p.local.big),
                  "plain large copies": len(big), "bytes of them": sum(sizes), "sizes": histogram(sizes)}
     t: dict[str, float] = {"program": device_ms(p.local.graph.replay, cycles)}
+    if hand:
+        hand_captured(big, sizes, t, row, cycles)
+    row["device ms"] = t
+    row["x floor"] = {k: v / floor for k, v in t.items()}
+    r.close()
+    row["executor"] = executor(src, dst, floor, cycles)
+    del src, dst, r, p, big
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def hand_captured(big, sizes: list[int], t: dict, row: dict, cycles: int) -> None:
+    """The program's copies captured by hand in each arrangement (module docstring)."""
     for b in (8, 16):
         t[f"memcpy {b} br"] = device_ms(capture(big, b, False).replay, cycles)
         t[f"kernels {b} br"] = device_ms(capture(big, b, True).replay, cycles)
@@ -162,19 +210,13 @@ def study(name: str, layers: int | None, bw: float, cycles: int) -> dict:
         g.replay()
         torch.cuda.synchronize()
         row[f"{key} exact"] = exact(aligned)
-    row["device ms"] = t
-    row["x floor"] = {k: v / floor for k, v in t.items()}
-    r.close()
-    del src, dst, r, p, big
-    gc.collect()
-    torch.cuda.empty_cache()
-    return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--only", help="comma list of preset names' first words")
+    ap.add_argument("--executor-only", action="store_true", help="only the executor variants")
     args = ap.parse_args()
     one_gpu_world(29583)
     bw = copy_bandwidth(DEV)
@@ -185,7 +227,7 @@ def main() -> None:
     for name, layers in SHAPES:
         if only and name.split("-")[0] not in only:
             continue
-        row = study(name, layers, bw, cycles)
+        row = study(name, layers, bw, cycles, hand=not args.executor_only)
         rows.append(row)
         print(f"\n== {name} ({layers} layers): floor {row['floor_ms']:.3f} ms, "
               f"{row['large copies']} large copies ({row['plain large copies']} plain), {row['sizes']}")

@@ -7,8 +7,10 @@ megatron-core builds them, and must be re-captured when a tensor's storage moves
 on either side (``param.data = ...``) so no refit writes through stale views.
 Expert tensors the caching allocator put back to back on both models are copied
 as merged runs (``execute.runs``: byte views across tensors of one allocation),
-exactly, also after the source's storage moved. With ``TORCHREFIT_SM_COPY_BELOW``
-(opt-in) the large copies run as elementwise kernels inside the graph, exactly.
+exactly, also after the source's storage moved. Large copies run as elementwise
+kernels inside the graph, exactly: by default here (the model's large copies are 8 MB,
+mid-sized, ``execute.kernel_copies.mostly_mid_sized``) and with
+``TORCHREFIT_SM_COPY_BELOW``; with it at 0 as memcpy nodes.
 """
 
 from __future__ import annotations
@@ -40,9 +42,12 @@ def _models(seed: int) -> torch.nn.Module:
     return model
 
 
-def _graph_path(rank: int, world: int, batched: str = "1", sm_below: str = "0") -> dict:
+def _graph_path(rank: int, world: int, batched: str = "1", sm_below: str | None = "0") -> dict:
     os.environ["TORCHREFIT_BATCHED_COPY"] = batched
-    os.environ["TORCHREFIT_SM_COPY_BELOW"] = sm_below
+    if sm_below is None:
+        os.environ.pop("TORCHREFIT_SM_COPY_BELOW", None)
+    else:
+        os.environ["TORCHREFIT_SM_COPY_BELOW"] = sm_below
     torch.cuda.set_device(0)
     src, dst = _models(1), _models(2)
     r = tr.Refitter(src, dst, transport="nccl", cuda_graph=True)
@@ -73,11 +78,13 @@ def _graph_path(rank: int, world: int, batched: str = "1", sm_below: str = "0") 
     return out
 
 
-def test_graph_path_with_large_copies_as_kernels() -> None:
-    """``TORCHREFIT_SM_COPY_BELOW`` (opt-in): the 8 MB weights as elementwise kernels inside
-    the captured graph, exact, also after both sides' storage moved (re-captured)."""
-    (got,) = run_world(_graph_path, 1, "0", str(16 << 20), backend="nccl", timeout=180)
-    assert got["graph"] and got["kernels"] > 0, got
+@pytest.mark.parametrize("sm_below", [str(16 << 20), None])
+def test_graph_path_with_large_copies_as_kernels(sm_below: str | None) -> None:
+    """The 8 MB weights as elementwise kernels inside the captured graph (with the switch,
+    and by default: they are mid-sized), exact, also after both sides' storage moved
+    (re-captured)."""
+    (got,) = run_world(_graph_path, 1, "0", sm_below, backend="nccl", timeout=180)
+    assert got["graph"] and got["kernels"] == got["large"] > 0, got
     assert got["differed"] and got["exact"] and got["after_moves_exact"] and got["again_exact"], got
 
 

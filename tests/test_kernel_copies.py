@@ -1,13 +1,16 @@
-"""Large plain copies as elementwise kernels (``execute.kernel_copies``, opt-in with
-``TORCHREFIT_SM_COPY_BELOW=<bytes>``), on CPU.
+"""Large plain copies as elementwise kernels (``execute.kernel_copies``), on CPU.
 
+* A program whose large copies hold most of their bytes in copies below 16 MB runs
+  all its plain large copies as kernels (by default); one dominated by larger copies
+  runs none (``mostly_mid_sized``, checked on sizes at its bounds).
 * A refit of a model of 1-4 MB tensors (fp32, bf16 of odd shapes, a bool buffer) with
-  the switch at 4 MB runs exactly the copies below 4 MB as kernels and the 4 MB one as
-  a copy; every destination equals its source bit for bit (the oracle: the source's
-  bits cloned before the refit, random bit patterns, NaN payloads included), on a
-  second refit after the source changed too.
-* Unset or 0: no kernel copy. A value that is no byte count warns, naming the
-  variable, and copies as without it.
+  ``TORCHREFIT_SM_COPY_BELOW`` at 4 MB runs exactly the copies below 4 MB as kernels
+  and the 4 MB one as a copy; by default all four as kernels; every destination equals
+  its source bit for bit (the oracle: the source's bits cloned before the refit, random
+  bit patterns, NaN payloads included), on a second refit after the source changed too.
+  A model of one 24 MB and one 2 MB tensor runs both as memcpy by default.
+* 0: no kernel copy. A value that is no byte count warns, naming the variable, and
+  copies with memcpy.
 * ``word_views`` picks the widest word the size and both addresses allow, and refuses
   casts and strided views.
 * Strided plain copies run on the widest views that fit (``widened``: complex128, then
@@ -57,12 +60,19 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8).clone()
 
 
-def _kernel_world(rank: int, world: int, below: str | None) -> dict:
+class _LargeModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.Parameter(torch.empty(6 * MB))  # 24 MB fp32: most of the bytes
+        self.mid = nn.Parameter(torch.empty(MB // 2))  # 2 MB
+
+
+def _kernel_world(rank: int, world: int, below: str | None, model: type = _Model) -> dict:
     if below is None:
         os.environ.pop(kernel_copies.SM_COPY_ENV, None)
     else:
         os.environ[kernel_copies.SM_COPY_ENV] = below
-    src, dst = _Model(), _Model()
+    src, dst = model(), model()
     out: dict = {"wrong": []}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -81,16 +91,40 @@ def _kernel_world(rank: int, world: int, below: str | None) -> dict:
     return out
 
 
-@pytest.mark.parametrize("below", [str(4 * MB), None, "0", "4MB"])
-def test_copies_below_the_switch_run_as_exact_kernels(below: str | None) -> None:
-    (got,) = run_world(_kernel_world, 1, below, timeout=300)
+def test_mostly_mid_sized_counts_bytes_below_16_mb() -> None:
+    mid = kernel_copies.MID_COPY_BYTES
+    assert kernel_copies.mostly_mid_sized([mid - 1, 5 * MB, 20 * MB])  # 2 x 21 MB >= 41 MB
+    assert not kernel_copies.mostly_mid_sized([mid - 1, 5 * MB, 22 * MB])  # 2 x 21 MB < 43 MB
+    assert not kernel_copies.mostly_mid_sized([mid, mid])  # 16 MB is not mid-sized
+    assert kernel_copies.mostly_mid_sized([MB, MB])
+    assert not kernel_copies.mostly_mid_sized([])
+
+
+def _kernel_worlds(rank: int, world: int) -> dict:
+    cases = {"4 MB": (str(4 * MB), _Model), "default": (None, _Model), "0": ("0", _Model),
+             "no bytes": ("4MB", _Model), "default, large": (None, _LargeModel)}
+    return {name: _kernel_world(rank, world, *case) for name, case in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def kernel_worlds() -> dict:
+    (got,) = run_world(_kernel_worlds, 1, timeout=300)  # one spawned process for all cases
+    return got
+
+
+@pytest.mark.parametrize("case", ["4 MB", "default", "0", "no bytes", "default, large"])
+def test_plain_copies_run_as_exact_kernels_where_chosen(kernel_worlds: dict, case: str) -> None:
+    got = kernel_worlds[case]
     assert got["wrong"] == []
-    if below == str(4 * MB):
+    assert len(got["warnings"]) == (case == "no bytes"), got["warnings"]
+    if case == "4 MB":
         assert got["kernels"] == ["a", "c", "mask"] and got["copies"] == ["b"], got
-        assert got["warnings"] == []
+    elif case == "default":  # all four below 16 MB: all kernels
+        assert got["kernels"] == ["a", "b", "c", "mask"] and got["copies"] == [], got
+    elif case == "default, large":
+        assert got["kernels"] == [] and got["copies"] == ["big", "mid"], got
     else:
         assert got["kernels"] == [] and got["copies"] == ["a", "b", "c", "mask"], got
-        assert len(got["warnings"]) == (below == "4MB"), got["warnings"]
 
 
 def test_word_views_take_the_widest_word_and_refuse_casts_and_strides() -> None:

@@ -1,15 +1,26 @@
-"""Copies as elementwise kernels on other views of the same bytes: strided ones widened
-(default), plain ones below a size instead of memcpy nodes (opt-in, issue 16).
+"""Copies as elementwise kernels on other views of the same bytes: strided ones widened,
+and plain ones where a program's large copies are mostly mid-sized (both by default).
 
-On one H200 (``benchmarks/results/h200/h200_refit_phases_a5b9d01.json``) the 1424 copies
-of a qwen3-30b-a3b-shaped refit (3-20 MB each), captured on 8 graph branches, took
-5.47 ms as elementwise kernels against 5.93 ms as memcpy nodes (1.059x against 1.147x
-the copy floor); DeepSeek-V3's 29-59 MB copies were slower as kernels (1.043x against
-1.016x). So the choice is by size, and off until a matrix run measures it in the
-executor: ``TORCHREFIT_SM_COPY_BELOW=<bytes>`` makes every plain copy (same dtype,
-both dense) of fewer bytes a kernel; unset or 0, none is.
+**Plain copies.** A program whose large copies are mostly mid-sized (below
+``MID_COPY_BYTES``, 16 MB, by bytes) runs every plain large copy (same dtype, both
+dense) as a kernel instead of a memcpy node; other programs keep memcpy nodes
+(:func:`sm_copy_below`). Measured on one H200 (``benchmarks/mid_copy_lab.py``,
+``BENCHMARKS.md`` "Mid-sized copies"), device time of the program's graph over the copy
+floor:
 
-Strided large copies (a TP half into ``full[:, :half]``) run on the widest views of the
+- qwen3-30b-a3b-shaped toy models (1424 copies of 1-20 MB; 77% of the bytes below
+  16 MB): 1.152x as memcpy nodes, 1.057x all as kernels. The same copies as memcpy
+  nodes between two flat buffers (no scatter) took the same 1.146x, while one copy of
+  all those bytes took 1.000x: memcpy nodes of a few MB each run below full bandwidth
+  even on 8 parallel branches, and kernels do not. Mixing the two is worse than
+  either: kernels below 16 MB next to 72 memcpy nodes ran 1.115x.
+- DeepSeek-V3-shaped copies of 16-64 MB stay memcpy: 1.019x, against 1.040x as kernels;
+  so do a 0.5 B dense model's (1.036-1.059x, against 1.069x) and the seed model's.
+
+``TORCHREFIT_SM_COPY_BELOW=<bytes>`` overrides the rule: every plain large copy below
+that size is a kernel; 0, none is.
+
+**Strided copies** (a TP half into ``full[:, :half]``) run on the widest views of the
 same bytes that fit, 16-byte complex128 elements first (:func:`widened`; off with
 ``TORCHREFIT_STRIDED_WORDS=0``). On one H200, 40 such copies of the seed's model took
 2.07 ms on bf16 elements, 1.03 ms on int64 views, 0.98 ms on complex128 views (1.25x the
@@ -27,10 +38,12 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Sequence
 
 import torch
 
-__all__ = ["SM_COPY_ENV", "STRIDED_WORDS_ENV", "sm_copy_below", "strided_words", "word_views", "widened", "run"]
+__all__ = ["SM_COPY_ENV", "STRIDED_WORDS_ENV", "MID_COPY_BYTES", "ALL", "sm_copy_below", "mostly_mid_sized",
+           "strided_words", "word_views", "widened", "run"]
 
 SM_COPY_ENV = "TORCHREFIT_SM_COPY_BELOW"
 STRIDED_WORDS_ENV = "TORCHREFIT_STRIDED_WORDS"
@@ -38,14 +51,29 @@ _WORDS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2), (torch.uint8, 1)
 #: what strided copies are widened to: a complex128 element is 16 bytes, one vector access;
 #: a same-dtype copy only moves it (no arithmetic), so every bit pattern survives
 _WIDE = ((torch.complex128, 16), *_WORDS)
+#: copies below this size are mid-sized: as memcpy nodes they run below full bandwidth
+MID_COPY_BYTES = 16 << 20
+#: a threshold above every copy: all plain large copies run as kernels
+ALL = 1 << 62
 
 
-def sm_copy_below() -> int:
-    """Bytes below which a plain copy runs as a kernel (0: never), read when compiling.
-    A value that is no byte count is ignored with a warning naming it rather than raised:
-    compiling runs inside ``refit()`` on one rank, whose peers would otherwise wait for it
-    until their timeout (either choice copies the same bytes)."""
-    raw = os.environ.get(SM_COPY_ENV, "0").strip() or "0"
+def mostly_mid_sized(sizes: Sequence[int]) -> bool:
+    """Whether copies of ``sizes`` bytes hold at least half their bytes in copies below
+    ``MID_COPY_BYTES``. Pure."""
+    mid = sum(n for n in sizes if n < MID_COPY_BYTES)
+    return mid > 0 and 2 * mid >= sum(sizes)
+
+
+def sm_copy_below(sizes: Sequence[int]) -> int:
+    """Bytes below which a plain large copy of a program whose large copies have
+    ``sizes`` runs as a kernel (0: none), read when compiling: ``TORCHREFIT_SM_COPY_BELOW``
+    where set, else all of them (``ALL``) where they are :func:`mostly_mid_sized`, else
+    none. A value that is no byte count is ignored with a warning naming it rather than
+    raised: compiling runs inside ``refit()`` on one rank, whose peers would otherwise
+    wait for it until their timeout (either choice copies the same bytes)."""
+    raw = os.environ.get(SM_COPY_ENV, "").strip()
+    if not raw:
+        return ALL if mostly_mid_sized(sizes) else 0
     try:
         n = int(raw)
     except ValueError:

@@ -1,0 +1,189 @@
+"""Issue 16: a batched copy kernel at the copy floor for mid-sized copies.
+
+``benchmarks/mid_copy_lab.py`` found that a qwen3-30b-a3b-shaped refit's 1424 copies of
+1-20 MB run 1.146x the floor as memcpy graph nodes however they are placed (packed into
+two flat buffers: the same 1.146x; one flat copy of the same bytes: 0.997x), 1.053-1.058x
+as SM kernels, and 1.043x as ``execute.batched``'s one-launch Triton kernel with 512 KB
+tiles and 16 warps, which is itself 1.041x on DeepSeek-V3's 16-64 MB copies that memcpy
+moves at 1.015x. So the batched kernel's own streaming rate is what is left. This lab
+times kernel variants on the same copies (device time of a graph replay, behind GPU
+sleep), each checked byte for byte:
+
+- ``steps``: ``execute.batched``'s kernel (one program per tile, STEPS sequential load/
+  store steps of BLOCK int32 words);
+- ``rows UxB``: U rows of B words loaded as one 2-D block before any store (more loads
+  in flight per thread), optionally with streaming cache hints (``hint``: loads ``.cg``,
+  stores ``.cs``);
+- ``persistent``: a fixed grid (multiples of the SM count) looping over the tiles.
+
+    PYTHONPATH=src python benchmarks/tile_kernel_lab.py --json OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+from mid_copy_lab import DEV, device_ms, exact
+
+import torchrefit as tr
+from torchrefit.bench.config import spec_from_preset
+from torchrefit.bench.timing import copy_bandwidth, sleep_cycles_per_ms
+from torchrefit.bench.world import one_gpu_world
+from torchrefit.execute import batched
+from torchrefit.testing import Mesh, build_toy
+
+SHAPES = [("qwen3-30b-a3b", 8), ("dense-0.5b", None), ("deepseek-v3-moe", 2)]
+
+
+@triton.jit
+def rows_kernel(anchor, table, ROWS: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr,
+                HINT: tl.constexpr):
+    row = table + 3 * tl.program_id(0)
+    src = tl.multiple_of(tl.load(row), 4)
+    dst = tl.multiple_of(tl.load(row + 1), 4)
+    n = tl.multiple_of(tl.load(row + 2), 4)
+    block = tl.arange(0, ROWS)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    for step in tl.static_range(STEPS):
+        offs = step * ROWS * BLOCK + block
+        mask = offs < n
+        if HINT:
+            v = tl.load(anchor + src + offs, mask=mask, cache_modifier=".cg")
+            tl.store(anchor + dst + offs, v, mask=mask, cache_modifier=".cs")
+        else:
+            tl.store(anchor + dst + offs, tl.load(anchor + src + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def persistent_kernel(anchor, table, tiles, ROWS: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr,
+                      HINT: tl.constexpr):
+    block = tl.arange(0, ROWS)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
+        row = table + 3 * t
+        src = tl.multiple_of(tl.load(row), 4)
+        dst = tl.multiple_of(tl.load(row + 1), 4)
+        n = tl.multiple_of(tl.load(row + 2), 4)
+        for step in tl.static_range(STEPS):
+            offs = step * ROWS * BLOCK + block
+            mask = offs < n
+            if HINT:
+                v = tl.load(anchor + src + offs, mask=mask, cache_modifier=".cg")
+                tl.store(anchor + dst + offs, v, mask=mask, cache_modifier=".cs")
+            else:
+                tl.store(anchor + dst + offs, tl.load(anchor + src + offs, mask=mask), mask=mask)
+
+
+def variants(sms: int) -> list[tuple[str, int, object]]:
+    """(label, tile bytes, launch(anchor, table, tiles))."""
+    out = []
+
+    def steps(block, n, warps):
+        return (f"steps {block}x{n} w{warps}", block * n * 4,
+                lambda a, t, k: batched._kernel()[(k,)](a, t, BLOCK=block, STEPS=n, num_warps=warps))
+
+    def rows(r, block, n, warps, hint):
+        return (f"rows {r}x{block}x{n} w{warps}{' hint' if hint else ''}", r * block * n * 4,
+                lambda a, t, k: rows_kernel[(k,)](a, t, ROWS=r, BLOCK=block, STEPS=n, HINT=hint, num_warps=warps))
+
+    def persistent(per_sm, r, block, n, warps, hint):
+        return (f"persistent {per_sm}/SM {r}x{block}x{n} w{warps}{' hint' if hint else ''}", r * block * n * 4,
+                lambda a, t, k: persistent_kernel[(min(k, per_sm * sms),)](
+                    a, t, k, ROWS=r, BLOCK=block, STEPS=n, HINT=hint, num_warps=warps))
+
+    out.append(steps(8192, 16, 16))
+    out.append(steps(8192, 64, 16))
+    out.append(steps(16384, 16, 32))
+    out += [rows(1, 8192, 16, 16, True), rows(4, 4096, 8, 16, True), rows(2, 8192, 8, 32, True)]
+    out.append(persistent(4, 4, 2048, 4, 8, True))
+    out.append(persistent(2, 4, 4096, 4, 16, True))
+    out.append(persistent(8, 4, 1024, 8, 4, True))
+    return out
+
+
+def graph_of(fn) -> torch.cuda.CUDAGraph:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    cap = torch.cuda.Stream()
+    cap.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(cap):
+        g.capture_begin(capture_error_mode="thread_local")
+        fn()
+        g.capture_end()
+    torch.cuda.current_stream().wait_stream(cap)
+    return g
+
+
+def study(name: str, layers: int | None, bw: float, cycles: int, sms: int) -> dict:
+    spec = spec_from_preset(name, layers=layers)
+    src = build_toy(spec, Mesh(), 0, seed=1, device=DEV, random_init=True)
+    dst = build_toy(spec, Mesh(), 0, seed=2, device=DEV, random_init=True)
+    r = tr.Refitter(src, dst, transport="nccl")
+    r.refit()
+    floor = 2 * r.plan.bytes_local / bw * 1e3
+    p = r._program
+    pairs = [(d, s) for d, s, _ in p.local.big if d.dtype == s.dtype and d.is_contiguous() and s.is_contiguous()
+             and (d.data_ptr() | s.data_ptr() | d.nbytes) % 16 == 0]
+    moved = sum(d.nbytes for d, _ in pairs)
+    # the floor of just these copies: the program also holds small ones
+    pair_floor = 2 * moved / bw * 1e3
+    row: dict = {"shape": name, "copies": len(pairs), "bytes": moved, "pairs floor ms": pair_floor,
+                 "refit floor ms": floor, "program ms": device_ms(p.local.graph.replay, cycles)}
+    anchor = torch.zeros(8, dtype=torch.int32, device=DEV)
+    res = {}
+    for label, tile, launch in variants(sms):
+        try:
+            table = batched.plan_tiles([(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s in pairs],
+                                       anchor.data_ptr(), tile).to(DEV)
+            k = table.shape[0]
+            g = graph_of(lambda launch=launch, table=table, k=k: launch(anchor, table, k))
+            ms = device_ms(g.replay, cycles)
+            for d, _ in pairs[:4] + pairs[-4:]:
+                d.zero_()
+            g.replay()
+            torch.cuda.synchronize()
+            res[label] = {"ms": ms, "x pairs floor": ms / pair_floor, "tiles": k, "exact": exact(pairs)}
+        except Exception as e:  # one failed variant must not lose the others
+            res[label] = {"error": repr(e)[:300]}
+        print(f"  {name:16s} {label:44s} {json.dumps(res[label])}", flush=True)
+    row["variants"] = res
+    r.close()
+    del src, dst, r, p, pairs
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--only", help="comma list of preset names' first words")
+    args = ap.parse_args()
+    one_gpu_world(29584)
+    bw = copy_bandwidth(DEV)
+    cycles = int(20 * sleep_cycles_per_ms(DEV))
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"{sms} SMs, copy {bw / 1e9:.0f} GB/s", flush=True)
+    only = set(args.only.split(",")) if args.only else None
+    rows = []
+    for name, layers in SHAPES:
+        if only and name.split("-")[0] not in only:
+            continue
+        rows.append(study(name, layers, bw, cycles, sms))
+        print(f"== {name}: {rows[-1]['copies']} copies, pairs floor {rows[-1]['pairs floor ms']:.3f} ms, "
+              f"program {rows[-1]['program ms']:.3f} ms (refit floor {rows[-1]['refit floor ms']:.3f})", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                           "triton": triton.__version__, "copy_gbs": bw / 1e9, "rows": rows}, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
