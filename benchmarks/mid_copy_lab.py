@@ -33,13 +33,14 @@ import statistics
 
 import torch
 import torch.distributed as dist
+from diagnose_refit_phases import capture as capture_branches
+from diagnose_refit_phases import int_view
 
 import torchrefit as tr
 from torchrefit.bench.config import spec_from_preset
 from torchrefit.bench.timing import copy_bandwidth, device_times, median_ms, sleep_cycles_per_ms
 from torchrefit.bench.world import one_gpu_world
 from torchrefit.execute import batched
-from torchrefit.execute.local import balance_by_bytes
 from torchrefit.testing import Mesh, build_toy
 
 DEV = torch.device("cuda", 0)
@@ -58,38 +59,27 @@ def device_ms(fn, cycles: int, iters: int = 20) -> float:
     return statistics.median(device_times(fn, iters, DEV, busy_ms=1.0, cycles_per_ms=cycles)) * 1e3
 
 
-def words(t: torch.Tensor) -> torch.Tensor:
-    flat = t.reshape(-1).view(torch.uint8)
-    for dt, n in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if flat.numel() % n == 0 and flat.data_ptr() % n == 0:
-            return flat.view(dt)
-    return flat
-
-
 def capture(pairs, branches: int, kernel: bool) -> torch.cuda.CUDAGraph:
-    streams = [torch.cuda.Stream() for _ in range(branches)]
-    lanes: list[list] = [[] for _ in range(branches)]
-    for pair, b in zip(pairs, balance_by_bytes([d.nbytes for d, _ in pairs], branches)):
-        lanes[b].append(pair)
-    graph = torch.cuda.CUDAGraph()
+    """``pairs`` on ``branches`` graph branches, as memcpy nodes or as SM kernels on
+    integer views of the same bytes (``diagnose_refit_phases.capture``)."""
+    if kernel:
+        pairs = [(int_view(d), int_view(s)) for d, s in pairs]
+    return capture_branches(pairs, branches, kernel)
+
+
+def graph_of(fn) -> torch.cuda.CUDAGraph:
+    """``fn``'s work (run once first, to compile and load) captured in a graph."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
     cap = torch.cuda.Stream()
     cap.wait_stream(torch.cuda.current_stream())
-    with torch.no_grad(), torch.cuda.stream(cap):
-        graph.capture_begin(capture_error_mode="thread_local")
-        for st in streams:
-            st.wait_stream(cap)
-        for st, lane in zip(streams, lanes):
-            with torch.cuda.stream(st):
-                for d, s in lane:
-                    if kernel:
-                        torch.bitwise_or(words(s), 0, out=words(d))
-                    else:
-                        d.copy_(s)
-        for st in streams:
-            cap.wait_stream(st)
-        graph.capture_end()
+    with torch.cuda.stream(cap):
+        g.capture_begin(capture_error_mode="thread_local")
+        fn()
+        g.capture_end()
     torch.cuda.current_stream().wait_stream(cap)
-    return graph
+    return g
 
 
 def batched_launch(pairs, block: int, steps: int, warps: int):
@@ -102,17 +92,7 @@ def batched_launch(pairs, block: int, steps: int, warps: int):
     def launch() -> None:
         kernel[(table.shape[0],)](anchor, table, BLOCK=block, STEPS=steps, num_warps=warps)
 
-    launch()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    cap = torch.cuda.Stream()
-    cap.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(cap):
-        graph.capture_begin(capture_error_mode="thread_local")
-        launch()
-        graph.capture_end()
-    torch.cuda.current_stream().wait_stream(cap)
-    return graph, table.shape[0]
+    return graph_of(launch), table.shape[0]
 
 
 def exact(pairs) -> bool:

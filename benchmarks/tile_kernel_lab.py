@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
-from mid_copy_lab import DEV, device_ms, exact
+from mid_copy_lab import DEV, device_ms, exact, graph_of
 
 import torchrefit as tr
 from torchrefit.bench.config import spec_from_preset
@@ -42,9 +42,8 @@ SHAPES = [("qwen3-30b-a3b", 8), ("dense-0.5b", None), ("deepseek-v3-moe", 2)]
 
 
 @triton.jit
-def rows_kernel(anchor, table, ROWS: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr,
-                HINT: tl.constexpr):
-    row = table + 3 * tl.program_id(0)
+def _copy_tile(anchor, row, ROWS: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr, HINT: tl.constexpr):
+    """One tile of the table: ``row`` points at its (source, destination, words)."""
     src = tl.multiple_of(tl.load(row), 4)
     dst = tl.multiple_of(tl.load(row + 1), 4)
     n = tl.multiple_of(tl.load(row + 2), 4)
@@ -60,22 +59,16 @@ def rows_kernel(anchor, table, ROWS: tl.constexpr, BLOCK: tl.constexpr, STEPS: t
 
 
 @triton.jit
+def rows_kernel(anchor, table, ROWS: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr,
+                HINT: tl.constexpr):
+    _copy_tile(anchor, table + 3 * tl.program_id(0), ROWS, BLOCK, STEPS, HINT)
+
+
+@triton.jit
 def persistent_kernel(anchor, table, tiles, ROWS: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr,
                       HINT: tl.constexpr):
-    block = tl.arange(0, ROWS)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
-        row = table + 3 * t
-        src = tl.multiple_of(tl.load(row), 4)
-        dst = tl.multiple_of(tl.load(row + 1), 4)
-        n = tl.multiple_of(tl.load(row + 2), 4)
-        for step in tl.static_range(STEPS):
-            offs = step * ROWS * BLOCK + block
-            mask = offs < n
-            if HINT:
-                v = tl.load(anchor + src + offs, mask=mask, cache_modifier=".cg")
-                tl.store(anchor + dst + offs, v, mask=mask, cache_modifier=".cs")
-            else:
-                tl.store(anchor + dst + offs, tl.load(anchor + src + offs, mask=mask), mask=mask)
+        _copy_tile(anchor, table + 3 * t, ROWS, BLOCK, STEPS, HINT)
 
 
 def variants(sms: int) -> list[tuple[str, int, object]]:
@@ -103,20 +96,6 @@ def variants(sms: int) -> list[tuple[str, int, object]]:
     out.append(persistent(2, 4, 4096, 4, 16, True))
     out.append(persistent(8, 4, 1024, 8, 4, True))
     return out
-
-
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    cap = torch.cuda.Stream()
-    cap.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(cap):
-        g.capture_begin(capture_error_mode="thread_local")
-        fn()
-        g.capture_end()
-    torch.cuda.current_stream().wait_stream(cap)
-    return g
 
 
 def study(name: str, layers: int | None, bw: float, cycles: int, sms: int) -> dict:
