@@ -84,7 +84,9 @@ def test_graph_path_with_large_copies_as_kernels(sm_below: str | None) -> None:
     and by default: they are mid-sized), exact, also after both sides' storage moved
     (re-captured)."""
     (got,) = run_world(_graph_path, 1, "0", sm_below, backend="nccl", timeout=180)
-    assert got["graph"] and got["kernels"] == got["large"] > 0, got
+    assert got["graph"] and got["kernels"] > 0, got
+    if sm_below is None:  # all or none: merged runs of 16 MB and more too
+        assert got["kernels"] == got["large"], got
     assert got["differed"] and got["exact"] and got["after_moves_exact"] and got["again_exact"], got
 
 
