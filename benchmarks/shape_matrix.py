@@ -106,7 +106,8 @@ def _line(entry: dict) -> str:
             f"{t['median_ms']:.3f} ms = {t['ratio_to_floor'] or 0:.3f}x floor {t['floor_ms'] or 0:.3f} ms "
             f"(device {_x(t.get('device_ratio_to_floor'))}x, {_x(t.get('ratio_to_flat_copy'))}x a flat copy of "
             f"{_x(t.get('flat_copy_ms'))} ms), host {t['host_ms'] or 0:.3f} ms warm, first "
-            f"{t['first_refit_s']:.3f} s{meg} ({entry['seconds']:.0f} s)")
+            f"{t['first_refit_s']:.3f} s, large copies {t.get('large_local_copies_as_kernels', '?')} of "
+            f"{t.get('large_local_copies', '?')} as kernels{meg} ({entry['seconds']:.0f} s)")
 
 
 def _x(v, spec: str = ".3f") -> str:
