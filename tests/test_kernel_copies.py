@@ -1,14 +1,15 @@
 """Large plain copies as elementwise kernels (``execute.kernel_copies``), on CPU.
 
-* A program whose large copies hold most of their bytes in copies below 16 MB runs
-  all its plain large copies as kernels (by default); one dominated by larger copies
-  runs none (``mostly_mid_sized``, checked on sizes at its bounds).
+* A program of many mid-sized copies (256 or more large ones as planned, half their
+  bytes in copies below 24 MB) runs all its plain large copies as kernels, by default;
+  others run none (``mostly_mid_sized``, checked at its bounds, and its choice for each
+  preset of the shape matrix: kernels for qwen3-30b-a3b only, as measured on an H200).
 * A refit of a model of 1-4 MB tensors (fp32, bf16 of odd shapes, a bool buffer) with
   ``TORCHREFIT_SM_COPY_BELOW`` at 4 MB runs exactly the copies below 4 MB as kernels
-  and the 4 MB one as a copy; by default all four as kernels; every destination equals
-  its source bit for bit (the oracle: the source's bits cloned before the refit, random
-  bit patterns, NaN payloads included), on a second refit after the source changed too.
-  A model of one 24 MB and one 2 MB tensor runs both as memcpy by default.
+  and the 4 MB one as a copy; by default, with four large copies, none; a model of 300
+  1 MB tensors runs all of them as kernels by default; every destination equals its
+  source bit for bit (the oracle: the source's bits cloned before the refit, random bit
+  patterns, NaN payloads included), on a second refit after the source changed too.
 * 0: no kernel copy. A value that is no byte count warns, naming the variable, and
   copies with memcpy.
 * ``word_views`` picks the widest word the size and both addresses allow, and refuses
@@ -23,6 +24,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 
@@ -60,11 +62,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8).clone()
 
 
-class _LargeModel(nn.Module):
+class _ManyModel(nn.Module):
+    """300 large copies of 1 MB (and one of 2 MB): many mid-sized copies."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.big = nn.Parameter(torch.empty(6 * MB))  # 24 MB fp32: most of the bytes
-        self.mid = nn.Parameter(torch.empty(MB // 2))  # 2 MB
+        self.experts = nn.ParameterList(nn.Parameter(torch.empty(MB // 4)) for _ in range(300))
+        self.mid = nn.Parameter(torch.empty(MB // 2))
 
 
 def _kernel_world(rank: int, world: int, below: str | None, model: type = _Model) -> dict:
@@ -91,18 +95,43 @@ def _kernel_world(rank: int, world: int, below: str | None, model: type = _Model
     return out
 
 
-def test_mostly_mid_sized_counts_bytes_below_16_mb() -> None:
-    mid = kernel_copies.MID_COPY_BYTES
-    assert kernel_copies.mostly_mid_sized([mid - 1, 5 * MB, 20 * MB])  # 2 x 21 MB >= 41 MB
-    assert not kernel_copies.mostly_mid_sized([mid - 1, 5 * MB, 22 * MB])  # 2 x 21 MB < 43 MB
-    assert not kernel_copies.mostly_mid_sized([mid, mid])  # 16 MB is not mid-sized
-    assert kernel_copies.mostly_mid_sized([MB, MB])
+def test_mostly_mid_sized_needs_many_copies_mostly_below_24_mb() -> None:
+    many, mid = kernel_copies.KERNEL_MIN_COPIES, kernel_copies.MID_COPY_BYTES
+    small = [MB] * (many - 1)
+    assert kernel_copies.mostly_mid_sized([*small, mid - 1])
+    assert not kernel_copies.mostly_mid_sized(small)  # one copy too few
+    assert not kernel_copies.mostly_mid_sized([MB, MB])
+    assert kernel_copies.mostly_mid_sized([*small, 255 * MB])  # 255 MB below, 255 MB above
+    assert not kernel_copies.mostly_mid_sized([*small, 256 * MB])
+    assert not kernel_copies.mostly_mid_sized([mid] * many)  # 24 MB is not mid-sized
     assert not kernel_copies.mostly_mid_sized([])
+
+
+@pytest.mark.parametrize("preset, layers, kernels", [
+    ("qwen3-30b-a3b", 8, True), ("deepseek-v3-moe", 2, False), ("dense-0.5b", None, False),
+    ("llama-8b", None, False), ("gpt-4b", None, False)])
+def test_the_rule_chooses_as_the_h200_measured(preset: str, layers: int | None, kernels: bool) -> None:
+    """The shape matrix's presets, with the rule's input as the executor builds it for a
+    TP1 -> TP1 refit (every planned copy of 1 MB or more: each of the toy model's tensors,
+    from its table of global tensors). On an H200 qwen3's copies ran faster as kernels
+    (1.044-1.060x against 1.102-1.155x the floor); the others' as memcpy nodes
+    (BENCHMARKS.md "Mid-sized copies")."""
+    from torchrefit.bench.config import spec_from_preset
+    from torchrefit.execute.local import SMALL_COPY_BYTES
+    from torchrefit.testing.toy import global_table
+
+    spec = spec_from_preset(preset, layers=layers)
+
+    def nbytes(t) -> int:
+        return math.prod(t.shape) * (getattr(torch, t.dtype) if t.dtype else spec.dtype).itemsize
+
+    sizes = [n for t in global_table(spec).values() if (n := nbytes(t)) >= SMALL_COPY_BYTES]
+    assert kernel_copies.mostly_mid_sized(sizes) is kernels
 
 
 def _kernel_worlds(rank: int, world: int) -> dict:
     cases = {"4 MB": (str(4 * MB), _Model), "default": (None, _Model), "0": ("0", _Model),
-             "no bytes": ("4MB", _Model), "default, large": (None, _LargeModel)}
+             "no bytes": ("4MB", _Model), "default, many": (None, _ManyModel)}
     return {name: _kernel_world(rank, world, *case) for name, case in cases.items()}
 
 
@@ -112,18 +141,16 @@ def kernel_worlds() -> dict:
     return got
 
 
-@pytest.mark.parametrize("case", ["4 MB", "default", "0", "no bytes", "default, large"])
+@pytest.mark.parametrize("case", ["4 MB", "default", "0", "no bytes", "default, many"])
 def test_plain_copies_run_as_exact_kernels_where_chosen(kernel_worlds: dict, case: str) -> None:
     got = kernel_worlds[case]
     assert got["wrong"] == []
     assert len(got["warnings"]) == (case == "no bytes"), got["warnings"]
     if case == "4 MB":
         assert got["kernels"] == ["a", "c", "mask"] and got["copies"] == ["b"], got
-    elif case == "default":  # all four below 16 MB: all kernels
-        assert got["kernels"] == ["a", "b", "c", "mask"] and got["copies"] == [], got
-    elif case == "default, large":
-        assert got["kernels"] == [] and got["copies"] == ["big", "mid"], got
-    else:
+    elif case == "default, many":  # 301 mid-sized copies (some merged into runs): all kernels
+        assert got["kernels"] and got["copies"] == [], got
+    else:  # four large copies: too few for kernels by default
         assert got["kernels"] == [] and got["copies"] == ["a", "b", "c", "mask"], got
 
 

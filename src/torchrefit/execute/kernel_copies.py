@@ -1,24 +1,30 @@
 """Copies as elementwise kernels on other views of the same bytes: strided ones widened,
-and plain ones where a program's large copies are mostly mid-sized (both by default).
+and plain ones where a program is made of many mid-sized copies (both by default).
 
-**Plain copies.** A program whose large copies are mostly mid-sized (below
-``MID_COPY_BYTES``, 16 MB, by bytes) runs every plain large copy (same dtype, both
-dense) as a kernel instead of a memcpy node; other programs keep memcpy nodes
-(:func:`sm_copy_below`). Measured on one H200 (``benchmarks/mid_copy_lab.py``,
-``BENCHMARKS.md`` "Mid-sized copies"), device time of the program's graph over the copy
-floor:
+**Plain copies.** A program of many mid-sized copies (at least ``KERNEL_MIN_COPIES``
+large ones as planned, before runs merge, at least half of their bytes in copies below
+``MID_COPY_BYTES``) runs every plain large copy (same dtype, both dense) as a kernel
+instead of a memcpy node; other programs keep memcpy nodes (:func:`sm_copy_below`).
+Measured on one H200 (``benchmarks/mid_copy_lab.py``, ``benchmarks/h200_mid_check.sh``;
+BENCHMARKS.md "Mid-sized copies"), device time of the program's graph over the copy
+floor, memcpy nodes against all kernels:
 
-- qwen3-30b-a3b-shaped toy models (1424 copies of 1-20 MB; 77% of the bytes below
-  16 MB): 1.152x as memcpy nodes, 1.057x all as kernels. The same copies as memcpy
-  nodes between two flat buffers (no scatter) took the same 1.146x, while one copy of
-  all those bytes took 1.000x: memcpy nodes of a few MB each run below full bandwidth
-  even on 8 parallel branches, and kernels do not. Mixing the two is worse than
-  either: kernels below 16 MB next to 72 memcpy nodes ran 1.115x.
-- DeepSeek-V3-shaped copies of 16-64 MB stay memcpy: 1.019x, against 1.040x as kernels;
-  so do a 0.5 B dense model's (1.036-1.059x, against 1.069x) and the seed model's.
+- qwen3-30b-a3b-shaped toy models, 8 layers (2066 planned large copies: 2064 of 3-12 MiB,
+  two 594 MiB embeddings), in two allocator layouts: 1424 copies after merging, 1.155x against 1.060x; 524 merged runs (the shape
+  matrix's layout), 1.102x against 1.044x. The same 1424 copies as memcpy nodes between
+  two flat buffers (no scatter) took the same 1.146x, while one copy of all those bytes
+  took 1.000x: memcpy nodes of a few MB each run below full bandwidth even on 8 parallel
+  branches, and kernels do not. Mixing the two in one graph is worse than either
+  (kernels below 16 MB next to 72 memcpy nodes: 1.115x), hence all or none.
+- Fewer or larger copies stay memcpy, faster there: DeepSeek-V3-shaped 28 and 56 MiB
+  experts 1.019x against 1.040x, a 0.5 B dense model's copies (97 planned) 1.036-1.059x
+  against 1.048-1.069x, the seed model's and llama-8b's 32-1002 MiB copies ~1.00x.
 
-``TORCHREFIT_SM_COPY_BELOW=<bytes>`` overrides the rule: every plain large copy below
-that size is a kernel; 0, none is.
+The bounds sit between those measurements (qwen3's mid copies at most 12 MiB, DeepSeek's
+at least 28 MiB; the dense presets have at most 130 large copies); the rule in this form
+chose as the measurements did for every preset of the matrix (a CPU test checks its choice
+per preset), but was not itself re-timed on a GPU (see BENCHMARKS.md). ``TORCHREFIT_SM_COPY_BELOW=<bytes>``
+overrides it: every plain large copy below that size is a kernel; 0, none is.
 
 **Strided copies** (a TP half into ``full[:, :half]``) run on the widest views of the
 same bytes that fit, 16-byte complex128 elements first (:func:`widened`; off with
@@ -42,7 +48,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["SM_COPY_ENV", "STRIDED_WORDS_ENV", "MID_COPY_BYTES", "ALL", "sm_copy_below", "mostly_mid_sized",
+__all__ = ["SM_COPY_ENV", "STRIDED_WORDS_ENV", "MID_COPY_BYTES", "KERNEL_MIN_COPIES", "ALL", "sm_copy_below",
+           "mostly_mid_sized",
            "strided_words", "word_views", "widened", "run"]
 
 SM_COPY_ENV = "TORCHREFIT_SM_COPY_BELOW"
@@ -52,23 +59,29 @@ _WORDS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2), (torch.uint8, 1)
 #: a same-dtype copy only moves it (no arithmetic), so every bit pattern survives
 _WIDE = ((torch.complex128, 16), *_WORDS)
 #: copies below this size are mid-sized: as memcpy nodes they run below full bandwidth
-MID_COPY_BYTES = 16 << 20
+MID_COPY_BYTES = 24 << 20
+#: fewer large copies than this stay memcpy nodes: each one's overhead is small next to
+#: the kernels' lower streaming rate (2.5-4% below memcpy on large copies)
+KERNEL_MIN_COPIES = 256
 #: a threshold above every copy: all plain large copies run as kernels
 ALL = 1 << 62
 
 
 def mostly_mid_sized(sizes: Sequence[int]) -> bool:
-    """Whether copies of ``sizes`` bytes hold at least half their bytes in copies below
-    ``MID_COPY_BYTES``. Pure."""
+    """Whether a program whose large copies, as planned (before runs merge), have
+    ``sizes`` bytes is made of many mid-sized copies: at least ``KERNEL_MIN_COPIES`` of
+    them, with at least half their bytes in copies below ``MID_COPY_BYTES``. Pure."""
+    if len(sizes) < KERNEL_MIN_COPIES:
+        return False
     mid = sum(n for n in sizes if n < MID_COPY_BYTES)
-    return mid > 0 and 2 * mid >= sum(sizes)
+    return 2 * mid >= sum(sizes)
 
 
 def sm_copy_below(sizes: Sequence[int]) -> int:
-    """Bytes below which a plain large copy of a program whose large copies have
-    ``sizes`` runs as a kernel (0: none), read when compiling: ``TORCHREFIT_SM_COPY_BELOW``
-    where set, else all of them (``ALL``) where they are :func:`mostly_mid_sized`, else
-    none. A value that is no byte count is ignored with a warning naming it rather than
+    """Bytes below which a plain large copy of a program whose large copies, as planned,
+    have ``sizes`` runs as a kernel (0: none), read when compiling:
+    ``TORCHREFIT_SM_COPY_BELOW`` where set, else all of them (``ALL``) where they are
+    :func:`mostly_mid_sized`, else none. A value that is no byte count is ignored with a warning naming it rather than
     raised: compiling runs inside ``refit()`` on one rank, whose peers would otherwise
     wait for it until their timeout (either choice copies the same bytes)."""
     raw = os.environ.get(SM_COPY_ENV, "").strip()

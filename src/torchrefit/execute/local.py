@@ -7,10 +7,9 @@ launch (``execute.batched``) on a stream of their own; large copies run one by o
 parallel side streams (graph branches); small ones (the remaining ones where batched)
 in one ``torch._foreach_copy_`` per (destination dtype, source dtype, dense) group on
 another stream; with ``cuda_graph`` the whole set, fork and join included, is
-captured once and replayed with one launch. Where most of the large copies' bytes are
-in copies below 16 MB, every large plain copy runs as an elementwise kernel instead of
-memcpy (``execute.kernel_copies``; ``TORCHREFIT_SM_COPY_BELOW=<bytes>`` sets the size
-instead); strided large copies run on the widest views of the same bytes that fit (off
+captured once and replayed with one launch. In a program of many mid-sized copies
+(MoE experts), every large plain copy runs as an elementwise kernel instead of memcpy
+(``execute.kernel_copies``; ``TORCHREFIT_SM_COPY_BELOW=<bytes>`` sets a size instead); strided large copies run on the widest views of the same bytes that fit (off
 with ``TORCHREFIT_STRIDED_WORDS=0``). All stream ordering goes through
 ``streams.SideStreams``.
 """
@@ -166,7 +165,9 @@ def compile_copies(copies: Iterable[Copy], side: SideStreams, cuda_graph: bool,
     groups = tuple(CopyGroup(*(tuple(x) for x in zip(*g))) for g in small.values())
     if kernel_copies.strided_words():
         big = [Copy(*w, c.name) if (w := kernel_copies.widened(c.dst, c.src)) else c for c in big]
-    below = kernel_copies.sm_copy_below([c.dst.nbytes for c in big])
+    # the rule reads the copies as planned: merged runs depend on where the allocator put them
+    below = kernel_copies.sm_copy_below([n for c in planned if (n := max(c.dst.nbytes, c.src.nbytes))
+                                         >= SMALL_COPY_BYTES])
     words = tuple(kernel_copies.word_views(c.dst, c.src) if c.dst.nbytes < below else None for c in big)
     compiled = LocalCopies(tuple(planned), tuple(big),
                            tuple(balance_by_bytes([c.dst.nbytes for c in big], branches())), groups, words,
