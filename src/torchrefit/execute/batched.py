@@ -107,12 +107,14 @@ def kernel_available(device: torch.device) -> bool:
     """Whether batched copies run on ``device``: switched on by
     ``TORCHREFIT_BATCHED_COPY=1``, CUDA, and Triton importable.
 
-    Off by default: on one H200 (``benchmarks/results/h200/h200_shapes.log``) this kernel
-    was slower than the per-copy CUDA graph it replaces (qwen3-shaped MoE 1.348x the
-    floor against 1.29x; DeepSeek-V3-shaped 1.089x against 1.055x), and importing
-    Triton and loading the kernel added ~0.45 s to a process's first refit (1.3 s with
-    Triton's cache empty). It stays as a tested, opt-in path for tuning (tile size,
-    warps) against the per-copy graph."""
+    Off by default: importing Triton and loading the kernel add ~0.45 s to a process's
+    first refit (1.3 s with Triton's cache empty), and what it gains is small. On one
+    H200 with 64 KB tiles it was slower than the per-copy graph (qwen3-shaped MoE 1.348x
+    the floor against 1.29x, ``benchmarks/results/h200/h200_shapes.log``); with today's
+    512 KB tiles, every qwen3-shaped copy batched ran 1.042x on the device against 1.057x
+    as SM kernels (``execute.kernel_copies``), DeepSeek-V3-shaped copies 1.041x against
+    1.014x as memcpy nodes (``benchmarks/mid_copy_lab.py``). It stays a tested, opt-in
+    path."""
     return (device.type == "cuda" and os.environ.get("TORCHREFIT_BATCHED_COPY", "0") == "1"
             and _kernel() is not None)
 
