@@ -148,7 +148,7 @@ def test_plain_copies_run_as_exact_kernels_where_chosen(kernel_worlds: dict, cas
     assert len(got["warnings"]) == (case == "no bytes"), got["warnings"]
     if case == "4 MB":
         assert got["kernels"] == ["a", "c", "mask"] and got["copies"] == ["b"], got
-    elif case == "default, many":  # 301 mid-sized copies (some merged into runs): all kernels
+    elif case == "default, many":  # 301 mid-sized copies: all kernels
         assert got["kernels"] and got["copies"] == [], got
     else:  # four large copies: too few for kernels by default
         assert got["kernels"] == [] and got["copies"] == ["a", "b", "c", "mask"], got

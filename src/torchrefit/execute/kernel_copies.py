@@ -9,9 +9,10 @@ Measured on one H200 (``benchmarks/mid_copy_lab.py``, ``benchmarks/h200_mid_chec
 BENCHMARKS.md "Mid-sized copies"), device time of the program's graph over the copy
 floor, memcpy nodes against all kernels:
 
-- qwen3-30b-a3b-shaped toy models, 8 layers (2066 planned large copies: 2064 of 3-12 MiB,
-  two 594 MiB embeddings), in two allocator layouts: 1424 copies after merging, 1.155x against 1.060x; 524 merged runs (the shape
-  matrix's layout), 1.102x against 1.044x. The same 1424 copies as memcpy nodes between
+- qwen3-30b-a3b-shaped toy models, 8 layers (2066 planned large copies: 2064 of 3-12
+  MiB, two 594 MiB embeddings), in two allocator layouts: 1424 copies after merging,
+  1.155x against 1.060x; 524 merged runs (the shape matrix's layout), 1.102x against
+  1.044x. The same 1424 copies as memcpy nodes between
   two flat buffers (no scatter) took the same 1.146x, while one copy of all those bytes
   took 1.000x: memcpy nodes of a few MB each run below full bandwidth even on 8 parallel
   branches, and kernels do not. Mixing the two in one graph is worse than either
@@ -23,8 +24,9 @@ floor, memcpy nodes against all kernels:
 The bounds sit between those measurements (qwen3's mid copies at most 12 MiB, DeepSeek's
 at least 28 MiB; the dense presets have at most 130 large copies); the rule in this form
 chose as the measurements did for every preset of the matrix (a CPU test checks its choice
-per preset), but was not itself re-timed on a GPU (see BENCHMARKS.md). ``TORCHREFIT_SM_COPY_BELOW=<bytes>``
-overrides it: every plain large copy below that size is a kernel; 0, none is.
+per preset), but was not itself re-timed on a GPU (see BENCHMARKS.md).
+``TORCHREFIT_SM_COPY_BELOW=<bytes>`` overrides it: every plain large copy below that size
+is a kernel; 0, none is.
 
 **Strided copies** (a TP half into ``full[:, :half]``) run on the widest views of the
 same bytes that fit, 16-byte complex128 elements first (:func:`widened`; off with
@@ -49,8 +51,7 @@ from collections.abc import Sequence
 import torch
 
 __all__ = ["SM_COPY_ENV", "STRIDED_WORDS_ENV", "MID_COPY_BYTES", "KERNEL_MIN_COPIES", "ALL", "sm_copy_below",
-           "mostly_mid_sized",
-           "strided_words", "word_views", "widened", "run"]
+           "mostly_mid_sized", "strided_words", "word_views", "widened", "run"]
 
 SM_COPY_ENV = "TORCHREFIT_SM_COPY_BELOW"
 STRIDED_WORDS_ENV = "TORCHREFIT_STRIDED_WORDS"
@@ -81,9 +82,10 @@ def sm_copy_below(sizes: Sequence[int]) -> int:
     """Bytes below which a plain large copy of a program whose large copies, as planned,
     have ``sizes`` runs as a kernel (0: none), read when compiling:
     ``TORCHREFIT_SM_COPY_BELOW`` where set, else all of them (``ALL``) where they are
-    :func:`mostly_mid_sized`, else none. A value that is no byte count is ignored with a warning naming it rather than
-    raised: compiling runs inside ``refit()`` on one rank, whose peers would otherwise
-    wait for it until their timeout (either choice copies the same bytes)."""
+    :func:`mostly_mid_sized`, else none. A value that is no byte count is ignored with a
+    warning naming it rather than raised: compiling runs inside ``refit()`` on one rank,
+    whose peers would otherwise wait for it until their timeout (either choice copies the
+    same bytes)."""
     raw = os.environ.get(SM_COPY_ENV, "").strip()
     if not raw:
         return ALL if mostly_mid_sized(sizes) else 0

@@ -9,9 +9,9 @@ in one ``torch._foreach_copy_`` per (destination dtype, source dtype, dense) gro
 another stream; with ``cuda_graph`` the whole set, fork and join included, is
 captured once and replayed with one launch. In a program of many mid-sized copies
 (MoE experts), every large plain copy runs as an elementwise kernel instead of memcpy
-(``execute.kernel_copies``; ``TORCHREFIT_SM_COPY_BELOW=<bytes>`` sets a size instead); strided large copies run on the widest views of the same bytes that fit (off
-with ``TORCHREFIT_STRIDED_WORDS=0``). All stream ordering goes through
-``streams.SideStreams``.
+(``execute.kernel_copies``; ``TORCHREFIT_SM_COPY_BELOW=<bytes>`` sets a size instead);
+strided large copies run on the widest views of the same bytes that fit (off with
+``TORCHREFIT_STRIDED_WORDS=0``). All stream ordering goes through ``streams.SideStreams``.
 """
 
 from __future__ import annotations
