@@ -171,14 +171,20 @@ def copy_variants(r, busy_cycles: int, floor_ms: float) -> dict:
     return out
 
 
-def study(name: str, layers: int | None, bw: float, cycles: int) -> dict:
+def toy_refit(name: str, layers: int | None, bw: float, refits: int):
+    """Toy models of preset ``name`` (source and destination, random values) on the GPU,
+    their TP1 -> TP1 Refitter after ``refits`` refits, and its copy floor in ms at ``bw``."""
     spec = spec_from_preset(name, layers=layers)
     src = build_toy(spec, Mesh(), 0, seed=1, device=DEV, random_init=True)
     dst = build_toy(spec, Mesh(), 0, seed=2, device=DEV, random_init=True)
     r = tr.Refitter(src, dst, transport="nccl")
-    for _ in range(5):
+    for _ in range(refits):
         r.refit()
-    floor = 2 * r.plan.bytes_local / bw * 1e3
+    return src, dst, r, 2 * r.plan.bytes_local / bw * 1e3
+
+
+def study(name: str, layers: int | None, bw: float, cycles: int) -> dict:
+    src, dst, r, floor = toy_refit(name, layers, bw, 5)
     row = {"shape": name, "layers": layers, "floor_ms": floor,
            "watched": len(r._program.compiled.watched), "large copies": len(r._program.local.big)}
     row["cold"] = phase_times(r, 0)
@@ -211,27 +217,38 @@ def show(row: dict) -> None:
     print("  copies", json.dumps(row["copies"], default=str))
 
 
-def main() -> None:
+def run_shapes(port: int, shapes, study, show, add_args=None, meta: dict | None = None) -> None:
+    """A shape lab's main (this script's, ``mid_copy_lab``'s, ``tile_kernel_lab``'s): parse
+    ``--json`` and ``--only`` (and what ``add_args`` adds), join a one-GPU world on ``port``,
+    measure the copy floor and the GPU sleep rate once, then ``study(name, layers, bw,
+    cycles, args)`` each shape, ``show`` its row and write every row so far to ``--json``."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--only", help="comma list of preset names' first words")
+    if add_args is not None:
+        add_args(ap)
     args = ap.parse_args()
-    one_gpu_world(29581)
+    one_gpu_world(port)
     bw = copy_bandwidth(DEV)
     cycles = int(20 * sleep_cycles_per_ms(DEV))
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy {bw / 1e9:.0f} GB/s")
-    rows = []
+    head = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, **(meta or {})}
+    print(", ".join([head["device"], *(f"{k} {v}" for k, v in head.items() if k != "device"),
+                     f"copy {bw / 1e9:.0f} GB/s"]), flush=True)
     only = set(args.only.split(",")) if args.only else None
-    for name, layers in SHAPES:
+    rows = []
+    for name, layers in shapes:
         if only and name.split("-")[0] not in only:
             continue
-        rows.append(study(name, layers, bw, cycles))
+        rows.append(study(name, layers, bw, cycles, args))
         show(rows[-1])
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                           "copy_gbs": bw / 1e9, "rows": rows}, f, indent=1, default=str)
+                json.dump({**head, "copy_gbs": bw / 1e9, "rows": rows}, f, indent=1, default=str)
     dist.destroy_process_group()
+
+
+def main() -> None:
+    run_shapes(29581, SHAPES, lambda name, layers, bw, cycles, _: study(name, layers, bw, cycles), show)
 
 
 if __name__ == "__main__":

@@ -29,21 +29,15 @@ import argparse
 import gc
 import json
 import os
-import statistics
 
 import torch
-import torch.distributed as dist
+from diagnose_refit_phases import DEV, device_ms, int_view, run_shapes, toy_refit
 from diagnose_refit_phases import capture as capture_branches
-from diagnose_refit_phases import int_view
 
 import torchrefit as tr
-from torchrefit.bench.config import spec_from_preset
-from torchrefit.bench.timing import copy_bandwidth, device_times, median_ms, sleep_cycles_per_ms
-from torchrefit.bench.world import one_gpu_world
+from torchrefit.bench.timing import median_ms
 from torchrefit.execute import batched
-from torchrefit.testing import Mesh, build_toy
 
-DEV = torch.device("cuda", 0)
 SHAPES = [("qwen3-30b-a3b", 8), ("dense-0.5b", None), ("deepseek-v3-moe", 2)]
 #: (tile bytes as words per step x steps, warps)
 TILINGS = [((4096, 4), 8), ((4096, 16), 8), ((8192, 16), 16), ((2048, 8), 4)]
@@ -53,10 +47,6 @@ SWITCHES = {"defaults": {}, "SM below 16 MB": {"TORCHREFIT_SM_COPY_BELOW": str(1
             "batched": {"TORCHREFIT_BATCHED_COPY": "1"},
             "SM all": {"TORCHREFIT_SM_COPY_BELOW": str(1 << 50)},
             "batched all": {"TORCHREFIT_BATCHED_COPY": "1", "BATCH_MAX_BYTES": str(1 << 50)}}
-
-
-def device_ms(fn, cycles: int, iters: int = 20) -> float:
-    return statistics.median(device_times(fn, iters, DEV, busy_ms=1.0, cycles_per_ms=cycles)) * 1e3
 
 
 def capture(pairs, branches: int, kernel: bool) -> torch.cuda.CUDAGraph:
@@ -132,13 +122,7 @@ def executor(src, dst, floor: float, cycles: int) -> dict:
 
 
 def study(name: str, layers: int | None, bw: float, cycles: int, hand: bool = True) -> dict:
-    spec = spec_from_preset(name, layers=layers)
-    src = build_toy(spec, Mesh(), 0, seed=1, device=DEV, random_init=True)
-    dst = build_toy(spec, Mesh(), 0, seed=2, device=DEV, random_init=True)
-    r = tr.Refitter(src, dst, transport="nccl")
-    for _ in range(3):
-        r.refit()
-    floor = 2 * r.plan.bytes_local / bw * 1e3
+    src, dst, r, floor = toy_refit(name, layers, bw, 3)
     p = r._program
     big = [(d, s) for d, s, _ in p.local.big if d.dtype == s.dtype and d.is_contiguous() and s.is_contiguous()]
     sizes = [d.nbytes for d, _ in big]
@@ -192,33 +176,20 @@ def hand_captured(big, sizes: list[int], t: dict, row: dict, cycles: int) -> Non
         row[f"{key} exact"] = exact(aligned)
 
 
+def show(row: dict) -> None:
+    print(f"\n== {row['shape']} ({row['layers']} layers): floor {row['floor_ms']:.3f} ms, "
+          f"{row['large copies']} large copies ({row['plain large copies']} plain), {row['sizes']}")
+    for k, v in row["device ms"].items():
+        print(f"  {k:28s} {v:8.3f} ms  {row['x floor'][k]:.3f}x")
+    print("  " + json.dumps({k: v for k, v in row.items() if "tiles" in k or "exact" in k}), flush=True)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    ap.add_argument("--only", help="comma list of preset names' first words")
-    ap.add_argument("--executor-only", action="store_true", help="only the executor variants")
-    args = ap.parse_args()
-    one_gpu_world(29583)
-    bw = copy_bandwidth(DEV)
-    cycles = int(20 * sleep_cycles_per_ms(DEV))
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy {bw / 1e9:.0f} GB/s", flush=True)
-    only = set(args.only.split(",")) if args.only else None
-    rows = []
-    for name, layers in SHAPES:
-        if only and name.split("-")[0] not in only:
-            continue
-        row = study(name, layers, bw, cycles, hand=not args.executor_only)
-        rows.append(row)
-        print(f"\n== {name} ({layers} layers): floor {row['floor_ms']:.3f} ms, "
-              f"{row['large copies']} large copies ({row['plain large copies']} plain), {row['sizes']}")
-        for k, v in row["device ms"].items():
-            print(f"  {k:28s} {v:8.3f} ms  {row['x floor'][k]:.3f}x")
-        print("  " + json.dumps({k: v for k, v in row.items() if "tiles" in k or "exact" in k}), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                           "copy_gbs": bw / 1e9, "rows": rows}, f, indent=1, default=str)
-    dist.destroy_process_group()
+    def add_args(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--executor-only", action="store_true", help="only the executor variants")
+
+    run_shapes(29583, SHAPES, lambda name, layers, bw, cycles, args: study(
+        name, layers, bw, cycles, hand=not args.executor_only), show, add_args)
 
 
 if __name__ == "__main__":

@@ -21,22 +21,16 @@ sleep), each checked byte for byte:
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 
 import torch
-import torch.distributed as dist
 import triton
 import triton.language as tl
-from mid_copy_lab import DEV, device_ms, exact, graph_of
+from diagnose_refit_phases import DEV, device_ms, run_shapes, toy_refit
+from mid_copy_lab import exact, graph_of
 
-import torchrefit as tr
-from torchrefit.bench.config import spec_from_preset
-from torchrefit.bench.timing import copy_bandwidth, sleep_cycles_per_ms
-from torchrefit.bench.world import one_gpu_world
 from torchrefit.execute import batched
-from torchrefit.testing import Mesh, build_toy
 
 SHAPES = [("qwen3-30b-a3b", 8), ("dense-0.5b", None), ("deepseek-v3-moe", 2)]
 
@@ -99,12 +93,7 @@ def variants(sms: int) -> list[tuple[str, int, object]]:
 
 
 def study(name: str, layers: int | None, bw: float, cycles: int, sms: int) -> dict:
-    spec = spec_from_preset(name, layers=layers)
-    src = build_toy(spec, Mesh(), 0, seed=1, device=DEV, random_init=True)
-    dst = build_toy(spec, Mesh(), 0, seed=2, device=DEV, random_init=True)
-    r = tr.Refitter(src, dst, transport="nccl")
-    r.refit()
-    floor = 2 * r.plan.bytes_local / bw * 1e3
+    src, dst, r, floor = toy_refit(name, layers, bw, 1)
     p = r._program
     pairs = [(d, s) for d, s, _ in p.local.big if d.dtype == s.dtype and d.is_contiguous() and s.is_contiguous()
              and (d.data_ptr() | s.data_ptr() | d.nbytes) % 16 == 0]
@@ -138,30 +127,15 @@ def study(name: str, layers: int | None, bw: float, cycles: int, sms: int) -> di
     return row
 
 
+def show(row: dict) -> None:
+    print(f"== {row['shape']}: {row['copies']} copies, pairs floor {row['pairs floor ms']:.3f} ms, "
+          f"program {row['program ms']:.3f} ms (refit floor {row['refit floor ms']:.3f})", flush=True)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    ap.add_argument("--only", help="comma list of preset names' first words")
-    args = ap.parse_args()
-    one_gpu_world(29584)
-    bw = copy_bandwidth(DEV)
-    cycles = int(20 * sleep_cycles_per_ms(DEV))
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"{sms} SMs, copy {bw / 1e9:.0f} GB/s", flush=True)
-    only = set(args.only.split(",")) if args.only else None
-    rows = []
-    for name, layers in SHAPES:
-        if only and name.split("-")[0] not in only:
-            continue
-        rows.append(study(name, layers, bw, cycles, sms))
-        print(f"== {name}: {rows[-1]['copies']} copies, pairs floor {rows[-1]['pairs floor ms']:.3f} ms, "
-              f"program {rows[-1]['program ms']:.3f} ms (refit floor {rows[-1]['refit floor ms']:.3f})", flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                           "triton": triton.__version__, "copy_gbs": bw / 1e9, "rows": rows}, f, indent=1)
-    dist.destroy_process_group()
+    run_shapes(29584, SHAPES, lambda name, layers, bw, cycles, _: study(name, layers, bw, cycles, sms), show,
+               meta={"triton": triton.__version__, "SMs": sms})
 
 
 if __name__ == "__main__":
