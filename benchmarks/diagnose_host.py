@@ -22,8 +22,9 @@ from torchrefit.bench.world import one_gpu_world
 from torchrefit.testing import Mesh, build_toy
 
 
-def busy_host_ms(fn, cycles_per_ms: float, iters: int = 30) -> float:
-    return median_host_ms(fn, iters, torch.device("cuda"), cycles_per_ms)[0]  # warm
+def busy_host_ms(fn, cycles_per_ms: float, iters: int = 30) -> tuple[float, float]:
+    """Median (warm, cold) host ms of ``fn`` while the GPU is busy."""
+    return median_host_ms(fn, iters, torch.device("cuda"), cycles_per_ms)
 
 
 def stale_probe(cycles_per_ms: float, user_stream: bool, big: bool) -> float:
@@ -89,11 +90,21 @@ def main() -> None:
         with side.session(1), side.placed(0):
             prog.local.graph.replay()
 
-    for name, fn in [("refit()", r.refit), ("program.run()", prog.run), ("check_storage", prog.check_storage),
-                     ("_rebind (binding check)", r._rebind),
-                     ("session(1) enter+exit", session_only), ("session + placed + replay", session_replay),
-                     ("replay on current stream", prog.local.graph.replay)]:
-        print(f"host ms {name:<28} {busy_host_ms(fn, cpm):.3f}")
+    watched, pointers = list(prog.compiled.watched), prog.compiled.pointers
+    every = list(range(len(watched)))
+    parts = [("refit()", r.refit), ("program.run()", prog.run), ("check_storage", prog.check_storage),
+             ("pointers, Python map", lambda: list(map(torch.Tensor.data_ptr, watched)) == pointers),
+             ("_rebind (binding check)", r._rebind),
+             ("session(1) enter+exit", session_only), ("session + placed + replay", session_replay),
+             ("replay on current stream", prog.local.graph.replay)]
+    at_indices = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+    if at_indices is not None:  # CUDA builds: one C++ loop
+        parts.append(("pointers, torch C++ loop", lambda: at_indices(watched, pointers, every)))
+        print(f"C++ loop finds the pointers unchanged: {at_indices(watched, pointers, every)}")
+    print(f"{'host ms':<36} {'warm':>7} {'cold':>7}")
+    for name, fn in parts:
+        warm, cold = busy_host_ms(fn, cpm)
+        print(f"host ms {name:<28} {warm:7.3f} {cold:7.3f}")
     prof = cProfile.Profile()
     for _ in range(50):
         torch.cuda.synchronize()
