@@ -136,8 +136,37 @@ def _mapping(rank: int) -> dict:
     return {"equal": torch.equal(dst["w"], src["w"]), "untouched": _untouched([old])}
 
 
+def _one_at_a_time(rank: int) -> dict[str, list[str]]:
+    """One tensor at a time moved (``.data``) or replaced (a new Parameter), each
+    parameter of both sides in turn, a refit after each: the per-refit checks must
+    notice every position, the first and the last one included. Returns, per way of
+    changing, the tensors whose change a refit missed."""
+    src = build_toy(SPEC, SRC, rank, 1)
+    dst = build_toy(SPEC, DST, rank, 2)
+    r = tr.Refitter(src, dst)
+    r.refit()
+    missed: dict[str, list[str]] = {"data": [], "parameter": []}
+    for how in missed:
+        for side, model in (("src", src), ("dst", dst)):
+            for name, p in list(model.named_parameters()):
+                with torch.no_grad():
+                    old = p.data
+                    new = p.detach().clone() if side == "src" else torch.zeros_like(p)
+                    if how == "data":
+                        p.data = new
+                    else:
+                        module, attr = _owner(model, name)
+                        setattr(module, attr, nn.Parameter(new))
+                    # a stale read copies zeros; a stale write lands in SENTINEL storage
+                    old.zero_() if side == "src" else old.fill_(SENTINEL)
+                r.refit()
+                if _wrong(dst, rank) or (side == "dst" and not _untouched([old])):
+                    missed[how].append(f"{side} {name}")
+    return missed
+
+
 def _peer_world(rank: int, world: int) -> dict:
-    out: dict = {}
+    out: dict = {"one at a time": _one_at_a_time(rank)}
     for side in ("dst", "src"):
         for how in ("data", "parameter"):
             out[f"{side}-{how}"] = _case(rank, side, how)
@@ -178,6 +207,11 @@ def test_replaced_tensor_is_rebound(results, case: str) -> None:
         assert got["verify"] is None, (rank, got["verify"])
         if case.endswith("parameter"):  # (``.data`` moves recompile inside the program)
             assert got["compiled"], f"rank {rank}: {case} did not recompile"
+
+
+def test_each_position_is_checked(results) -> None:
+    for rank, got in enumerate(results):
+        assert got["one at a time"] == {"data": [], "parameter": []}, f"rank {rank}: {got['one at a time']}"
 
 
 @pytest.mark.parametrize("how", ["data", "parameter"])
