@@ -115,7 +115,9 @@ def checks(r, busy_cycles: int) -> dict:
     return out
 
 
-def capture(pairs, branches: int, sm: bool) -> torch.cuda.CUDAGraph:
+def capture(pairs, branches: int, sm: bool, foreach: bool = False) -> torch.cuda.CUDAGraph:
+    """``pairs`` spread by bytes over ``branches`` graph branches: memcpy nodes, SM
+    kernels (``sm``), or one ``torch._foreach_copy_`` per branch (``foreach``)."""
     streams = [torch.cuda.Stream() for _ in range(branches)]
     lanes: list[list] = [[] for _ in range(branches)]
     for pair, b in zip(pairs, balance_by_bytes([d.nbytes for d, _ in pairs], branches)):
@@ -129,6 +131,9 @@ def capture(pairs, branches: int, sm: bool) -> torch.cuda.CUDAGraph:
             st.wait_stream(cap)
         for st, lane in zip(streams, lanes):
             with torch.cuda.stream(st):
+                if foreach and lane:
+                    torch._foreach_copy_([d for d, _ in lane], [s for _, s in lane])
+                    continue
                 for d, s in lane:
                     if sm:
                         torch.bitwise_or(s, 0, out=d)

@@ -12,6 +12,8 @@ time is left out), against the floor measured in the same run:
   (consecutive sub-ranges): same sizes, no scatter over the address space. If packed
   runs at the floor and the program does not, placement costs; if packed runs as the
   program does, the per-copy size does;
+- *foreach, N branches*: one ``torch._foreach_copy_`` per branch on integer views (torch's
+  multi-tensor kernel: a launch covers several copies' chunks);
 - *batched T x W*: every copy cut into T-byte tiles, one Triton program per tile with W
   warps, one launch (``execute.batched``'s kernel and tile table at other tile sizes);
 - *flat*: one copy of all the bytes;
@@ -49,12 +51,12 @@ SWITCHES = {"defaults": {}, "SM below 16 MB": {"TORCHREFIT_SM_COPY_BELOW": str(1
             "batched all": {"TORCHREFIT_BATCHED_COPY": "1", "BATCH_MAX_BYTES": str(1 << 50)}}
 
 
-def capture(pairs, branches: int, kernel: bool) -> torch.cuda.CUDAGraph:
-    """``pairs`` on ``branches`` graph branches, as memcpy nodes or as SM kernels on
-    integer views of the same bytes (``diagnose_refit_phases.capture``)."""
-    if kernel:
+def capture(pairs, branches: int, kernel: bool, foreach: bool = False) -> torch.cuda.CUDAGraph:
+    """``pairs`` on ``branches`` graph branches, as memcpy nodes, or as SM kernels or
+    foreach copies on integer views of the same bytes (``diagnose_refit_phases.capture``)."""
+    if kernel or foreach:
         pairs = [(int_view(d), int_view(s)) for d, s in pairs]
-    return capture_branches(pairs, branches, kernel)
+    return capture_branches(pairs, branches, kernel, foreach)
 
 
 def graph_of(fn) -> torch.cuda.CUDAGraph:
@@ -121,7 +123,22 @@ def executor(src, dst, floor: float, cycles: int) -> dict:
     return out
 
 
-def study(name: str, layers: int | None, bw: float, cycles: int, hand: bool = True) -> dict:
+def foreach_captured(big, t: dict, row: dict, cycles: int) -> None:
+    """The program's copies as foreach copies on 1, 8 and 16 branches (and SM kernels on 8
+    beside them), each checked for an exact copy."""
+    t["kernels 8 br"] = device_ms(capture(big, 8, True).replay, cycles)
+    for b in (1, 8, 16):
+        g = capture(big, b, False, foreach=True)
+        t[f"foreach {b} br"] = device_ms(g.replay, cycles)
+        for d, _ in big[:4]:
+            d.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        row[f"foreach {b} br exact"] = exact(big)
+
+
+def study(name: str, layers: int | None, bw: float, cycles: int, hand: bool = True,
+          foreach_only: bool = False) -> dict:
     src, dst, r, floor = toy_refit(name, layers, bw, 3)
     p = r._program
     big = [(d, s) for d, s, _ in p.local.big if d.dtype == s.dtype and d.is_contiguous() and s.is_contiguous()]
@@ -129,12 +146,15 @@ def study(name: str, layers: int | None, bw: float, cycles: int, hand: bool = Tr
     row: dict = {"shape": name, "layers": layers, "floor_ms": floor, "large copies": len(p.local.big),
                  "plain large copies": len(big), "bytes of them": sum(sizes), "sizes": histogram(sizes)}
     t: dict[str, float] = {"program": device_ms(p.local.graph.replay, cycles)}
-    if hand:
+    if foreach_only:
+        foreach_captured(big, t, row, cycles)
+    elif hand:
         hand_captured(big, sizes, t, row, cycles)
     row["device ms"] = t
     row["x floor"] = {k: v / floor for k, v in t.items()}
     r.close()
-    row["executor"] = executor(src, dst, floor, cycles)
+    if not foreach_only:
+        row["executor"] = executor(src, dst, floor, cycles)
     del src, dst, r, p, big
     gc.collect()
     torch.cuda.empty_cache()
@@ -187,9 +207,10 @@ def show(row: dict) -> None:
 def main() -> None:
     def add_args(ap: argparse.ArgumentParser) -> None:
         ap.add_argument("--executor-only", action="store_true", help="only the executor variants")
+        ap.add_argument("--foreach-only", action="store_true", help="only foreach copies, SM kernels beside")
 
     run_shapes(29583, SHAPES, lambda name, layers, bw, cycles, args: study(
-        name, layers, bw, cycles, hand=not args.executor_only), show, add_args)
+        name, layers, bw, cycles, hand=not args.executor_only, foreach_only=args.foreach_only), show, add_args)
 
 
 if __name__ == "__main__":
