@@ -157,8 +157,10 @@ def _one_at_a_time(rank: int) -> dict[str, list[str]]:
                     else:
                         module, attr = _owner(model, name)
                         setattr(module, attr, nn.Parameter(new))
-                    # a stale read copies zeros; a stale write lands in SENTINEL storage
-                    old.zero_() if side == "src" else old.fill_(SENTINEL)
+                    if side == "src":
+                        old.zero_()  # a stale read would copy zeros
+                    else:
+                        old.fill_(SENTINEL)  # a stale write would overwrite this
                 r.refit()
                 if _wrong(dst, rank) or (side == "dst" and not _untouched([old])):
                     missed[how].append(f"{side} {name}")
