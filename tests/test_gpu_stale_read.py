@@ -23,7 +23,10 @@ The other direction: a one-sided sender's next step (queued right after ``refit(
 returns) must not overwrite sources a receiver, its reads queued behind a gate,
 has not read yet; for ipc with the done token awaited on the sender's stream and on
 its host, and with stream-written words. ``TORCHREFIT_BREAK_DONE_WAIT=1`` removes every
-one-sided ``wait_done`` and makes ipc's words land at once.
+one-sided ``wait_done`` and every push initiator's wait for its own writes
+(``finish_writes``: nixl's sources are guarded by it, not by the target's done token), and
+makes ipc's words land at once. The model of this direction is larger (about 0.4 GB):
+a pushed write must still be in flight when the next step is queued.
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ from torchrefit.transport.base import transport_class
 pytestmark = pytest.mark.gpu
 
 SPEC = ModelSpec(layers=2, hidden=256, heads=8, groups=4, ffn=1024, vocab=4096)
+#: the early-overwrite case's model: large enough that a push write (nixl) lasts past the
+#: host's return from refit(), so that dropping its completion wait shows
+OVERWRITE_SPEC = ModelSpec(layers=2, hidden=1024, heads=8, groups=4, ffn=4096, vocab=32768)
 GATE_MS = 50.0
 BUMP = 1000.0
 
@@ -170,6 +176,8 @@ def _break_done_wait() -> None:
     for cls in registered():  # one-sided: targets stop waiting for their initiator's done token
         if cls.protocol == "one_sided":
             cls.wait_done = lambda self, peer, token: None
+            if not cls.pull:  # and push initiators for their own writes
+                cls.finish_writes = lambda self: None
     _words_at_once()
 
 
@@ -183,7 +191,8 @@ def _early_overwrite(rank: int, world: int, transport: str, done_wait: str) -> l
     transport = _order(transport)
     torch.cuda.set_device(0)
     src_mesh, dst_mesh = Mesh(1, ranks=1), Mesh(1, ranks=1, offset=1)
-    src, dst = build_toy(SPEC, src_mesh, rank, seed=1), build_toy(SPEC, dst_mesh, rank, seed=2)
+    src = build_toy(OVERWRITE_SPEC, src_mesh, rank, seed=1)
+    dst = build_toy(OVERWRITE_SPEC, dst_mesh, rank, seed=2)
     src, dst = (m.cuda() if m is not None else None for m in (src, dst))
     refitter = tr.Refitter(src, dst, transport=transport)
     refitter.refit()  # compile and warm up
@@ -204,7 +213,7 @@ def _early_overwrite(rank: int, world: int, transport: str, done_wait: str) -> l
     torch.distributed.barrier()
     if dst is None:
         return []
-    expected = expected_local(SPEC, dst_mesh, rank, seed=1)
+    expected = expected_local(OVERWRITE_SPEC, dst_mesh, rank, seed=1)
     return [f"{k}: max diff {(v.cpu() - expected[k]).abs().max().item():.1f}"
             for k, v in dst.state_dict().items() if not torch.equal(v.cpu(), expected[k])]
 
