@@ -137,8 +137,40 @@ def foreach_captured(big, t: dict, row: dict, cycles: int) -> None:
         row[f"foreach {b} br exact"] = exact(big)
 
 
+def capture_seconds(big, row: dict, src, dst) -> None:
+    """Host seconds of a fresh Refitter's construction and first refit on the same models,
+    and to capture (and instantiate) the program's large copies as a graph, per arrangement
+    (part of a first refit: ``execute.local._capture``); medians of three."""
+    import statistics
+    import time
+
+    parts: dict[str, list[float]] = {"construct": [], "first refit": []}
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        r = tr.Refitter(src, dst, transport="nccl")
+        t1 = time.perf_counter()
+        r.refit()
+        torch.cuda.synchronize()
+        parts["construct"].append(t1 - t0)
+        parts["first refit"].append(time.perf_counter() - t1)
+        r.close()
+    for k, v in parts.items():
+        row[f"capture s, {k}"] = statistics.median(v)
+    for label, branches, kernel in (("memcpy 8 br", 8, False), ("kernels 8 br", 8, True),
+                                    ("kernels 1 br", 1, True)):
+        secs = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            g = capture(big, branches, kernel)
+            secs.append(time.perf_counter() - t0)
+            del g
+        row[f"capture s, {label}"] = statistics.median(secs)
+
+
 def study(name: str, layers: int | None, bw: float, cycles: int, hand: bool = True,
-          foreach_only: bool = False) -> dict:
+          foreach_only: bool = False, capture_only: bool = False) -> dict:
     src, dst, r, floor = toy_refit(name, layers, bw, 3)
     p = r._program
     big = [(d, s) for d, s, _ in p.local.big if d.dtype == s.dtype and d.is_contiguous() and s.is_contiguous()]
@@ -146,14 +178,17 @@ def study(name: str, layers: int | None, bw: float, cycles: int, hand: bool = Tr
     row: dict = {"shape": name, "layers": layers, "floor_ms": floor, "large copies": len(p.local.big),
                  "plain large copies": len(big), "bytes of them": sum(sizes), "sizes": histogram(sizes)}
     t: dict[str, float] = {"program": device_ms(p.local.graph.replay, cycles)}
-    if foreach_only:
+    if capture_only:
+        capture_seconds(big, row, src, dst)
+        print("  " + json.dumps({k: v for k, v in row.items() if k.startswith("capture s")}), flush=True)
+    elif foreach_only:
         foreach_captured(big, t, row, cycles)
     elif hand:
         hand_captured(big, sizes, t, row, cycles)
     row["device ms"] = t
     row["x floor"] = {k: v / floor for k, v in t.items()}
     r.close()
-    if not foreach_only:
+    if not (foreach_only or capture_only):
         row["executor"] = executor(src, dst, floor, cycles)
     del src, dst, r, p, big
     gc.collect()
@@ -208,9 +243,11 @@ def main() -> None:
     def add_args(ap: argparse.ArgumentParser) -> None:
         ap.add_argument("--executor-only", action="store_true", help="only the executor variants")
         ap.add_argument("--foreach-only", action="store_true", help="only foreach copies, SM kernels beside")
+        ap.add_argument("--capture-only", action="store_true", help="only the host seconds of capturing")
 
     run_shapes(29583, SHAPES, lambda name, layers, bw, cycles, args: study(
-        name, layers, bw, cycles, hand=not args.executor_only, foreach_only=args.foreach_only), show, add_args)
+        name, layers, bw, cycles, hand=not args.executor_only, foreach_only=args.foreach_only,
+        capture_only=args.capture_only), show, add_args)
 
 
 if __name__ == "__main__":
