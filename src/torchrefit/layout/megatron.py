@@ -110,21 +110,33 @@ def _layer_prefix_map(core: nn.Module) -> dict[str, str]:
 
 
 def _global_layer_name(name: str, layer_map: dict[str, str]) -> str:
+    """``name`` with its longest prefix in ``layer_map`` replaced. Every key ends in a
+    layer index, so only prefixes ending in a digit part are looked up (an expert's
+    name has one or two of those among its eight or nine parts)."""
     if not layer_map:
         return name
     parts = name.split(".")
     for i in range(len(parts) - 1, 0, -1):
-        mapped = layer_map.get(".".join(parts[:i]))
-        if mapped is not None:
-            return ".".join([mapped] + parts[i:])
+        if parts[i - 1].isdigit():
+            mapped = layer_map.get(".".join(parts[:i]))
+            if mapped is not None:
+                return ".".join([mapped] + parts[i:])
     return name
 
 
+def _expert_match(name: str) -> tuple[re.Match | None, int]:
+    """The expert index's match in ``name`` (``local_experts.K`` or ``weightK``) and its
+    group number; (None, 0) where there is none."""
+    m = _LOCAL_EXPERT.search(name)
+    if m is not None:
+        return m, 2
+    m = _GROUPED_EXPERT.search(name)
+    return (m, 3) if m is not None else (None, 0)
+
+
 def _local_expert_index(name: str) -> int | None:
-    m = _LOCAL_EXPERT.search(name) or _GROUPED_EXPERT.search(name)
-    if m is None:
-        return None
-    return int(m.group(2) if m.re is _LOCAL_EXPERT else m.group(3))
+    m, group = _expert_match(name)
+    return None if m is None else int(m.group(group))
 
 
 def _local_expert_count(core: nn.Module, named: list, ep_size: int) -> int:
@@ -141,8 +153,8 @@ def _local_expert_count(core: nn.Module, named: list, ep_size: int) -> int:
 
 def _global_expert_name(gname: str, ep: tuple[int, int], n_local: int, local_name: str) -> str:
     ep_rank, ep_size = ep
-    k = _local_expert_index(gname)
-    if k is None:
+    m, group = _expert_match(gname)
+    if m is None:
         # A fused tensor of all local experts is only global without expert parallelism.
         if ep_size > 1:
             raise LayoutError(
@@ -151,13 +163,9 @@ def _global_expert_name(gname: str, ep: tuple[int, int], n_local: int, local_nam
                 "describe it with an explicit layout"
             )
         return gname
+    k = int(m.group(group))
     if k >= n_local:
         raise LayoutError(f"{local_name}: local expert {k} exceeds {n_local} local experts")
-    g = ep_rank * n_local + k
-    m = _LOCAL_EXPERT.search(gname)
-    if m is not None:
-        return gname[: m.start(2)] + str(g) + gname[m.end(2):]
-    m = _GROUPED_EXPERT.search(gname)
-    return gname[: m.start(3)] + str(g)
+    return gname[: m.start(group)] + str(ep_rank * n_local + k) + gname[m.end(group):]
 
 
