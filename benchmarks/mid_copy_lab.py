@@ -31,6 +31,8 @@ import argparse
 import gc
 import json
 import os
+import statistics
+import time
 
 import torch
 from diagnose_refit_phases import DEV, device_ms, int_view, run_shapes, toy_refit
@@ -141,9 +143,6 @@ def capture_seconds(big, row: dict, src, dst) -> None:
     """Host seconds of a fresh Refitter's construction and first refit on the same models,
     and to capture (and instantiate) the program's large copies as a graph, per arrangement
     (part of a first refit: ``execute.local._capture``); medians of three."""
-    import statistics
-    import time
-
     parts: dict[str, list[float]] = {"construct": [], "first refit": []}
     for _ in range(3):
         torch.cuda.synchronize()
