@@ -93,6 +93,15 @@ def exact(pairs) -> bool:
     return all(torch.equal(d.view(torch.uint8), s.view(torch.uint8)) for d, s in pairs)
 
 
+def replays_exact(g: torch.cuda.CUDAGraph, pairs) -> bool:
+    """Whether a replay of ``g`` copies ``pairs`` exactly (a few destinations zeroed first)."""
+    for d, _ in pairs[:4]:
+        d.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    return exact(pairs)
+
+
 def histogram(sizes: list[int]) -> dict[str, tuple[int, float]]:
     edges = [(0, 1), (1, 4), (4, 8), (8, 16), (16, 32), (32, 64), (64, 1 << 20)]
     out = {}
@@ -132,11 +141,7 @@ def foreach_captured(big, t: dict, row: dict, cycles: int) -> None:
     for b in (1, 8, 16):
         g = capture(big, b, False, foreach=True)
         t[f"foreach {b} br"] = device_ms(g.replay, cycles)
-        for d, _ in big[:4]:
-            d.zero_()
-        g.replay()
-        torch.cuda.synchronize()
-        row[f"foreach {b} br exact"] = exact(big)
+        row[f"foreach {b} br exact"] = replays_exact(g, big)
 
 
 def capture_seconds(big, row: dict, src, dst) -> None:
@@ -223,11 +228,7 @@ def hand_captured(big, sizes: list[int], t: dict, row: dict, cycles: int) -> Non
         g, tiles = batched_launch(aligned, block, steps, warps)
         t[key] = device_ms(g.replay, cycles)
         row[f"{key} tiles"] = tiles
-        for d, _ in aligned[:4]:
-            d.zero_()
-        g.replay()
-        torch.cuda.synchronize()
-        row[f"{key} exact"] = exact(aligned)
+        row[f"{key} exact"] = replays_exact(g, aligned)
 
 
 def show(row: dict) -> None:

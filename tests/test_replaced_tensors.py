@@ -34,6 +34,16 @@ def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(path) if path else model), attr
 
 
+def _put(model: nn.Module, name: str, p: nn.Parameter, new: torch.Tensor, how: str) -> None:
+    """Give parameter ``name`` the storage ``new``: moved in place (``how == "data"``) or
+    as a new Parameter set on its module."""
+    if how == "data":
+        p.data = new
+    else:
+        module, attr = _owner(model, name)
+        setattr(module, attr, nn.Parameter(new))
+
+
 def _wrong(dst, rank: int, mesh: Mesh = DST) -> list[str]:
     want = expected_local(SPEC, mesh, rank, 1)
     return sorted(k for k, v in dst.state_dict().items() if not torch.equal(v, want[k]))
@@ -51,11 +61,7 @@ def _replace_dst(dst: nn.Module, how: str) -> list[torch.Tensor]:
         for name, p in list(dst.named_parameters()):
             old.append(p.data)
             p.data.fill_(SENTINEL)
-            if how == "data":
-                p.data = torch.zeros_like(p)
-            else:
-                module, attr = _owner(dst, name)
-                setattr(module, attr, nn.Parameter(torch.zeros_like(p)))
+            _put(dst, name, p, torch.zeros_like(p), how)
     return old
 
 
@@ -63,13 +69,8 @@ def _replace_src(src: nn.Module, how: str) -> None:
     """Move every source parameter to a copy and zero the storage it leaves."""
     with torch.no_grad():
         for name, p in list(src.named_parameters()):
-            copy = p.detach().clone()
             old = p.data
-            if how == "data":
-                p.data = copy
-            else:
-                module, attr = _owner(src, name)
-                setattr(module, attr, nn.Parameter(copy))
+            _put(src, name, p, p.detach().clone(), how)
             old.zero_()  # a stale read would now copy zeros
 
 
@@ -152,11 +153,7 @@ def _one_at_a_time(rank: int) -> dict[str, list[str]]:
                 with torch.no_grad():
                     old = p.data
                     new = p.detach().clone() if side == "src" else torch.zeros_like(p)
-                    if how == "data":
-                        p.data = new
-                    else:
-                        module, attr = _owner(model, name)
-                        setattr(module, attr, nn.Parameter(new))
+                    _put(model, name, p, new, how)
                     if side == "src":
                         old.zero_()  # a stale read would copy zeros
                     else:
