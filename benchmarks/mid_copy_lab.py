@@ -14,8 +14,9 @@ time is left out), against the floor measured in the same run:
   program does, the per-copy size does;
 - *foreach, N branches*: one ``torch._foreach_copy_`` per branch on integer views (torch's
   multi-tensor kernel: a launch covers several copies' chunks);
-- *batched T x W*: every copy cut into T-byte tiles, one Triton program per tile with W
-  warps, one launch (``execute.batched``'s kernel and tile table at other tile sizes);
+- *batched T x U*: every copy cut into tiles, one block of T threads moving U 16-byte
+  vectors each per tile, one launch (``execute.copy_kernel``'s kernel and tile table at
+  other shapes; a Triton kernel before the tenth session, whose figures BENCHMARKS.md keeps);
 - *flat*: one copy of all the bytes;
 - *executor*: fresh Refitters on the same models, compiled under each switch
   (``TORCHREFIT_SM_COPY_BELOW``, ``TORCHREFIT_BATCHED_COPY``): wall of ``refit()`` with
@@ -40,17 +41,16 @@ from diagnose_refit_phases import capture as capture_branches
 
 import torchrefit as tr
 from torchrefit.bench.timing import median_ms
-from torchrefit.execute import batched
+from torchrefit.execute.copy_kernel import copy_kernel, plan_tiles
 
 SHAPES = [("qwen3-30b-a3b", 8), ("dense-0.5b", None), ("deepseek-v3-moe", 2)]
-#: (tile bytes as words per step x steps, warps)
-TILINGS = [((4096, 4), 8), ((4096, 16), 8), ((8192, 16), 16), ((2048, 8), 4)]
+#: (threads, 16-byte vectors per thread) of the batched kernel
+TILINGS = [(128, 2), (256, 1), (256, 4), (64, 4)]
 #: compile switches of the executor variants (unset: the defaults)
-SWITCHES = {"defaults": {}, "SM below 16 MB": {"TORCHREFIT_SM_COPY_BELOW": str(16 << 20)},
-            "SM below 64 MB": {"TORCHREFIT_SM_COPY_BELOW": str(64 << 20)},
-            "batched": {"TORCHREFIT_BATCHED_COPY": "1"},
-            "SM all": {"TORCHREFIT_SM_COPY_BELOW": str(1 << 50)},
-            "batched all": {"TORCHREFIT_BATCHED_COPY": "1", "BATCH_MAX_BYTES": str(1 << 50)}}
+SWITCHES = {"defaults": {}, "memcpy": {"TORCHREFIT_BATCHED_COPY": "0", "TORCHREFIT_SM_COPY_BELOW": "0"},
+            "SM below 16 MB": {"TORCHREFIT_BATCHED_COPY": "0", "TORCHREFIT_SM_COPY_BELOW": str(16 << 20)},
+            "SM all": {"TORCHREFIT_BATCHED_COPY": "0", "TORCHREFIT_SM_COPY_BELOW": str(1 << 50)},
+            "batched all": {"TORCHREFIT_BATCHED_COPY": "1"}}
 
 
 def capture(pairs, branches: int, kernel: bool, foreach: bool = False) -> torch.cuda.CUDAGraph:
@@ -76,17 +76,10 @@ def graph_of(fn) -> torch.cuda.CUDAGraph:
     return g
 
 
-def batched_launch(pairs, block: int, steps: int, warps: int):
-    anchor = torch.zeros(8, dtype=torch.int32, device=DEV)
-    tile = block * steps * batched.WORD
-    table = batched.plan_tiles([(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s in pairs],
-                               anchor.data_ptr(), tile).to(DEV)
-    kernel = batched._kernel()
-
-    def launch() -> None:
-        kernel[(table.shape[0],)](anchor, table, BLOCK=block, STEPS=steps, num_warps=warps)
-
-    return graph_of(launch), table.shape[0]
+def batched_launch(pairs, threads: int, unroll: int):
+    kernel = copy_kernel(DEV, threads, unroll)
+    table = plan_tiles([(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s in pairs], kernel.tile_bytes).to(DEV)
+    return graph_of(lambda: kernel.launch(table, torch.cuda.current_stream())), table.shape[0]
 
 
 def exact(pairs) -> bool:
@@ -115,8 +108,6 @@ def executor(src, dst, floor: float, cycles: int) -> dict:
     out = {}
     for label, env in SWITCHES.items():
         os.environ.update(env)
-        # not an environment switch: the lab's override of the batched kernel's size bound
-        batched.BATCH_MAX_BYTES = int(env.get("BATCH_MAX_BYTES", 32 << 20))
         try:
             r = tr.Refitter(src, dst, transport="nccl")
             r.refit()
@@ -223,9 +214,9 @@ def hand_captured(big, sizes: list[int], t: dict, row: dict, cycles: int) -> Non
     torch.cuda.empty_cache()
     aligned = [(d, s) for d, s in big if (d.data_ptr() | s.data_ptr() | d.nbytes) % 16 == 0]
     row["batched copies"] = len(aligned)
-    for (block, steps), warps in TILINGS:
-        key = f"batched {block * steps * 4 >> 10} KB x {warps} warps"
-        g, tiles = batched_launch(aligned, block, steps, warps)
+    for threads, unroll in TILINGS:
+        key = f"batched {threads} x {unroll}"
+        g, tiles = batched_launch(aligned, threads, unroll)
         t[key] = device_ms(g.replay, cycles)
         row[f"{key} tiles"] = tiles
         row[f"{key} exact"] = replays_exact(g, aligned)

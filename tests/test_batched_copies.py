@@ -1,24 +1,25 @@
-"""Batched copies (``execute.batched``), on CPU.
+"""Batched copies (``execute.batched``, ``execute.copy_kernel``), on CPU.
 
-Covers the pure tiling (``plan_tiles``: applied row by row to a byte buffer it
-moves exactly what the copies would, every copy cut into tiles no larger than the
-tile, its last remainder included, offsets from the anchor that may be negative;
-misaligned copies are refused), the rule for which copies qualify (``batchable``:
-same dtype, dense, 16-byte aligned, below the size bound), and the Triton kernel
-itself run by Triton's interpreter on CPU tensors (skipped where Triton is not
-installed), against copies made directly; and that the kernel is opt-in.
+Covers the pure tiling (``plan_tiles``: applied row by row to a byte buffer it moves
+exactly what the copies would, every copy cut into tiles no larger than the tile, its
+last remainder included; misaligned copies are refused), the rule for which copies
+qualify (``batchable``: same dtype, dense, 16-byte aligned) and when a program batches
+(``batch_from``: ``TORCHREFIT_BATCHED_COPY`` auto / 1 / 0, auto only for programs of many
+mid-sized copies, a bad value warned about), and that CPU tensors never batch. The CUDA
+kernel itself runs in ``tests/test_gpu_batched.py``.
 """
 
 from __future__ import annotations
 
 import random
-import textwrap
 
 import pytest
 import torch
-from interpreted import run_interpreted
 
-from torchrefit.execute.batched import ALIGN, BATCH_MAX_BYTES, WORD, batchable, plan_tiles
+from torchrefit.execute import batched
+from torchrefit.execute.batched import ALIGN, batch_from, batchable, plan_tiles
+
+WORD = 4  # the buffers below are int32
 
 
 def _layout(rng: random.Random, count: int, words: int) -> list[tuple[int, int, int]]:
@@ -35,11 +36,12 @@ def _layout(rng: random.Random, count: int, words: int) -> list[tuple[int, int, 
     return out
 
 
-def _apply(table: torch.Tensor, buf: torch.Tensor, anchor_word: int) -> None:
-    """The kernel's semantics, row by row: copy ``words`` from src to dst (word offsets
-    from the anchor, which sits at ``anchor_word`` of ``buf``)."""
+def _apply(table: torch.Tensor, buf: torch.Tensor, base: int) -> None:
+    """The kernel's semantics, row by row: copy ``words`` 16-byte vectors from the source
+    address to the destination address (addresses of ``buf``'s bytes from ``base``)."""
     for src, dst, n in table.tolist():
-        buf[anchor_word + dst: anchor_word + dst + n] = buf[anchor_word + src: anchor_word + src + n].clone()
+        s, d, k = (src - base) // WORD, (dst - base) // WORD, n * ALIGN // WORD
+        buf[d: d + k] = buf[s: s + k].clone()
 
 
 @pytest.mark.parametrize("tile", [16, 64, 256, 4096])
@@ -47,29 +49,29 @@ def _apply(table: torch.Tensor, buf: torch.Tensor, anchor_word: int) -> None:
 def test_tiles_move_exactly_the_copies(tile: int, seed: int) -> None:
     rng = random.Random(seed)
     words = 40000
-    copies = _layout(rng, 60, words)
-    anchor_word = rng.choice([0, words // 3 // 4 * 4, words - 8])  # copies before and after it
-    table = plan_tiles(copies, anchor_word * WORD, tile_bytes=tile)
+    base = rng.choice([0, 1 << 20, 0x7F0000000000])  # where the buffer lives: addresses, not offsets
+    copies = [(base + d, base + s, n) for d, s, n in _layout(rng, 60, words)]
+    table = plan_tiles(copies, tile_bytes=tile)
     buf = torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32)
     want = buf.clone()
     for d, s, n in copies:  # the oracle: each copy directly
-        want[d // WORD: (d + n) // WORD] = buf[s // WORD: (s + n) // WORD]
-    _apply(table, buf, anchor_word)
+        want[(d - base) // WORD: (d - base + n) // WORD] = buf[(s - base) // WORD: (s - base + n) // WORD]
+    _apply(table, buf, base)
     assert torch.equal(buf, want)
     # every tile within the tile size, and each copy's tiles sum to its size, last one too
-    assert int(table[:, 2].max()) <= tile // WORD and int(table[:, 2].min()) > 0
-    assert int(table[:, 2].sum()) * WORD == sum(n for _, _, n in copies)
+    assert int(table[:, 2].max()) <= tile // ALIGN and int(table[:, 2].min()) > 0
+    assert int(table[:, 2].sum()) * ALIGN == sum(n for _, _, n in copies)
     assert len(table) == sum(-(-n // tile) for _, _, n in copies)
 
 
 def test_misaligned_copies_are_refused() -> None:
     with pytest.raises(ValueError, match="not 16-byte aligned"):
-        plan_tiles([(0, 8, 16)], 0)
+        plan_tiles([(0, 8, 16)])
     with pytest.raises(ValueError, match="not 16-byte aligned"):
-        plan_tiles([(0, 16, 20)], 0)
+        plan_tiles([(0, 16, 20)])
     with pytest.raises(ValueError, match="not a multiple"):
-        plan_tiles([(0, 16, 16)], 0, tile_bytes=24)
-    assert plan_tiles([], 0).shape == (0, 3)
+        plan_tiles([(0, 16, 16)], tile_bytes=24)
+    assert plan_tiles([]).shape == (0, 3)
 
 
 def test_which_copies_are_batchable() -> None:
@@ -81,48 +83,24 @@ def test_which_copies_are_batchable() -> None:
     assert not batchable(buf[:1001], other[:1001])  # 2002 bytes: not a multiple of 16
     assert not batchable(buf.view(64, 64)[:, :32], other.view(64, 64)[:, :32])  # strided
     assert not batchable(buf[:0], other[:0])
-    big = BATCH_MAX_BYTES // 2
-    assert not batchable(torch.empty(big, dtype=torch.bfloat16), torch.empty(big, dtype=torch.bfloat16))
-    assert ALIGN % WORD == 0
+    big = 64 << 20  # no size bound: a large plain copy batches as well as a small one
+    assert batchable(torch.empty(big, dtype=torch.bfloat16), torch.empty(big, dtype=torch.bfloat16))
 
 
-_INTERPRETED = textwrap.dedent("""
-    import random, torch
-    from torchrefit.execute import batched as b
-    rng = random.Random(3)
-    buf = torch.randint(-2**31, 2**31 - 1, (60000,), dtype=torch.int32)
-    anchor = buf[20000:20008]  # copies on both sides of the anchor: negative offsets too
-    copies, s, d = [], 0, 30000
-    for n in (4, 8, 1020, 1024, 1028, 3000, 40, 2048):  # words: below, at and past a tile
-        copies.append((buf[d:].data_ptr(), buf[s:].data_ptr(), n * 4))
-        s, d = s + n + rng.choice([0, 4]), d + n + rng.choice([0, 8])
-    want = buf.clone()
-    for dp, sp, n in copies:
-        dw, sw = (dp - buf.data_ptr()) // 4, (sp - buf.data_ptr()) // 4
-        want[dw:dw + n // 4] = buf[sw:sw + n // 4]
-    table = b.plan_tiles(copies, anchor.data_ptr(), tile_bytes=4096)
-    b._kernel()[(table.shape[0],)](anchor, table, BLOCK=256, STEPS=4)
-    print("EXACT" if torch.equal(buf, want) else "DIFFERS")
-""")
+def test_when_a_program_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    MB = 1 << 20
+    moe = [3 * MB] * 300  # many mid-sized copies: the MoE case
+    dense = [100 * MB] * 300  # large ones: memcpy nodes are at the floor
+    monkeypatch.delenv(batched.BATCH_ENV, raising=False)
+    assert batch_from(moe, MB) == MB and batch_from(dense, MB) is None and batch_from(moe[:10], MB) is None
+    monkeypatch.setenv(batched.BATCH_ENV, "1")
+    assert batch_from(dense, MB) == 0 and batch_from([], MB) == 0
+    monkeypatch.setenv(batched.BATCH_ENV, "0")
+    assert batch_from(moe, MB) is None
+    monkeypatch.setenv(batched.BATCH_ENV, "yes")
+    with pytest.warns(UserWarning, match="TORCHREFIT_BATCHED_COPY='yes'"):
+        assert batch_from(moe, MB) == MB
 
 
-def test_kernel_under_triton_interpreter() -> None:
-    out = run_interpreted(_INTERPRETED, timeout=300)
-    assert out.strip().endswith("EXACT"), out
-
-
-def test_batched_kernel_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Off unless TORCHREFIT_BATCHED_COPY=1 (slower than the per-copy graph on an H200 so
-    far: BENCHMARKS.md), and never for CPU tensors."""
-    from torchrefit.execute.batched import kernel_available
-
-    cuda = torch.device("cuda")
-    monkeypatch.delenv("TORCHREFIT_BATCHED_COPY", raising=False)
-    assert not kernel_available(cuda)
-    monkeypatch.setenv("TORCHREFIT_BATCHED_COPY", "1")
-    assert not kernel_available(torch.device("cpu"))
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return
-    assert kernel_available(cuda)
+def test_cpu_tensors_never_batch() -> None:
+    assert not batched.kernel_available(torch.device("cpu"))

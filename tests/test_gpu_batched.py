@@ -1,11 +1,13 @@
-"""Batched copies (``execute.batched``, opt-in) on a real GPU, in this process.
+"""Batched copies (``execute.batched``, ``execute.copy_kernel``) on a real GPU, in this process.
 
-What the CPU suite cannot reach: the Triton kernel on device memory, launched
-eagerly and captured in the program's CUDA graph, moving copies spread over
-several allocations (runs merged across tensors by ``execute.runs`` included),
-next to copies that must stay per-copy (casts, strided views, misaligned views,
-one above the size bound). Every destination is compared with an oracle made by
-plain per-tensor copies; a replay after the sources changed copies the new values.
+What the CPU suite cannot reach: the CUDA kernel (compiled by NVRTC, launched through
+the driver) on device memory, launched eagerly and captured in the program's CUDA
+graph, moving copies spread over several allocations (runs merged across tensors by
+``execute.runs`` included, sizes below, at and past a 4 KB tile, and one of 16 MB),
+next to copies that must stay per-copy (casts, strided views, misaligned views).
+Every destination is compared with an oracle made by plain per-tensor copies; a
+replay after the sources changed copies the new values; and the default rule
+batches a MoE-shaped program's copies and not a dense one's.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import random
 import pytest
 import torch
 
-from torchrefit.execute.batched import BATCH_MAX_BYTES, kernel_available
+from torchrefit.execute.batched import kernel_available
 from torchrefit.execute.local import LANES, Copy, compile_copies
 from torchrefit.execute.streams import SideStreams
 
@@ -37,7 +39,7 @@ def _copies(rng: random.Random) -> list[Copy]:
     out.append(Copy(w, m[:, :128], "strided"))
     u, v = torch.randn(4099, device=dev), torch.zeros(4099, device=dev)
     out.append(Copy(v[1:], u[1:], "misaligned"))
-    big = BATCH_MAX_BYTES // 2 + 4096
+    big = (8 << 20) + 4096
     out.append(Copy(torch.zeros(big, dtype=torch.bfloat16, device=dev),
                     torch.randn(big, device=dev).to(torch.bfloat16), "large"))
     return out
@@ -49,15 +51,15 @@ def _exact(copies: list[Copy]) -> bool:
 
 @pytest.mark.parametrize("graph", [False, True])
 def test_batched_copies_exact(graph: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TORCHREFIT_BATCHED_COPY", "1")  # opt-in
+    monkeypatch.setenv("TORCHREFIT_BATCHED_COPY", "1")  # every batchable copy
     if not kernel_available(torch.device("cuda")):
-        pytest.skip("Triton not importable here")
+        pytest.skip("the batched copy kernel could not be built here (NVRTC)")
     copies = _copies(random.Random(int(graph)))
     side = SideStreams(torch.device("cuda"), LANES)
     local = compile_copies(copies, side, cuda_graph=graph)
     assert local.batch is not None and local.batch.tiles > len(local.batch.dst)
     per_copy = {n for _, _, n in local.big} | {n for g in local.small for n in g.names}
-    assert {"cast", "strided", "misaligned", "large"} <= per_copy
+    assert {"cast", "strided", "misaligned"} <= per_copy and "large" not in per_copy
     assert (local.graph is not None) == graph
     assert not _exact(copies)
     local.run_on_caller(side)
@@ -69,3 +71,24 @@ def test_batched_copies_exact(graph: bool, monkeypatch: pytest.MonkeyPatch) -> N
     local.run_on_caller(side)  # the replay reads the new values
     torch.cuda.synchronize()
     assert _exact(copies)
+
+
+def test_default_batches_moe_shaped_programs_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCHREFIT_BATCHED_COPY", raising=False)
+    if not kernel_available(torch.device("cuda")):
+        pytest.skip("the batched copy kernel could not be built here (NVRTC)")
+    dev = torch.device("cuda")
+    side = SideStreams(dev, LANES)
+
+    def pairs(n: int, elems: int) -> list[Copy]:
+        return [Copy(torch.zeros(elems, dtype=torch.bfloat16, device=dev),
+                     torch.randn(elems, device=dev).to(torch.bfloat16), f"e{i}") for i in range(n)]
+
+    moe = pairs(300, 3 << 19)  # 300 experts of 3 MiB
+    local = compile_copies(moe, side, cuda_graph=True)
+    assert local.batch is not None and not local.big
+    local.run_on_caller(side)
+    torch.cuda.synchronize()
+    assert _exact(moe)
+    dense = pairs(4, 32 << 20)  # four 64 MiB copies: memcpy nodes
+    assert compile_copies(dense, side, cuda_graph=True).batch is None

@@ -91,7 +91,7 @@ def test_graph_path_with_large_copies_as_kernels_or_not(sm_below: str | None) ->
 
 @pytest.mark.parametrize("batched", ["1", "0"])
 def test_graph_path_exact_mixed_dtypes_and_storage_moves(batched: str) -> None:
-    """With the batched kernel (Triton, opt-in) and without it (the per-copy default)."""
+    """With every plain aligned copy batched (``TORCHREFIT_BATCHED_COPY=1``) and with none (``0``)."""
     (got,) = run_world(_graph_path, 1, batched, backend="nccl", timeout=180)
     assert got["graph"] and got["large"] + got["batched"] > 0
     pairs = {(d, d) for d in ("torch.bfloat16", "torch.float32", "torch.uint8")}

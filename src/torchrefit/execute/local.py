@@ -1,17 +1,17 @@
 """Copies between tensors this rank can address, compiled once and replayed.
 
 Used for the plan's local copies and for a pull transport's copies out of mapped
-peer memory (``execute.one_sided``). With ``TORCHREFIT_BATCHED_COPY=1`` (opt-in),
-plain byte copies below 32 MB (aligned, same dtype, dense) run as one batched kernel
-launch (``execute.batched``) on a stream of their own; large copies run one by one on
-parallel side streams (graph branches); small ones (the remaining ones where batched)
-in one ``torch._foreach_copy_`` per (destination dtype, source dtype, dense) group on
-another stream; with ``cuda_graph`` the whole set, fork and join included, is
-captured once and replayed with one launch. In a program of many mid-sized copies
-(MoE experts), every large plain copy runs as an elementwise kernel instead of memcpy
-(``execute.kernel_copies``; ``TORCHREFIT_SM_COPY_BELOW=<bytes>`` sets a size instead);
-strided large copies run on the widest views of the same bytes that fit (off with
-``TORCHREFIT_STRIDED_WORDS=0``). All stream ordering goes through ``streams.SideStreams``.
+peer memory (``execute.one_sided``). In a program of many mid-sized copies (MoE
+experts; ``TORCHREFIT_BATCHED_COPY`` decides, see ``execute.batched``), every plain
+aligned large copy runs in one batched kernel launch on a stream of its own; large
+copies otherwise run one by one on parallel side streams (graph branches), as memcpy
+or, where the batched kernel cannot be built, as elementwise kernels
+(``execute.kernel_copies``; ``TORCHREFIT_SM_COPY_BELOW=<bytes>`` sets a size);
+small ones in one ``torch._foreach_copy_`` per (destination dtype, source dtype,
+dense) group on another stream; with ``cuda_graph`` the whole set, fork and join
+included, is captured once and replayed with one launch. Strided large copies run on
+the widest views of the same bytes that fit (off with ``TORCHREFIT_STRIDED_WORDS=0``).
+All stream ordering goes through ``streams.SideStreams``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 from . import kernel_copies
-from .batched import Batch, batchable, compile_batch, kernel_available
+from .batched import Batch, batch_from, batchable, compile_batch, kernel_available
 from .runs import merge_local
 from .streams import SideStreams
 
@@ -139,9 +139,9 @@ class LocalCopies:
 def compile_copies(copies: Iterable[Copy], side: SideStreams, cuda_graph: bool,
                    merge: bool = True) -> LocalCopies:
     """Group ``copies`` (skipping those whose destination is the source itself, and,
-    with ``merge``, making runs contiguous on both sides one copy; where
-    ``batched.kernel_available``, plain byte copies below ``batched.BATCH_MAX_BYTES``
-    into one batch) and, with ``cuda_graph`` on CUDA, capture them once."""
+    with ``merge``, making runs contiguous on both sides one copy; plain byte copies
+    from ``batched.batch_from``'s size, where ``batched.kernel_available``, into one
+    batch) and, with ``cuda_graph`` on CUDA, capture them once."""
     planned = []
     for c in copies:
         dst, src = c.dst, c.src
@@ -153,10 +153,14 @@ def compile_copies(copies: Iterable[Copy], side: SideStreams, cuda_graph: bool,
     big: list[Copy] = []
     small: dict[tuple, list[Copy]] = defaultdict(list)
     batch: list[Copy] = []
-    can_batch = kernel_available(side.device)
+    # the rules read the copies as planned: merged runs depend on where the allocator put them
+    sizes = [n for c in planned if (n := max(c.dst.nbytes, c.src.nbytes)) >= SMALL_COPY_BYTES]
+    start = batch_from(sizes, SMALL_COPY_BYTES)
+    if start is not None and not kernel_available(side.device):
+        start = None
     for c in (map(Copy._make, merge_local(planned)) if merge else planned):
         dst, src = c.dst, c.src
-        if can_batch and batchable(dst, src):
+        if start is not None and dst.nbytes >= start and batchable(dst, src):
             batch.append(c)
         elif max(dst.nbytes, src.nbytes) >= SMALL_COPY_BYTES:
             big.append(c)
@@ -165,9 +169,7 @@ def compile_copies(copies: Iterable[Copy], side: SideStreams, cuda_graph: bool,
     groups = tuple(CopyGroup(*(tuple(x) for x in zip(*g))) for g in small.values())
     if kernel_copies.strided_words():
         big = [Copy(*w, c.name) if (w := kernel_copies.widened(c.dst, c.src)) else c for c in big]
-    # the rule reads the copies as planned: merged runs depend on where the allocator put them
-    below = kernel_copies.sm_copy_below([n for c in planned if (n := max(c.dst.nbytes, c.src.nbytes))
-                                         >= SMALL_COPY_BYTES])
+    below = kernel_copies.sm_copy_below(sizes)
     words = tuple(kernel_copies.word_views(c.dst, c.src) if c.dst.nbytes < below else None for c in big)
     compiled = LocalCopies(tuple(planned), tuple(big),
                            tuple(balance_by_bytes([c.dst.nbytes for c in big], branches())), groups, words,

@@ -15,6 +15,12 @@ contiguous runs, then re-posts it every refit with a notification. Ordering:
 * done: the sender waits until its writes completed (its sources may then change);
   the receiver waits for the WRITE's notification, which NIXL delivers after the
   data landed.
+
+Both waits poll from the host (``base.poll_until``), and each poll progresses UCX's
+worker; NIXL's own progress thread is off unless ``TORCHREFIT_NIXL_PROGRESS_THREAD=1``
+(or ``progress_thread=True``): with it on, it and the polls contend for the worker. On
+one H200, two processes, the seed's model: 9.99 ms with the thread, 5.68 ms without
+(BENCHMARKS.md, "NIXL alone, and its progress thread").
 """
 
 from __future__ import annotations
@@ -30,12 +36,11 @@ import torch.distributed as dist
 
 from ..errors import TransportError
 from ..layout._types import dtype_from_name, dtype_name
-from .base import Availability, host_wait_current, register_transport, require_cuda
+from .base import Availability, host_wait_current, poll_until, register_transport, require_cuda
 from .one_sided import OneSidedTransport, Table
 
 __all__ = ["NixlTransport", "RemoteRegion", "contiguous_runs"]
 
-_POLL_S = 20e-6
 _TIMEOUT_S = float(os.environ.get("TORCHREFIT_NIXL_TIMEOUT", "300"))
 
 
@@ -77,13 +82,16 @@ class NixlTransport(OneSidedTransport):
     preference = 10
     needs_cuda = True
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, progress_thread: bool | None = None) -> None:
         require_cuda(device, "nixl")
         super().__init__(group, device)
         from nixl_cu13._api import nixl_agent, nixl_agent_config
 
+        if progress_thread is None:
+            progress_thread = os.environ.get("TORCHREFIT_NIXL_PROGRESS_THREAD", "0") == "1"
         self._name = f"torchrefit-{dist.get_rank()}-{os.getpid()}-{id(self):x}"
-        self._agent = nixl_agent(self._name, nixl_agent_config(backends=["UCX"]))
+        self._agent = nixl_agent(self._name, nixl_agent_config(enable_prog_thread=progress_thread,
+                                                               backends=["UCX"]))
         self._registered: dict[int, int] = {}  # storage address -> registered bytes
         self._remote_agents: dict[int, str] = {}  # peer -> loaded agent name
         self._requests: dict[tuple, object] = {}  # (peer, id of its regions) -> WRITE request
@@ -161,13 +169,21 @@ class NixlTransport(OneSidedTransport):
     def finish_writes(self) -> None:
         deadline = time.monotonic() + _TIMEOUT_S
         for peer, request in self._posted:
-            while (state := self._agent.check_xfer_state(request)) == "PROC":
-                if time.monotonic() > deadline:
-                    raise TransportError(f"nixl: the WRITE to rank {peer} did not complete in {_TIMEOUT_S:.0f} s")
-                time.sleep(_POLL_S)
-            if state != "DONE":
-                raise TransportError(f"nixl: the WRITE to rank {peer} failed ({state})")
+            self._finish(peer, request, deadline)
         self._posted = []
+
+    def _finish(self, peer: int, request: object, deadline: float) -> None:
+        state = "PROC"
+
+        def finished() -> bool:
+            nonlocal state
+            state = self._agent.check_xfer_state(request)  # also progresses UCX's worker
+            return state != "PROC"
+
+        if not poll_until(finished, max(0.0, deadline - time.monotonic())):
+            raise TransportError(f"nixl: the WRITE to rank {peer} did not complete in {_TIMEOUT_S:.0f} s")
+        if state != "DONE":
+            raise TransportError(f"nixl: the WRITE to rank {peer} failed ({state})")
 
     # ---------------------------------------------------------------- ordering
     def ready(self) -> bytes:
@@ -189,12 +205,9 @@ class NixlTransport(OneSidedTransport):
         return b""
 
     def wait_done(self, peer: int, token: bytes) -> None:
-        deadline = time.monotonic() + _TIMEOUT_S
         want = self._notif_of(peer)
-        while not self._take_notif(want):
-            if time.monotonic() > deadline:
-                raise TransportError(f"nixl: no write notification from rank {peer} in {_TIMEOUT_S:.0f} s")
-            time.sleep(_POLL_S)
+        if not poll_until(lambda: self._take_notif(want), _TIMEOUT_S):
+            raise TransportError(f"nixl: no write notification from rank {peer} in {_TIMEOUT_S:.0f} s")
 
     def _notif_of(self, peer: int) -> bytes:
         return b"torchrefit:%d" % self.global_rank(peer)

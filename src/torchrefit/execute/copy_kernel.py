@@ -1,0 +1,197 @@
+"""One CUDA kernel that copies many byte runs in one launch, compiled at first use.
+
+Why a kernel of our own: on one H200 a plain CUDA copy kernel of one 16-byte vector per
+thread and 256 threads per block, one block per 4 KB, copied 4 GiB in 0.999-1.006x the
+time of ``cudaMemcpyAsync``, where torch's elementwise copy took 1.060x and Triton
+tiles 1.04x (``benchmarks/copy_kernel_lab.py``, BENCHMARKS.md "Copy kernels"). Copies
+are cut into tiles listed in a table, one row each: (source address, destination
+address, 16-byte words); block ``b`` copies row ``b``.
+
+Compiled with NVRTC (the CUDA runtime compiler torch's CUDA wheels ship, loaded through
+ctypes) for the device's own architecture and loaded and launched through the driver
+(``cuModuleLoadData``, ``cuLaunchKernel``): no compiled extension, no Triton, and a
+launch on a capturing stream is captured into the program's CUDA graph like any other.
+:func:`copy_kernel` returns None where NVRTC or the driver is missing or refuses (the
+caller then copies one by one).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .._cuda_driver import driver_function
+
+__all__ = ["VECTOR", "THREADS", "TILE_BYTES", "CopyKernel", "copy_kernel", "plan_tiles", "SOURCE"]
+
+#: bytes each thread moves per access (one 16-byte vector load and store)
+VECTOR = 16
+#: threads per block; one block copies one tile
+THREADS = 256
+#: bytes per tile (block): 4 KB, one vector per thread
+TILE_BYTES = THREADS * VECTOR
+
+SOURCE = r"""
+struct __align__(16) Vec { unsigned int x, y, z, w; };
+
+// One block per tile; table row t: source address, destination address, 16-byte words
+// (at most THREADS * UNROLL). One row read per block: a tile's only serial step before
+// its copy (a binary search over runs instead cost 1.22x on 4 KB tiles).
+extern "C" __global__ void __launch_bounds__(THREADS) copy_tiles(const long long* __restrict__ table) {
+    const long long* row = table + 3 * (long long)blockIdx.x;
+    const Vec* __restrict__ src = (const Vec*)row[0];
+    Vec* __restrict__ dst = (Vec*)row[1];
+    const int words = (int)row[2];
+    Vec v[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) {  // every load before any store: UNROLL in flight
+        const int j = u * THREADS + threadIdx.x;
+        if (j < words) v[u] = src[j];
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) {
+        const int j = u * THREADS + threadIdx.x;
+        if (j < words) dst[j] = v[u];
+    }
+}
+"""
+
+
+def plan_tiles(copies: Sequence[tuple[int, int, int]], tile_bytes: int = TILE_BYTES) -> torch.Tensor:
+    """The tile table of ``copies`` given as (destination address, source address, bytes),
+    each a multiple of ``VECTOR``: one int64 row (source, destination, 16-byte words) per
+    tile of ``tile_bytes``, each copy's tiles in order, its last one the remainder.
+    Pure: integers in, a CPU tensor out."""
+    if tile_bytes % VECTOR:
+        raise ValueError(f"tile of {tile_bytes} bytes is not a multiple of {VECTOR}")
+    for dst, src, n in copies:
+        if n <= 0 or (dst | src | n) % VECTOR:
+            raise ValueError(f"copy {src:#x} -> {dst:#x} of {n} bytes is not {VECTOR}-byte aligned")
+    if not copies:
+        return torch.zeros((0, 3), dtype=torch.int64)
+    c = torch.tensor(list(copies), dtype=torch.int64)
+    dst, src, n = c.unbind(1)
+    tiles = (n + tile_bytes - 1) // tile_bytes
+    owner = torch.repeat_interleave(torch.arange(len(copies)), tiles)
+    first = torch.cumsum(tiles, 0) - tiles  # each copy's first tile
+    start = (torch.arange(len(owner)) - first[owner]) * tile_bytes  # byte offset in its copy
+    words = torch.minimum(n[owner] - start, torch.tensor(tile_bytes)) // VECTOR
+    return torch.stack([src[owner] + start, dst[owner] + start, words], dim=1)
+
+
+@dataclass(frozen=True)
+class CopyKernel:
+    """A loaded ``copy_tiles`` for one device: ``threads`` per block, ``unroll`` vectors
+    per thread, so a tile is ``tile_bytes``."""
+
+    function: int  # CUfunction
+    module: int  # CUmodule, kept loaded for the process's life
+    threads: int
+    unroll: int
+    compile_s: float
+
+    @property
+    def tile_bytes(self) -> int:
+        return self.threads * self.unroll * VECTOR
+
+    def launch(self, table: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """Queue the copies of ``table`` (:func:`plan_tiles`' rows, on the device) on
+        ``stream``, one block per row. Capturable."""
+        arg = ctypes.c_uint64(table.data_ptr())
+        params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(arg), ctypes.c_void_p))
+        rc = _launch()(ctypes.c_void_p(self.function), table.shape[0], 1, 1, self.threads, 1, 1, 0,
+                       ctypes.c_void_p(stream.cuda_stream), params, None)
+        if rc:
+            raise RuntimeError(f"cuLaunchKernel of the batched copy failed (CUresult {rc})")
+
+
+def copy_kernel(device: torch.device, threads: int = THREADS, unroll: int = 1) -> CopyKernel | None:
+    """The kernel compiled and loaded for ``device`` (once per process and device), or
+    None where it cannot be (no NVRTC, a driver or architecture it does not know)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _compiled(index, threads, unroll)
+
+
+@functools.cache
+def _compiled(index: int, threads: int, unroll: int) -> CopyKernel | None:
+    import time
+
+    t0 = time.perf_counter()
+    major, minor = torch.cuda.get_device_capability(index)
+    try:
+        image = _nvrtc_cubin(SOURCE, f"sm_{major}{minor}", (f"-DTHREADS={threads}", f"-DUNROLL={unroll}"))
+        with torch.cuda.device(index):
+            torch.cuda.current_stream(index)  # the device's primary context is current
+            module, function = ctypes.c_void_p(), ctypes.c_void_p()
+            load = driver_function("cuModuleLoadData", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p])
+            get = driver_function("cuModuleGetFunction", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
+                                                          ctypes.c_char_p])
+            rc = load(ctypes.byref(module), image)
+            if rc:
+                raise RuntimeError(f"cuModuleLoadData failed (CUresult {rc})")
+            rc = get(ctypes.byref(function), module, b"copy_tiles")
+            if rc:
+                raise RuntimeError(f"cuModuleGetFunction failed (CUresult {rc})")
+    except (RuntimeError, OSError):
+        return None
+    return CopyKernel(function.value, module.value, threads, unroll, time.perf_counter() - t0)
+
+
+@functools.cache
+def _launch():
+    return driver_function("cuLaunchKernel", [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
+        ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p])
+
+
+def _nvrtc_cubin(source: str, arch: str, defines: tuple[str, ...]) -> bytes:
+    """``source`` compiled by NVRTC to machine code for ``arch`` (e.g. sm_90)."""
+    lib = _nvrtc()
+    prog = ctypes.c_void_p()
+    _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"copy_tiles.cu", 0, None, None))
+    try:
+        opts = [f"--gpu-architecture={arch}".encode(), b"-default-device", *(d.encode() for d in defines)]
+        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        if rc:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC could not compile the batched copy for {arch}: {log.value.decode()}")
+        size = ctypes.c_size_t()
+        _check(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)))
+        image = ctypes.create_string_buffer(size.value)
+        _check(lib, lib.nvrtcGetCUBIN(prog, image))
+        return image.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _check(lib: ctypes.CDLL, rc: int) -> None:
+    if rc:
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        raise RuntimeError(f"NVRTC: {lib.nvrtcGetErrorString(rc).decode()}")
+
+
+@functools.cache
+def _nvrtc() -> ctypes.CDLL:
+    """NVRTC of the CUDA torch was built with (torch's wheels depend on it and load it)."""
+    major = (torch.version.cuda or "").split(".")[0]
+    names = [f"libnvrtc.so.{major}", "libnvrtc.so"] if major else ["libnvrtc.so"]
+    override = os.environ.get("TORCHREFIT_NVRTC")
+    # torch's CUDA wheels keep it in site-packages/nvidia/.../lib, found by its soname once
+    # torch loaded it, else by path
+    wheels = sorted(p for d in sys.path for p in glob.glob(os.path.join(d, "nvidia", "*", "lib", "libnvrtc.so.*"))
+                    if "builtins" not in p)
+    for name in ([override] if override else []) + names + wheels:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise OSError(f"no NVRTC library found (tried {', '.join(names)})")
