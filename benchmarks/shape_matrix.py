@@ -11,7 +11,7 @@ Run (GPU machine, megatron-core importable)::
 
     python benchmarks/shape_matrix.py --json benchmarks/results/h200/h200_shape_matrix.json
     python benchmarks/shape_matrix.py --also-toy --json F  # and torchrefit on toy models of each shape
-    python benchmarks/shape_matrix.py --batched --json F  # with the opt-in batched-copy kernel
+    python benchmarks/shape_matrix.py --batched --json F  # every plain aligned copy batched (TORCHREFIT_BATCHED_COPY=1)
     python benchmarks/shape_matrix.py --no-megatron --only dense-0.5b --json F  # toy models, one preset
     python benchmarks/shape_matrix.py --report benchmarks/results/h200/h200_shape_matrix.json
 
@@ -106,8 +106,9 @@ def _line(entry: dict) -> str:
             f"{t['median_ms']:.3f} ms = {t['ratio_to_floor'] or 0:.3f}x floor {t['floor_ms'] or 0:.3f} ms "
             f"(device {_x(t.get('device_ratio_to_floor'))}x, {_x(t.get('ratio_to_flat_copy'))}x a flat copy of "
             f"{_x(t.get('flat_copy_ms'))} ms), host {t['host_ms'] or 0:.3f} ms warm, first "
-            f"{t['first_refit_s']:.3f} s, large copies {t.get('large_local_copies_as_kernels', '?')} of "
-            f"{t.get('large_local_copies', '?')} as kernels{meg} ({entry['seconds']:.0f} s)")
+            f"{t['first_refit_s']:.3f} s, {t.get('batched_local_copies', '?')} copies batched, large copies "
+            f"{t.get('large_local_copies_as_kernels', '?')} of {t.get('large_local_copies', '?')} as kernels{meg} "
+            f"({entry['seconds']:.0f} s)")
 
 
 def _x(v, spec: str = ".3f") -> str:
@@ -179,7 +180,7 @@ def main() -> None:
     ap.add_argument("--also-toy", action="store_true",
                     help="after each megatron-core shape, torchrefit on toy models of the same shape")
     ap.add_argument("--batched", action="store_true",
-                    help="with the opt-in batched-copy kernel (TORCHREFIT_BATCHED_COPY=1)")
+                    help="batch every plain aligned copy (TORCHREFIT_BATCHED_COPY=1; default: auto)")
     args = ap.parse_args()
     if args.report:
         report(args.report, Path(args.benchmarks_md))

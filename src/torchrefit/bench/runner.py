@@ -181,10 +181,11 @@ def _time_refitter(tr, src, dst, cfg: BenchConfig, variant: str, device: torch.d
     row = _measure(first, lambda: made["r"].refit(), cfg, device, local_only)
     refitter, report = made["r"], made["report"]
     refitter.verify()
-    # which path this rank's large local copies took (execute.kernel_copies' rule)
+    # which path this rank's local copies took (execute.batched's and kernel_copies' rules)
     local = refitter._program.local if refitter._program is not None else None
     row.update({"large_local_copies": len(local.big) if local else 0,
-                "large_local_copies_as_kernels": sum(w is not None for w in local.words) if local else 0})
+                "large_local_copies_as_kernels": sum(w is not None for w in local.words) if local else 0,
+                "batched_local_copies": len(local.batch.dst) if local and local.batch else 0})
     row.update({"impl": "torchrefit", "variant": variant, "transport": refitter.transport_name,
                 "staging_bytes": report.staging_bytes, "bytes_local": report.bytes_local,
                 "bytes_sent": report.bytes_sent, "bytes_received": report.bytes_received,
