@@ -75,9 +75,9 @@ def batch_from(sizes: Sequence[int], small: int) -> int | None:
 
 @dataclass(frozen=True)
 class Batch:
-    """A compiled batch: ``table`` (tiles, on the device), the loaded ``kernel``, and the
-    copies it moves, held so their memory stays alive as long as the table points into
-    it."""
+    """A compiled batch: ``table`` (tiles, on the device: 24 bytes per 4 KB tile, 0.6% of
+    the bytes it copies), the loaded ``kernel``, and the copies it moves, held so their
+    memory stays alive as long as the table points into it."""
 
     table: torch.Tensor
     kernel: CopyKernel
@@ -109,6 +109,6 @@ def compile_batch(copies: Sequence[tuple[torch.Tensor, torch.Tensor, str]], devi
     kernel = copy_kernel(device, THREADS, UNROLL)
     if kernel is None:
         raise RuntimeError("the batched copy kernel is not available: check kernel_available() first")
-    table = plan_tiles([(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s, _ in copies], kernel.tile_bytes)
+    table = plan_tiles([(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s, _ in copies], kernel.tile_bytes, device)
     dst, src, names = zip(*copies)
-    return Batch(table.to(device), kernel, dst, src, names)
+    return Batch(table, kernel, dst, src, names)

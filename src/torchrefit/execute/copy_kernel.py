@@ -64,25 +64,28 @@ extern "C" __global__ void __launch_bounds__(THREADS) copy_tiles(const long long
 """
 
 
-def plan_tiles(copies: Sequence[tuple[int, int, int]], tile_bytes: int = TILE_BYTES) -> torch.Tensor:
+def plan_tiles(copies: Sequence[tuple[int, int, int]], tile_bytes: int = TILE_BYTES,
+               device: torch.device | None = None) -> torch.Tensor:
     """The tile table of ``copies`` given as (destination address, source address, bytes),
     each a multiple of ``VECTOR``: one int64 row (source, destination, 16-byte words) per
-    tile of ``tile_bytes``, each copy's tiles in order, its last one the remainder.
-    Pure: integers in, a CPU tensor out."""
+    tile of ``tile_bytes``, each copy's tiles in order, its last one the remainder. Pure
+    (integers in, a tensor out), computed on ``device`` (default: the CPU): only the
+    copies travel there, not the table, which for thousands of MoE experts is millions
+    of rows (57 MB for the qwen3-shaped preset's 9.7 GB), and no step waits for it."""
     if tile_bytes % VECTOR:
         raise ValueError(f"tile of {tile_bytes} bytes is not a multiple of {VECTOR}")
     for dst, src, n in copies:
         if n <= 0 or (dst | src | n) % VECTOR:
             raise ValueError(f"copy {src:#x} -> {dst:#x} of {n} bytes is not {VECTOR}-byte aligned")
     if not copies:
-        return torch.zeros((0, 3), dtype=torch.int64)
-    c = torch.tensor(list(copies), dtype=torch.int64)
-    dst, src, n = c.unbind(1)
+        return torch.zeros((0, 3), dtype=torch.int64, device=device)
+    total = sum(-(-n // tile_bytes) for _, _, n in copies)  # on the host: repeat_interleave needs no sync
+    dst, src, n = torch.tensor(list(copies), dtype=torch.int64, device=device).unbind(1)
     tiles = (n + tile_bytes - 1) // tile_bytes
-    owner = torch.repeat_interleave(torch.arange(len(copies)), tiles)
+    owner = torch.repeat_interleave(torch.arange(len(copies), device=device), tiles, output_size=total)
     first = torch.cumsum(tiles, 0) - tiles  # each copy's first tile
-    start = (torch.arange(len(owner)) - first[owner]) * tile_bytes  # byte offset in its copy
-    words = torch.minimum(n[owner] - start, torch.tensor(tile_bytes)) // VECTOR
+    start = (torch.arange(total, device=device) - first[owner]) * tile_bytes  # byte offset in its copy
+    words = torch.clamp(n[owner] - start, max=tile_bytes) // VECTOR
     return torch.stack([src[owner] + start, dst[owner] + start, words], dim=1)
 
 
