@@ -6,7 +6,8 @@ graph, moving copies spread over several allocations (runs merged across tensors
 ``execute.runs`` included, sizes below, at and past a 4 KB tile, and one of 16 MB),
 next to copies that must stay per-copy (casts, strided views, misaligned views).
 Every destination is compared with an oracle made by plain per-tensor copies; a
-replay after the sources changed copies the new values; and the default rule
+replay after the sources changed copies the new values; the tile table the device
+builds equals the CPU planner's; and the default rule
 batches a MoE-shaped program's copies and not a dense one's.
 """
 
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from torchrefit.execute.batched import kernel_available
+from torchrefit.execute.copy_kernel import plan_tiles
 from torchrefit.execute.local import LANES, Copy, compile_copies
 from torchrefit.execute.streams import SideStreams
 
@@ -58,6 +60,10 @@ def test_batched_copies_exact(graph: bool, monkeypatch: pytest.MonkeyPatch) -> N
     side = SideStreams(torch.device("cuda"), LANES)
     local = compile_copies(copies, side, cuda_graph=graph)
     assert local.batch is not None and local.batch.tiles > len(local.batch.dst)
+    # the table built on the device is the pure planner's, row for row
+    want = plan_tiles([(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s in zip(local.batch.dst, local.batch.src)],
+                      local.batch.kernel.tile_bytes)
+    assert torch.equal(local.batch.table.cpu(), want)
     per_copy = {n for _, _, n in local.big} | {n for g in local.small for n in g.names}
     assert {"cast", "strided", "misaligned"} <= per_copy and "large" not in per_copy
     assert (local.graph is not None) == graph

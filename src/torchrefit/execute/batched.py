@@ -109,6 +109,6 @@ def compile_batch(copies: Sequence[tuple[torch.Tensor, torch.Tensor, str]], devi
     kernel = copy_kernel(device, THREADS, UNROLL)
     if kernel is None:
         raise RuntimeError("the batched copy kernel is not available: check kernel_available() first")
-    table = plan_tiles([(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s, _ in copies], kernel.tile_bytes, device)
+    table = kernel.tiles([(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s, _ in copies], device)
     dst, src, names = zip(*copies)
     return Batch(table, kernel, dst, src, names)

@@ -29,7 +29,7 @@ import torch
 
 from .._cuda_driver import driver_function
 
-__all__ = ["VECTOR", "THREADS", "TILE_BYTES", "CopyKernel", "copy_kernel", "plan_tiles", "SOURCE"]
+__all__ = ["VECTOR", "THREADS", "TILE_BYTES", "CopyKernel", "copy_kernel", "plan_runs", "plan_tiles", "SOURCE"]
 
 #: bytes each thread moves per access (one 16-byte vector load and store)
 VECTOR = 16
@@ -61,32 +61,58 @@ extern "C" __global__ void __launch_bounds__(THREADS) copy_tiles(const long long
         if (j < words) dst[j] = v[u];
     }
 }
+
+// The tile table from the run table (row r: source, destination, 16-byte words, first
+// tile), one thread per tile: once per compile, so the host uploads runs, not tiles.
+extern "C" __global__ void expand_tiles(const long long* __restrict__ runs, int count, long long tiles,
+                                        long long* __restrict__ table) {
+    const long long t = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (t >= tiles) return;
+    int lo = 0, hi = count - 1;  // the last run whose first tile is at or before t
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (runs[4 * mid + 3] <= t) lo = mid; else hi = mid - 1;
+    }
+    const long long start = (t - runs[4 * lo + 3]) * (THREADS * UNROLL);  // vectors into the run
+    const long long left = runs[4 * lo + 2] - start;
+    table[3 * t] = runs[4 * lo] + 16 * start;
+    table[3 * t + 1] = runs[4 * lo + 1] + 16 * start;
+    table[3 * t + 2] = left < THREADS * UNROLL ? left : THREADS * UNROLL;
+}
 """
 
 
-def plan_tiles(copies: Sequence[tuple[int, int, int]], tile_bytes: int = TILE_BYTES,
-               device: torch.device | None = None) -> torch.Tensor:
-    """The tile table of ``copies`` given as (destination address, source address, bytes),
-    each a multiple of ``VECTOR``: one int64 row (source, destination, 16-byte words) per
-    tile of ``tile_bytes``, each copy's tiles in order, its last one the remainder. Pure
-    (integers in, a tensor out), computed on ``device`` (default: the CPU): only the
-    copies travel there, not the table, which for thousands of MoE experts is millions
-    of rows (57 MB for the qwen3-shaped preset's 9.7 GB), and no step waits for it."""
+def plan_runs(copies: Sequence[tuple[int, int, int]], tile_bytes: int = TILE_BYTES) -> tuple[torch.Tensor, int]:
+    """The run table of ``copies`` given as (destination address, source address, bytes),
+    each a multiple of ``VECTOR``: one int64 row (source, destination, 16-byte words,
+    first tile) per copy, and the number of tiles of ``tile_bytes``. Pure."""
     if tile_bytes % VECTOR:
         raise ValueError(f"tile of {tile_bytes} bytes is not a multiple of {VECTOR}")
+    rows, tiles = [], 0
     for dst, src, n in copies:
         if n <= 0 or (dst | src | n) % VECTOR:
             raise ValueError(f"copy {src:#x} -> {dst:#x} of {n} bytes is not {VECTOR}-byte aligned")
-    if not copies:
-        return torch.zeros((0, 3), dtype=torch.int64, device=device)
-    total = sum(-(-n // tile_bytes) for _, _, n in copies)  # on the host: repeat_interleave needs no sync
-    dst, src, n = torch.tensor(list(copies), dtype=torch.int64, device=device).unbind(1)
-    tiles = (n + tile_bytes - 1) // tile_bytes
-    owner = torch.repeat_interleave(torch.arange(len(copies), device=device), tiles, output_size=total)
-    first = torch.cumsum(tiles, 0) - tiles  # each copy's first tile
-    start = (torch.arange(total, device=device) - first[owner]) * tile_bytes  # byte offset in its copy
-    words = torch.clamp(n[owner] - start, max=tile_bytes) // VECTOR
-    return torch.stack([src[owner] + start, dst[owner] + start, words], dim=1)
+        rows.append((src, dst, n // VECTOR, tiles))
+        tiles += -(-n // tile_bytes)
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 4), tiles
+
+
+def plan_tiles(copies: Sequence[tuple[int, int, int]], tile_bytes: int = TILE_BYTES) -> torch.Tensor:
+    """The tile table of ``copies`` (as for :func:`plan_runs`): one int64 row (source,
+    destination, 16-byte words) per tile of ``tile_bytes``, each copy's tiles in order,
+    its last one the remainder. Pure, on the CPU: the reference for the table
+    :meth:`CopyKernel.tiles` builds on the device (a qwen3-shaped preset's 9.7 GB are
+    2.4 million tiles, 57 MB: built here and uploaded they cost a tenth of a second of
+    the first refit)."""
+    runs, total = plan_runs(copies, tile_bytes)
+    if not total:
+        return torch.zeros((0, 3), dtype=torch.int64)
+    src, dst, words, first = runs.unbind(1)
+    tiles = (words * VECTOR + tile_bytes - 1) // tile_bytes
+    owner = torch.repeat_interleave(torch.arange(len(runs)), tiles)
+    start = (torch.arange(total) - first[owner]) * (tile_bytes // VECTOR)  # vectors into its copy
+    return torch.stack([src[owner] + VECTOR * start, dst[owner] + VECTOR * start,
+                        torch.clamp(words[owner] - start, max=tile_bytes // VECTOR)], dim=1)
 
 
 @dataclass(frozen=True)
@@ -94,7 +120,8 @@ class CopyKernel:
     """A loaded ``copy_tiles`` for one device: ``threads`` per block, ``unroll`` vectors
     per thread, so a tile is ``tile_bytes``."""
 
-    function: int  # CUfunction
+    function: int  # CUfunction of copy_tiles
+    expand: int  # CUfunction of expand_tiles
     module: int  # CUmodule, kept loaded for the process's life
     threads: int
     unroll: int
@@ -104,15 +131,30 @@ class CopyKernel:
     def tile_bytes(self) -> int:
         return self.threads * self.unroll * VECTOR
 
+    def tiles(self, copies: Sequence[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
+        """:func:`plan_tiles`' table of ``copies``, built on ``device`` from the run table
+        (on the current stream; no wait)."""
+        runs, total = plan_runs(copies, self.tile_bytes)
+        table = torch.empty((total, 3), dtype=torch.int64, device=device)
+        if total:
+            runs = runs.to(device)
+            _call(self.expand, -(-total // 256), 256, torch.cuda.current_stream(device),
+                  ctypes.c_uint64(runs.data_ptr()), ctypes.c_int(len(runs)), ctypes.c_int64(total),
+                  ctypes.c_uint64(table.data_ptr()))
+        return table
+
     def launch(self, table: torch.Tensor, stream: torch.cuda.Stream) -> None:
         """Queue the copies of ``table`` (:func:`plan_tiles`' rows, on the device) on
         ``stream``, one block per row. Capturable."""
-        arg = ctypes.c_uint64(table.data_ptr())
-        params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(arg), ctypes.c_void_p))
-        rc = _launch()(ctypes.c_void_p(self.function), table.shape[0], 1, 1, self.threads, 1, 1, 0,
-                       ctypes.c_void_p(stream.cuda_stream), params, None)
-        if rc:
-            raise RuntimeError(f"cuLaunchKernel of the batched copy failed (CUresult {rc})")
+        _call(self.function, table.shape[0], self.threads, stream, ctypes.c_uint64(table.data_ptr()))
+
+
+def _call(function: int, blocks: int, threads: int, stream: torch.cuda.Stream, *args) -> None:
+    params = (ctypes.c_void_p * len(args))(*(ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args))
+    rc = _launch()(ctypes.c_void_p(function), blocks, 1, 1, threads, 1, 1, 0, ctypes.c_void_p(stream.cuda_stream),
+                   params, None)
+    if rc:
+        raise RuntimeError(f"cuLaunchKernel of the batched copy failed (CUresult {rc})")
 
 
 def copy_kernel(device: torch.device, threads: int = THREADS, unroll: int = 1) -> CopyKernel | None:
@@ -132,19 +174,24 @@ def _compiled(index: int, threads: int, unroll: int) -> CopyKernel | None:
         image = _nvrtc_cubin(SOURCE, f"sm_{major}{minor}", (f"-DTHREADS={threads}", f"-DUNROLL={unroll}"))
         with torch.cuda.device(index):
             torch.cuda.current_stream(index)  # the device's primary context is current
-            module, function = ctypes.c_void_p(), ctypes.c_void_p()
+            module = ctypes.c_void_p()
             load = driver_function("cuModuleLoadData", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p])
-            get = driver_function("cuModuleGetFunction", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
-                                                          ctypes.c_char_p])
             rc = load(ctypes.byref(module), image)
             if rc:
                 raise RuntimeError(f"cuModuleLoadData failed (CUresult {rc})")
-            rc = get(ctypes.byref(function), module, b"copy_tiles")
-            if rc:
-                raise RuntimeError(f"cuModuleGetFunction failed (CUresult {rc})")
+            copy, expand = (_function(module, name) for name in (b"copy_tiles", b"expand_tiles"))
     except (RuntimeError, OSError):
         return None
-    return CopyKernel(function.value, module.value, threads, unroll, time.perf_counter() - t0)
+    return CopyKernel(copy, expand, module.value, threads, unroll, time.perf_counter() - t0)
+
+
+def _function(module: ctypes.c_void_p, name: bytes) -> int:
+    get = driver_function("cuModuleGetFunction", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p])
+    function = ctypes.c_void_p()
+    rc = get(ctypes.byref(function), module, name)
+    if rc:
+        raise RuntimeError(f"cuModuleGetFunction({name.decode()}) failed (CUresult {rc})")
+    return function.value
 
 
 @functools.cache
