@@ -3,18 +3,20 @@
 Every copy kernel tried before (torch's elementwise copy on integer views, Triton tiles
 of 64 KB - 2 MB with cache hints) ran 2.5-4% slower than ``cudaMemcpyAsync`` even on
 large copies (BENCHMARKS.md, "Mid-sized copies"), and mid-sized memcpy nodes run 10-15%
-slow, so qwen3-shaped refits (thousands of 3 MiB expert tensors) sit at 1.04x. This lab
-asks the question below them: hand-written CUDA C copy kernels (16-byte vector loads,
-several loads in flight per thread before any store, optional streaming cache hints,
-one block per tile or a persistent grid), compiled here through CuPy's NVRTC, against
-memcpy of the same bytes, on
+slow, so qwen3-shaped refits (thousands of 3 MiB expert tensors) sat at 1.04x. Timed
+against memcpy of the same bytes:
 
-- *flat*: one 4 GiB copy;
-- *fragmented*: 3072 separate 3 MiB tensors (qwen3-30b-a3b's expert matrices, 8 layers),
-  all copied by one launch through a tile table.
+- *flat*: one 4 GiB copy by a plain CUDA C kernel (16-byte vectors, ``u`` of them in
+  flight per thread before any store, optional streaming cache hints; compiled here
+  through CuPy's NVRTC), by torch's elementwise copy, and by ``execute.copy_kernel``;
+- *fragmented*: 3072 separate 3 MiB tensors (qwen3-30b-a3b's expert matrices, 8 layers)
+  copied by one launch of ``execute.copy_kernel`` at several shapes (threads x vectors per
+  thread; a tile is their product x 16 bytes), eagerly and captured in a CUDA graph, and
+  as memcpy graph nodes.
 
 Device time from CUDA events around each launch, median of ``--reps``; every result is
-checked against its source. Needs CuPy (on the H200 image).
+checked against its source. Needs CuPy (on the H200 image). (A per-tile kernel of the lab's
+own, unused by the run of BENCHMARKS.md's "Tenth session", was removed after it.)
 
     PYTHONPATH=src python benchmarks/copy_kernel_lab.py --json OUT.json
 """
@@ -52,29 +54,6 @@ extern "C" __global__ void flat(const uint4* __restrict__ src, uint4* __restrict
         for (int u = 0; u < UNROLL; u++) {
             unsigned long long j = base + u * blockDim.x + threadIdx.x;
             if (j < n) STORE(dst + j, v[u]);
-        }
-    }
-}
-
-// tiles[3 * t]: source address, [3 * t + 1]: destination address, [3 * t + 2]: 16-byte words
-extern "C" __global__ void tiles(const unsigned long long* __restrict__ table, int count) {
-    for (int t = blockIdx.x; t < count; t += gridDim.x) {
-        const uint4* src = (const uint4*)table[3 * t];
-        uint4* dst = (uint4*)table[3 * t + 1];
-        unsigned long long n = table[3 * t + 2];
-        unsigned long long step = (unsigned long long)blockDim.x * UNROLL;
-        for (unsigned long long base = 0; base < n; base += step) {
-            uint4 v[UNROLL];
-#pragma unroll
-            for (int u = 0; u < UNROLL; u++) {
-                unsigned long long j = base + u * blockDim.x + threadIdx.x;
-                if (j < n) v[u] = LOAD(src + j);
-            }
-#pragma unroll
-            for (int u = 0; u < UNROLL; u++) {
-                unsigned long long j = base + u * blockDim.x + threadIdx.x;
-                if (j < n) STORE(dst + j, v[u]);
-            }
         }
     }
 }
