@@ -10,7 +10,9 @@ and ``verify()`` catches a corrupted destination on every rank. For ipc it also
 checks that the sender exported far fewer allocation segments than tensors. With
 tensors of 2-16 MB (``LARGE``), the row-parallel halves landing in ``full[:, :half]``
 (local copies and ipc's pulls out of the peer's memory) run widened to complex128
-views (``kernel_copies.widened``), exactly.
+views (``kernel_copies.widened``), exactly. A MoE-shaped model (256 expert weights of 1-2
+MB) held by rank 0 and pulled whole by rank 1 runs both ranks' copies in one batched launch
+each (rank 1's reading rank 0's mapped memory), exactly.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ pytestmark = pytest.mark.gpu
 SPEC = ModelSpec(layers=2, hidden=256, heads=8, groups=4, ffn=1024, vocab=4096)
 # fp32 halves of 2 MB (linear_proj) and 8 MB (linear_fc2): large copies, strided in TP2 -> TP1
 LARGE = ModelSpec(layers=2, hidden=1024, heads=8, groups=4, ffn=4096, vocab=4096)
+# 256 fp32 expert weights of 1-2 MB: a program of many mid-sized copies, batched in one
+# kernel launch by default (execute.batched): rank 1's pulls out of rank 0's memory too
+MOE = ModelSpec(layers=2, hidden=1024, heads=8, groups=4, ffn=2048, vocab=4096, experts=64, expert_ffn=256)
 
 
 def _equal(model, expected) -> bool:
@@ -52,6 +57,14 @@ def _widened(r: tr.Refitter) -> int:
                for c in copies.big)
 
 
+def _batched(r: tr.Refitter) -> int:
+    """Copies this rank moves in a batched launch: local ones and pulls out of peers."""
+    one_sided = r._program.compiled.one_sided
+    pulls = one_sided._pulls[1] if one_sided is not None and one_sided._pulls else None
+    return sum(len(copies.batch.dst) for copies in (r._program.local, pulls)
+               if copies is not None and copies.batch is not None)
+
+
 def _params(model) -> list:
     return [] if model is None else list(model.parameters())
 
@@ -62,6 +75,7 @@ def _case(rank: int, src_mesh: Mesh, dst_mesh: Mesh, transport: str, spec: Model
     r = tr.Refitter(src, dst, transport=transport)
     report = r.refit()
     out["widened"] = _widened(r)
+    out["batched"] = _batched(r)
     out["transport"] = report.transport
     exposed = r._program.compiled.one_sided.compiled.exposed if r._program.compiled.one_sided else None
     if transport == "ipc" and exposed is not None:
@@ -98,6 +112,7 @@ def _world(rank: int, world: int, transport: str) -> dict:
         "tp2->tp1": _case(rank, Mesh(2, ranks=2), Mesh(1, ranks=2), transport),
         "tp1 on rank 0 -> tp2": _case(rank, Mesh(1, ranks=1), Mesh(2, ranks=2), transport),
         "large tp2->tp1": _case(rank, Mesh(2, ranks=2), Mesh(1, ranks=2), transport, LARGE),
+        "moe tp1 on rank 0 -> tp1 x 2": _case(rank, Mesh(1, ranks=1), Mesh(1, ranks=2), transport, MOE),
     }
 
 
@@ -113,12 +128,16 @@ def test_one_sided_two_processes_one_gpu(transport: str) -> None:
             assert got["moved_exact"], f"rank {rank} {name}: storage moves not followed"
             assert got["verify_caught"], f"rank {rank} {name}: verify missed a corruption"
             assert got["transport"] == transport
-            if "segments" in got and not name.startswith("large"):  # per allocation segment, not per tensor
+            if "segments" in got and not name.startswith(("large", "moe")):  # per allocation segment, not per tensor
                 assert got["segments"] * 4 <= got["tensors"], f"rank {rank} {name}: {got}"
     for name in results[0]:
         assert results[1][name]["received"] > 0, f"{name}: nothing came through {transport} to rank 1"
     if transport == "ipc":  # each rank copies its own halves of 4 row-parallel weights, pulls its peer's 4
         assert [c["large tp2->tp1"]["widened"] for c in results] == [8, 8], results
+    # rank 0 copies the MoE model locally (runs merged first), rank 1 pulls its 262 large
+    # tensors one by one (ipc) or is written (nixl): both ranks' copies run batched
+    moe = [c["moe tp1 on rank 0 -> tp1 x 2"]["batched"] for c in results]
+    assert moe[0] > 0 and (moe[1] >= 256 if transport == "ipc" else True), moe
 
 
 def test_ipc_stream_words_land_after_queued_work() -> None:
