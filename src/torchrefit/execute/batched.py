@@ -38,10 +38,6 @@ __all__ = ["Batch", "batchable", "batch_from", "plan_tiles", "compile_batch", "k
 ALIGN = VECTOR
 BATCH_ENV = "TORCHREFIT_BATCHED_COPY"
 MODES = ("auto", "1", "0")
-#: the kernel's shape: 128 threads of two 16-byte vectors, 4 KB tiles. Fastest of eleven
-#: shapes for 3072 x 3 MiB copies on one H200 (1.007x one memcpy as a graph; 256 x 1:
-#: 1.12x, 256 x 4: 1.04x; benchmarks/copy_kernel_lab.py)
-THREADS, UNROLL = 128, 2
 
 
 def batchable(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -97,7 +93,7 @@ class Batch:
 def kernel_available(device: torch.device) -> bool:
     """Whether batched copies can run on ``device``: CUDA, and the kernel compiled and
     loaded there (NVRTC found; see ``execute.copy_kernel``)."""
-    return device.type == "cuda" and copy_kernel(device, THREADS, UNROLL) is not None
+    return device.type == "cuda" and copy_kernel(device) is not None
 
 
 def compile_batch(copies: Sequence[tuple[torch.Tensor, torch.Tensor, str]], device: torch.device) -> Batch | None:
@@ -106,7 +102,7 @@ def compile_batch(copies: Sequence[tuple[torch.Tensor, torch.Tensor, str]], devi
     nothing. None where there is nothing to batch."""
     if not copies:
         return None
-    kernel = copy_kernel(device, THREADS, UNROLL)
+    kernel = copy_kernel(device)
     if kernel is None:
         raise RuntimeError("the batched copy kernel is not available: check kernel_available() first")
     table = kernel.tiles([(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s, _ in copies], device)

@@ -1,11 +1,13 @@
 """One CUDA kernel that copies many byte runs in one launch, compiled at first use.
 
-Why a kernel of our own: on one H200 a plain CUDA copy kernel of one 16-byte vector per
-thread and 256 threads per block, one block per 4 KB, copied 4 GiB in 0.999-1.006x the
-time of ``cudaMemcpyAsync``, where torch's elementwise copy took 1.060x and Triton
-tiles 1.04x (``benchmarks/copy_kernel_lab.py``, BENCHMARKS.md "Copy kernels"). Copies
-are cut into tiles listed in a table, one row each: (source address, destination
-address, 16-byte words); block ``b`` copies row ``b``.
+Why a kernel of our own: on one H200 a plain CUDA copy kernel of 16-byte vectors, one
+block per 2-4 KB, copied 4 GiB in 1.003-1.009x the time of ``cudaMemcpyAsync``, where
+torch's elementwise copy took 1.046x and Triton tiles 1.04x; cut into tiles listed in a
+table, it copied 3072 separate 3 MiB tensors in 1.007-1.012x one memcpy of their bytes
+(``benchmarks/copy_kernel_lab.py``, BENCHMARKS.md "Tenth session"). Copies are cut
+into tiles, one table row each: (source address, destination address, 16-byte words);
+block ``b`` copies row ``b``. The table is built on the device by a second kernel from
+one row per copy (:meth:`CopyKernel.tiles`); :func:`plan_tiles` is its pure reference.
 
 Compiled with NVRTC (the CUDA runtime compiler torch's CUDA wheels ship, loaded through
 ctypes) for the device's own architecture and loaded and launched through the driver
@@ -22,6 +24,7 @@ import functools
 import glob
 import os
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,14 +32,16 @@ import torch
 
 from .._cuda_driver import driver_function
 
-__all__ = ["VECTOR", "THREADS", "TILE_BYTES", "CopyKernel", "copy_kernel", "plan_runs", "plan_tiles", "SOURCE"]
+__all__ = ["VECTOR", "THREADS", "UNROLL", "TILE_BYTES", "CopyKernel", "copy_kernel", "plan_runs", "plan_tiles", "SOURCE"]
 
 #: bytes each thread moves per access (one 16-byte vector load and store)
 VECTOR = 16
-#: threads per block; one block copies one tile
-THREADS = 256
-#: bytes per tile (block): 4 KB, one vector per thread
-TILE_BYTES = THREADS * VECTOR
+#: threads per block and vectors per thread (all loaded before any store): 4 KB tiles.
+#: Fastest of eleven shapes for 3072 x 3 MiB copies on one H200 (1.007x one memcpy as a
+#: graph; 256 x 1: 1.12x, 256 x 4: 1.04x; benchmarks/copy_kernel_lab.py)
+THREADS, UNROLL = 128, 2
+#: bytes per tile (block) of the default shape
+TILE_BYTES = THREADS * UNROLL * VECTOR
 
 SOURCE = r"""
 struct __align__(16) Vec { unsigned int x, y, z, w; };
@@ -157,7 +162,7 @@ def _call(function: int, blocks: int, threads: int, stream: torch.cuda.Stream, *
         raise RuntimeError(f"cuLaunchKernel of the batched copy failed (CUresult {rc})")
 
 
-def copy_kernel(device: torch.device, threads: int = THREADS, unroll: int = 1) -> CopyKernel | None:
+def copy_kernel(device: torch.device, threads: int = THREADS, unroll: int = UNROLL) -> CopyKernel | None:
     """The kernel compiled and loaded for ``device`` (once per process and device), or
     None where it cannot be (no NVRTC, a driver or architecture it does not know)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -166,8 +171,6 @@ def copy_kernel(device: torch.device, threads: int = THREADS, unroll: int = 1) -
 
 @functools.cache
 def _compiled(index: int, threads: int, unroll: int) -> CopyKernel | None:
-    import time
-
     t0 = time.perf_counter()
     major, minor = torch.cuda.get_device_capability(index)
     try:
