@@ -20,7 +20,7 @@ Both waits poll from the host (``base.poll_until``), and each poll progresses UC
 worker; NIXL's own progress thread is off unless ``TORCHREFIT_NIXL_PROGRESS_THREAD=1``
 (or ``progress_thread=True``): with it on, it and the polls contend for the worker. On
 one H200, two processes, the seed's model: 9.99 ms with the thread, 5.68 ms without
-(BENCHMARKS.md, "NIXL alone, and its progress thread").
+(BENCHMARKS.md, "Tenth session").
 """
 
 from __future__ import annotations
