@@ -10,7 +10,8 @@ block ``b`` copies row ``b``. The table is built on the device by a second kerne
 one row per copy (:meth:`CopyKernel.tiles`); :func:`plan_tiles` is its pure reference.
 
 Compiled with NVRTC (the CUDA runtime compiler torch's CUDA wheels ship, loaded through
-ctypes) for the device's own architecture and loaded and launched through the driver
+ctypes) for the device's own architecture, once per machine (``execute.kernel_cache``
+keeps the image on disk for later processes), and loaded and launched through the driver
 (``cuModuleLoadData``, ``cuLaunchKernel``): no compiled extension, no Triton, and a
 launch on a capturing stream is captured into the program's CUDA graph like any other.
 :func:`copy_kernel` returns None where NVRTC or the driver is missing or refuses (the
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .._cuda_driver import driver_function
+from . import kernel_cache
 
 __all__ = ["VECTOR", "THREADS", "UNROLL", "TILE_BYTES", "CopyKernel", "copy_kernel", "plan_runs", "plan_tiles", "SOURCE"]
 
@@ -130,7 +132,8 @@ class CopyKernel:
     module: int  # CUmodule, kept loaded for the process's life
     threads: int
     unroll: int
-    compile_s: float
+    compile_s: float  # compiling (or reading the cached image) and loading it
+    cached: bool = False  # the image came from ``execute.kernel_cache``
 
     @property
     def tile_bytes(self) -> int:
@@ -173,19 +176,33 @@ def copy_kernel(device: torch.device, threads: int = THREADS, unroll: int = UNRO
 def _compiled(index: int, threads: int, unroll: int) -> CopyKernel | None:
     t0 = time.perf_counter()
     major, minor = torch.cuda.get_device_capability(index)
+    arch, defines = f"sm_{major}{minor}", (f"-DTHREADS={threads}", f"-DUNROLL={unroll}")
+    key = "\n".join([SOURCE, arch, *defines, torch.version.cuda or ""])
     try:
-        image = _nvrtc_cubin(SOURCE, f"sm_{major}{minor}", (f"-DTHREADS={threads}", f"-DUNROLL={unroll}"))
+        image, hit = kernel_cache.cached("copy_tiles", key, lambda: _nvrtc_cubin(SOURCE, arch, defines))
         with torch.cuda.device(index):
             torch.cuda.current_stream(index)  # the device's primary context is current
-            module = ctypes.c_void_p()
-            load = driver_function("cuModuleLoadData", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p])
-            rc = load(ctypes.byref(module), image)
-            if rc:
-                raise RuntimeError(f"cuModuleLoadData failed (CUresult {rc})")
+            try:
+                module = _load(image)
+            except RuntimeError:
+                if not hit:
+                    raise
+                kernel_cache.forget("copy_tiles", key)  # a cached image the driver refuses: compile
+                image, hit = _nvrtc_cubin(SOURCE, arch, defines), False
+                module = _load(image)
             copy, expand = (_function(module, name) for name in (b"copy_tiles", b"expand_tiles"))
     except (RuntimeError, OSError):
         return None
-    return CopyKernel(copy, expand, module.value, threads, unroll, time.perf_counter() - t0)
+    return CopyKernel(copy, expand, module.value, threads, unroll, time.perf_counter() - t0, hit)
+
+
+def _load(image: bytes) -> ctypes.c_void_p:
+    module = ctypes.c_void_p()
+    load = driver_function("cuModuleLoadData", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p])
+    rc = load(ctypes.byref(module), image)
+    if rc:
+        raise RuntimeError(f"cuModuleLoadData failed (CUresult {rc})")
+    return module
 
 
 def _function(module: ctypes.c_void_p, name: bytes) -> int:

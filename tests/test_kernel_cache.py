@@ -1,0 +1,65 @@
+"""Compiled kernel images kept on disk (``execute.kernel_cache``), on CPU.
+
+A first call compiles and files the image; a later one (same name and key) reads it back
+without compiling; another key compiles again; ``TORCHREFIT_KERNEL_CACHE=0`` compiles every
+time and writes nothing; an empty file is no image; a directory that cannot be written
+still yields the compiled image; ``forget`` drops a filed image so the next call
+compiles; no temporary file is left behind.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from torchrefit.execute import kernel_cache
+
+
+def _maker(calls: list[int], image: bytes = b"\x7fELF-image"):
+    def make() -> bytes:
+        calls.append(1)
+        return image
+
+    return make
+
+
+def test_images_are_compiled_once_and_read_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernel_cache.CACHE_ENV, str(tmp_path / "k"))
+    calls: list[int] = []
+    assert kernel_cache.cached("copy", "key-a", _maker(calls)) == (b"\x7fELF-image", False)
+    assert kernel_cache.cached("copy", "key-a", _maker(calls)) == (b"\x7fELF-image", True)
+    assert len(calls) == 1
+    assert kernel_cache.cached("copy", "key-b", _maker(calls, b"other")) == (b"other", False)
+    assert len(calls) == 2
+    files = sorted(p.name for p in (tmp_path / "k").iterdir())
+    assert len(files) == 2 and all(f.startswith("copy-") and f.endswith(".bin") for f in files), files
+    kernel_cache.forget("copy", "key-a")
+    assert kernel_cache.cached("copy", "key-a", _maker(calls)) == (b"\x7fELF-image", False)
+    assert len(calls) == 3
+
+
+def test_empty_file_is_no_image(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernel_cache.CACHE_ENV, str(tmp_path))
+    calls: list[int] = []
+    kernel_cache.cached("copy", "k", _maker(calls))
+    (path,) = tmp_path.iterdir()
+    path.write_bytes(b"")  # a write cut short
+    assert kernel_cache.cached("copy", "k", _maker(calls)) == (b"\x7fELF-image", False)
+    assert len(calls) == 2 and path.read_bytes() == b"\x7fELF-image"
+
+
+def test_off_and_unwritable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setenv(kernel_cache.CACHE_ENV, "0")
+    assert kernel_cache.cache_dir() is None
+    for _ in range(2):
+        assert kernel_cache.cached("copy", "k", _maker(calls)) == (b"\x7fELF-image", False)
+    assert len(calls) == 2
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv(kernel_cache.CACHE_ENV, str(blocker / "sub"))
+    assert kernel_cache.cached("copy", "k", _maker(calls)) == (b"\x7fELF-image", False)
+    monkeypatch.delenv(kernel_cache.CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert kernel_cache.cache_dir() == tmp_path / "xdg" / "torchrefit" / "kernels"
