@@ -109,8 +109,8 @@ def plan_tiles(copies: Sequence[tuple[int, int, int]], tile_bytes: int = TILE_BY
     destination, 16-byte words) per tile of ``tile_bytes``, each copy's tiles in order,
     its last one the remainder. Pure, on the CPU: the reference for the table
     :meth:`CopyKernel.tiles` builds on the device (a qwen3-shaped preset's 9.7 GB are
-    2.4 million tiles, 57 MB: built here and uploaded they cost a tenth of a second of
-    the first refit)."""
+    2.4 million tiles, 57 MB: the device builds them from one row per copy rather than
+    the host building and uploading them on the first refit)."""
     runs, total = plan_runs(copies, tile_bytes)
     if not total:
         return torch.zeros((0, 3), dtype=torch.int64)
