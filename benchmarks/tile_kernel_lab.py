@@ -9,8 +9,9 @@ moves at 1.015x. So the batched kernel's own streaming rate is what is left. Thi
 times kernel variants on the same copies (device time of a graph replay, behind GPU
 sleep), each checked byte for byte:
 
-- ``steps``: ``execute.batched``'s kernel (one program per tile, STEPS sequential load/
-  store steps of BLOCK int32 words);
+- ``steps``: what was ``execute.batched``'s Triton kernel until the tenth session (one
+  program per tile, STEPS sequential load/store steps of BLOCK int32 words; here
+  ``rows_kernel`` with one row and no hint, the same code);
 - ``rows UxB``: U rows of B words loaded as one 2-D block before any store (more loads
   in flight per thread), optionally with streaming cache hints (``hint``: loads ``.cg``,
   stores ``.cs``);
@@ -30,7 +31,7 @@ import triton.language as tl
 from diagnose_refit_phases import DEV, device_ms, run_shapes, toy_refit
 from mid_copy_lab import exact, graph_of
 
-from torchrefit.execute import batched
+from torchrefit.execute.copy_kernel import VECTOR, plan_tiles
 
 SHAPES = [("qwen3-30b-a3b", 8), ("dense-0.5b", None), ("deepseek-v3-moe", 2)]
 
@@ -65,13 +66,19 @@ def persistent_kernel(anchor, table, tiles, ROWS: tl.constexpr, BLOCK: tl.conste
         _copy_tile(anchor, table + 3 * t, ROWS, BLOCK, STEPS, HINT)
 
 
+def word_tiles(copies, anchor: int, tile: int) -> torch.Tensor:
+    """``plan_tiles``' table as these kernels read it: int32-word offsets from ``anchor``."""
+    t = plan_tiles(copies, tile)
+    return torch.stack([(t[:, 0] - anchor) // 4, (t[:, 1] - anchor) // 4, t[:, 2] * (VECTOR // 4)], dim=1)
+
+
 def variants(sms: int) -> list[tuple[str, int, object]]:
     """(label, tile bytes, launch(anchor, table, tiles))."""
     out = []
 
     def steps(block, n, warps):
         return (f"steps {block}x{n} w{warps}", block * n * 4,
-                lambda a, t, k: batched._kernel()[(k,)](a, t, BLOCK=block, STEPS=n, num_warps=warps))
+                lambda a, t, k: rows_kernel[(k,)](a, t, ROWS=1, BLOCK=block, STEPS=n, HINT=False, num_warps=warps))
 
     def rows(r, block, n, warps, hint):
         return (f"rows {r}x{block}x{n} w{warps}{' hint' if hint else ''}", r * block * n * 4,
@@ -106,8 +113,8 @@ def study(name: str, layers: int | None, bw: float, cycles: int, sms: int) -> di
     res = {}
     for label, tile, launch in variants(sms):
         try:
-            table = batched.plan_tiles([(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s in pairs],
-                                       anchor.data_ptr(), tile).to(DEV)
+            table = word_tiles([(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s in pairs],
+                               anchor.data_ptr(), tile).to(DEV)
             k = table.shape[0]
             g = graph_of(lambda launch=launch, table=table, k=k: launch(anchor, table, k))
             ms = device_ms(g.replay, cycles)

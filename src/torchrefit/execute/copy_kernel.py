@@ -159,8 +159,11 @@ class CopyKernel:
 
 def _call(function: int, blocks: int, threads: int, stream: torch.cuda.Stream, *args) -> None:
     params = (ctypes.c_void_p * len(args))(*(ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args))
-    rc = _launch()(ctypes.c_void_p(function), blocks, 1, 1, threads, 1, 1, 0, ctypes.c_void_p(stream.cuda_stream),
-                   params, None)
+    # the function belongs to the module loaded in its device's primary context: make that
+    # context current (a process may hold models on a device other than its current one)
+    with torch.cuda.device(stream.device):
+        rc = _launch()(ctypes.c_void_p(function), blocks, 1, 1, threads, 1, 1, 0,
+                       ctypes.c_void_p(stream.cuda_stream), params, None)
     if rc:
         raise RuntimeError(f"cuLaunchKernel of the batched copy failed (CUresult {rc})")
 
