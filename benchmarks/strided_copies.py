@@ -9,7 +9,9 @@ call (``bench.timing.median_ms``), every layer's two halves copied into strided 
 as torch copies of (1) bf16 elements, (2) int64 views of the same bytes, (3) complex128
 views (16-byte elements), (4) the same bytes as contiguous copies; (5) as 2-D memcpys
 (``cuMemcpy2DAsync``: rows of contiguous bytes at a pitch), (6) as a Triton kernel
-copying rows in 16-byte vectors; each against the copy floor (bytes read + written at
+copying rows in 16-byte vectors, (7) torchrefit's batched copy kernel, one launch for
+every row of every half (``execute.batched.strided_runs``), and (8) the same kernel on
+the contiguous copies; each against the copy floor (bytes read + written at
 this run's 4 GiB copy bandwidth), each checked bit for bit.
 
     python benchmarks/strided_copies.py [--layers 20] [--iters 30] [--json out.json]
@@ -85,6 +87,13 @@ def _triton_rows(pairs):
     return run
 
 
+def _batched(pairs):
+    from torchrefit.execute.batched import compile_batch
+
+    batch = compile_batch([(d, s, str(i)) for i, (d, s) in enumerate(pairs)], pairs[0][0].device)
+    return batch.launch
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=20)
@@ -107,14 +116,15 @@ def main() -> None:
     variants = {"strided bf16": copies(None), "strided int64 views": copies(torch.int64),
                 "strided complex128 views": copies(torch.complex128),
                 "contiguous": lambda: [d.copy_(s) for d, s in flat],
-                "strided 2-D memcpy": _memcpy2d(pairs), "strided triton rows": _triton_rows(pairs)}
+                "strided 2-D memcpy": _memcpy2d(pairs), "strided triton rows": _triton_rows(pairs),
+                "strided batched rows": _batched(pairs), "contiguous batched": _batched(flat)}
     rows, exact = {}, {}
     for name, fn in variants.items():
-        for d, _ in pairs:
+        for d, _ in pairs + flat:
             d.zero_()
         ms = median_ms(fn, args.iters, device)
         rows[name] = {"ms": ms, "x_floor": ms / floor}
-        group = flat if name == "contiguous" else pairs
+        group = flat if name.startswith("contiguous") else pairs
         exact[name] = all(torch.equal(d.view(torch.int16), s.view(torch.int16)) for d, s in group)
     print(f"{len(pairs)} copies, {nbytes / 1e9:.2f} GB, floor {floor:.3f} ms at {bandwidth / 1e9:.0f} GB/s")
     for name, r in rows.items():

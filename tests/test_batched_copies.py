@@ -5,7 +5,10 @@ exactly what the copies would, every copy cut into tiles no larger than the tile
 last remainder included; misaligned copies are refused), the rule for which copies
 qualify (``batchable``: same dtype, dense, 16-byte aligned) and when a program batches
 (``batch_from``: ``TORCHREFIT_BATCHED_COPY`` auto / 1 / 0, auto only for programs of many
-mid-sized copies, a bad value warned about), and that CPU tensors never batch. The CUDA
+mid-sized copies, a bad value warned about), strided copies cut into rows
+(``strided_runs``: the tiles of its runs, applied to the bytes, do what ``copy_`` does;
+short, misaligned, transposed and overlapping rows refused), and that CPU tensors never
+batch. The CUDA
 kernel itself runs in ``tests/test_gpu_batched.py``.
 """
 
@@ -17,7 +20,14 @@ import pytest
 import torch
 
 from torchrefit.execute import batched
-from torchrefit.execute.batched import ALIGN, batch_from, batchable, plan_tiles
+from torchrefit.execute.batched import (
+    ALIGN,
+    MIN_RUN_BYTES,
+    batch_from,
+    batchable,
+    plan_tiles,
+    strided_runs,
+)
 
 WORD = 4  # the buffers below are int32
 
@@ -104,3 +114,57 @@ def test_when_a_program_batches(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_cpu_tensors_never_batch() -> None:
     assert not batched.kernel_available(torch.device("cpu"))
+
+
+def _views(buf: torch.Tensor, dtype: torch.dtype, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A dense ``shape`` of ``dtype`` at byte ``offset`` of the byte buffer ``buf``."""
+    n = torch.Size(shape).numel() * dtype.itemsize
+    return buf[offset: offset + n].view(dtype).view(shape)
+
+
+#: (name, make(buffer) -> (dst, src)) over one 1 MiB byte buffer: each a copy a layout
+#: change makes (a TP half into or out of a full weight, an expert stack's column block)
+STRIDED = {
+    "into the second half": lambda b: (_views(b, torch.bfloat16, 0, (64, 2048))[:, 1024:],
+                                       _views(b, torch.bfloat16, 1 << 19, (64, 1024))),
+    "out of the first half": lambda b: (_views(b, torch.bfloat16, 0, (64, 1024)),
+                                        _views(b, torch.bfloat16, 1 << 19, (64, 2048))[:, :1024]),
+    "both strided, float32": lambda b: (_views(b, torch.float32, 0, (32, 3072))[:, 1024:2048],
+                                        _views(b, torch.float32, 1 << 19, (32, 2048))[:, 512:1536]),
+    "3-d expert block, unit dim": lambda b: (_views(b, torch.bfloat16, 16, (4, 1, 16, 2048))[..., :1536],
+                                             _views(b, torch.bfloat16, 1 << 19, (4, 1, 16, 1536))),
+    "rows of a row block": lambda b: (_views(b, torch.int8, 0, (8, 32, 2048))[:, 8:24],
+                                      _views(b, torch.int8, 1 << 19, (8, 16, 2048))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STRIDED))
+def test_strided_runs_copy_what_copy_does(case: str) -> None:
+    torch.manual_seed(0)
+    buf = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+    dst, src = STRIDED[case](buf)
+    want = buf.clone()
+    dst_w, src_w = STRIDED[case](want)
+    dst_w.copy_(src_w)  # the oracle: torch's own strided copy
+    runs = strided_runs(dst, src)
+    assert runs is not None and len(runs) > 1
+    assert int(runs.nbytes.sum()) == dst.nbytes and int(runs.nbytes.min()) >= MIN_RUN_BYTES
+    words = buf.view(torch.int32)
+    _apply(plan_tiles(runs), words, buf.data_ptr())
+    assert torch.equal(buf, want)
+
+
+def test_strided_runs_refused() -> None:
+    b = torch.zeros(1 << 20, dtype=torch.uint8)
+    full, half = _views(b, torch.bfloat16, 0, (64, 2048)), _views(b, torch.bfloat16, 1 << 19, (64, 1024))
+    assert strided_runs(full[:, 1024:], half) is not None
+    assert strided_runs(full[:, :512], half[:, :512]) is None  # 1 KB rows: below MIN_RUN_BYTES
+    assert strided_runs(full[:, 4:1028], half) is None  # rows 8 bytes off alignment
+    assert strided_runs(full[:, 1024:], half.float()) is None  # a cast
+    assert strided_runs(full[:32, :1024].t(), half[:32, :1024].t()) is None  # no row dense on both
+    assert strided_runs(full[:, :1024], full[:, 1024:].contiguous()) is not None
+    over = full[0, :1024].expand(64, 1024)  # every row the same memory
+    assert strided_runs(over, half) is None
+    assert strided_runs(half, over) is not None  # a broadcast source is read, never written
+    dense = _views(b, torch.bfloat16, 1 << 18, (64, 1024))
+    assert strided_runs(dense, half) is None  # dense: one run, batchable()'s case

@@ -7,8 +7,9 @@ graph, moving copies spread over several allocations (runs merged across tensors
 next to copies that must stay per-copy (casts, strided views, misaligned views).
 Every destination is compared with an oracle made by plain per-tensor copies; a
 replay after the sources changed copies the new values; the tile table the device
-builds equals the CPU planner's; and the default rule
-batches a MoE-shaped program's copies and not a dense one's.
+builds equals the CPU planner's; the default rule
+batches a MoE-shaped program's copies and not a dense one's; and large strided copies
+(TP halves into and out of full weights) batch row by row in any program.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import random
 import pytest
 import torch
 
-from torchrefit.execute.batched import kernel_available
-from torchrefit.execute.copy_kernel import plan_tiles
+from torchrefit.execute.batched import byte_runs, kernel_available
+from torchrefit.execute.copy_kernel import ByteRuns, plan_tiles
 from torchrefit.execute.local import LANES, Copy, compile_copies
 from torchrefit.execute.streams import SideStreams
 
@@ -98,3 +99,47 @@ def test_default_batches_moe_shaped_programs_only(monkeypatch: pytest.MonkeyPatc
     assert _exact(moe)
     dense = pairs(4, 32 << 20)  # four 64 MiB copies: memcpy nodes
     assert compile_copies(dense, side, cuda_graph=True).batch is None
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_strided_copies_batch_by_default(graph: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dense model's program (a few large copies, not batched as a MoE's) still batches
+    its large strided copies, row by row: TP halves into and out of full weights, both
+    sides strided, rows of 2, 4 and 6 KB and 16 KB; short rows stay per copy."""
+    monkeypatch.delenv("TORCHREFIT_BATCHED_COPY", raising=False)
+    if not kernel_available(torch.device("cuda")):
+        pytest.skip("the batched copy kernel could not be built here (NVRTC)")
+    dev = torch.device("cuda")
+    side = SideStreams(dev, LANES)
+    bf = torch.bfloat16
+
+    def rand(*shape: int, dtype: torch.dtype = bf) -> torch.Tensor:
+        return torch.randn(*shape, device=dev).to(dtype)
+
+    full = [torch.zeros(1024, 2 * c, dtype=bf, device=dev) for c in (1024, 2048, 3072, 8192)]
+    copies = [Copy(f[:, f.shape[1] // 2:], rand(1024, f.shape[1] // 2), f"into{i}") for i, f in enumerate(full)]
+    whole = rand(2048, 4096)
+    copies.append(Copy(torch.zeros(2048, 2048, dtype=bf, device=dev), whole[:, 2048:], "out of"))
+    wide = torch.zeros(512, 6144, dtype=torch.float32, device=dev)
+    copies.append(Copy(wide[:, 1024:3072], rand(512, 4096, dtype=torch.float32)[:, 2048:], "both"))
+    short = torch.zeros(4096, 512, dtype=bf, device=dev)
+    copies.append(Copy(short[:, :256], rand(4096, 256), "short rows"))  # 512 B rows, 2 MiB
+    copies.append(Copy(torch.zeros(32 << 20, dtype=bf, device=dev), rand(32 << 20), "dense"))
+    local = compile_copies(copies, side, cuda_graph=graph)
+    assert local.batch is not None
+    assert set(local.batch.names) == {"into0", "into1", "into2", "into3", "out of", "both"}
+    assert {c.name for c in local.big} == {"short rows", "dense"}
+    runs = ByteRuns.cat([byte_runs(d, s) for d, s in zip(local.batch.dst, local.batch.src)])
+    assert local.batch.runs == len(runs) > 5 * 1024
+    assert torch.equal(local.batch.table.cpu(), plan_tiles(runs, local.batch.kernel.tile_bytes))
+    assert not _exact(copies)
+    local.run_on_caller(side)
+    torch.cuda.synchronize()
+    assert _exact(copies), [c.name for c in copies if not torch.equal(c.dst, c.src.to(c.dst.dtype))]
+    assert int(full[0][:, :1024].abs().sum()) == 0  # the other halves untouched
+    with torch.no_grad():
+        for c in copies:
+            c.src.add_(1.0)
+    local.run_on_caller(side)
+    torch.cuda.synchronize()
+    assert _exact(copies)

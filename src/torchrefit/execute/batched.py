@@ -13,8 +13,16 @@ Which copies (:func:`batch_from`, ``TORCHREFIT_BATCHED_COPY``): ``auto`` (defaul
 batches every :func:`batchable` large copy of a program made of many mid-sized copies
 (``kernel_copies.mostly_mid_sized``: the MoE case) and nothing elsewhere, where large
 copies are memcpy nodes at the floor already; ``1`` batches every batchable copy;
-``0`` none. :func:`compile_batch` uploads the table and loads the kernel; where the
-kernel cannot be built (no NVRTC) the copies take the per-copy path. Called by
+``0`` none.
+
+Strided copies (a TP half into ``full[:, :half]``, or out of it) are batched in
+``auto`` and ``1`` wherever :func:`strided_runs` cuts them into rows of at least
+``MIN_RUN_BYTES`` contiguous on both sides: one run per row, 16-byte aligned. Their
+other path is an elementwise kernel on widened views (``kernel_copies.widened``), which
+moved the seed model's 40 row-parallel halves at 1.25x the copy floor on one H200.
+
+:func:`compile_batch` uploads the table and loads the kernel; where the kernel cannot be
+built (no NVRTC) the copies take the per-copy path. Called by
 ``execute.local.compile_copies`` on every rank while compiling; the launch
 (:meth:`Batch.launch`) runs inside the program's stream session.
 """
@@ -29,15 +37,18 @@ from dataclasses import dataclass
 import torch
 
 from . import kernel_copies
-from .copy_kernel import VECTOR, CopyKernel, copy_kernel, plan_tiles
+from .copy_kernel import VECTOR, ByteRuns, CopyKernel, copy_kernel, plan_tiles
 
-__all__ = ["Batch", "batchable", "batch_from", "plan_tiles", "compile_batch", "kernel_available",
-           "ALIGN", "BATCH_ENV", "MODES"]
+__all__ = ["Batch", "batchable", "batch_from", "batch_mode", "strided_runs", "byte_runs", "plan_tiles",
+           "compile_batch", "kernel_available", "ALIGN", "BATCH_ENV", "MODES", "MIN_RUN_BYTES"]
 
 #: addresses and sizes of a batched copy are multiples of this (16-byte vector accesses)
 ALIGN = VECTOR
 BATCH_ENV = "TORCHREFIT_BATCHED_COPY"
 MODES = ("auto", "1", "0")
+#: strided copies are batched where their rows (runs contiguous on both sides) are at
+#: least this long: a shorter row leaves most of its 4 KB tile's block idle
+MIN_RUN_BYTES = 2048
 
 
 def batchable(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -51,17 +62,77 @@ def batchable(dst: torch.Tensor, src: torch.Tensor) -> bool:
             and (dst.data_ptr() | src.data_ptr() | n) % ALIGN == 0)
 
 
-def batch_from(sizes: Sequence[int], small: int) -> int | None:
-    """Bytes from which a batchable copy is batched in a program whose large copies (at
-    least ``small`` bytes), as planned, have ``sizes`` bytes; None: none is. Read when
-    compiling from ``TORCHREFIT_BATCHED_COPY`` (module text); a value that is no mode
-    warns and counts as ``auto`` (compiling runs inside ``refit()``: raising on one rank
-    would leave its peers waiting; either choice copies the same bytes)."""
+def strided_runs(dst: torch.Tensor, src: torch.Tensor) -> ByteRuns | None:
+    """A strided plain copy (same dtype, shape and device; not both dense) as byte runs
+    contiguous on both sides, one per row of the innermost dims both keep contiguous, in
+    row-major order: None where a row is shorter than ``MIN_RUN_BYTES`` or not 16-byte
+    aligned (size or any address), or the destination's rows overlap (a broadcast)."""
+    if (dst.dtype != src.dtype or dst.shape != src.shape or dst.device != src.device or dst.numel() == 0
+            or (dst.is_contiguous() and src.is_contiguous())):
+        return None
+    dims = [i for i, n in enumerate(dst.shape) if n != 1]  # unit dims: any stride
+    shape = [dst.shape[i] for i in dims]
+    ds, ss = [dst.stride(i) for i in dims], [src.stride(i) for i in dims]
+    k, row = len(dims), 1
+    while k and ds[k - 1] == row and ss[k - 1] == row:  # innermost dims dense on both sides
+        row *= shape[k - 1]
+        k -= 1
+    size = dst.element_size()
+    if k == 0 or row * size < MIN_RUN_BYTES or (row * size) % ALIGN or not _disjoint(shape[:k], ds[:k], row):
+        return None
+    d = dst.data_ptr() + size * _offsets(shape[:k], ds[:k])
+    s = src.data_ptr() + size * _offsets(shape[:k], ss[:k])
+    if bool(((d | s) % ALIGN).any()):
+        return None
+    return ByteRuns(d, s, torch.full_like(d, row * size))
+
+
+def byte_runs(dst: torch.Tensor, src: torch.Tensor) -> ByteRuns:
+    """The runs of a copy :func:`batchable` or with :func:`strided_runs`."""
+    if dst.is_contiguous() and src.is_contiguous():
+        return ByteRuns.of([(dst.data_ptr(), src.data_ptr(), dst.nbytes)])
+    runs = strided_runs(dst, src)
+    if runs is None:
+        raise ValueError("a copy that is neither dense nor cut into aligned rows cannot be batched")
+    return runs
+
+
+def _disjoint(shape: list[int], strides: list[int], row: int) -> bool:
+    """Whether rows of ``row`` elements at these outer dims never overlap: each stride,
+    smallest first, steps past everything the dims inside it reach (no broadcast)."""
+    reach = row
+    for stride, n in sorted(zip(strides, shape)):
+        if stride < reach:
+            return False
+        reach = stride * (n - 1) + reach
+    return True
+
+
+def _offsets(shape: list[int], strides: list[int]) -> torch.Tensor:
+    """Element offsets of every index of ``shape`` at ``strides``, row-major, int64."""
+    off = torch.zeros((), dtype=torch.int64)
+    for n, stride in zip(shape, strides):
+        off = off.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * stride
+    return off.reshape(-1)
+
+
+def batch_mode() -> str:
+    """``TORCHREFIT_BATCHED_COPY``, read when compiling (module text); a value that is no
+    mode warns and counts as ``auto`` (compiling runs inside ``refit()``: raising on one
+    rank would leave its peers waiting; either choice copies the same bytes)."""
     mode = os.environ.get(BATCH_ENV, "auto").strip() or "auto"
     if mode not in MODES:
         warnings.warn(f"torchrefit: {BATCH_ENV}={mode!r} is not one of {', '.join(MODES)}; using auto",
-                      stacklevel=2)
+                      stacklevel=3)
         mode = "auto"
+    return mode
+
+
+def batch_from(sizes: Sequence[int], small: int, mode: str | None = None) -> int | None:
+    """Bytes from which a batchable copy is batched in a program whose large copies (at
+    least ``small`` bytes), as planned, have ``sizes`` bytes; None: none is. ``mode``:
+    :func:`batch_mode`'s (read now where None)."""
+    mode = batch_mode() if mode is None else mode
     if mode == "1":
         return 0
     if mode == "auto" and kernel_copies.mostly_mid_sized(sizes):
@@ -77,6 +148,7 @@ class Batch:
 
     table: torch.Tensor
     kernel: CopyKernel
+    runs: int
     dst: tuple[torch.Tensor, ...]
     src: tuple[torch.Tensor, ...]
     names: tuple[str, ...]
@@ -97,14 +169,16 @@ def kernel_available(device: torch.device) -> bool:
 
 
 def compile_batch(copies: Sequence[tuple[torch.Tensor, torch.Tensor, str]], device: torch.device) -> Batch | None:
-    """Plan the tiles of ``copies`` (all :func:`batchable`) and upload the table, with
-    the kernel loaded, so that capturing ``launch`` in a graph compiles and loads
-    nothing. None where there is nothing to batch."""
+    """Plan the tiles of ``copies`` (each :func:`batchable` or with
+    :func:`strided_runs`) and upload the table, with the kernel loaded, so that
+    capturing ``launch`` in a graph compiles and loads nothing. None where there is
+    nothing to batch."""
     if not copies:
         return None
     kernel = copy_kernel(device)
     if kernel is None:
         raise RuntimeError("the batched copy kernel is not available: check kernel_available() first")
-    table = kernel.tiles([(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s, _ in copies], device)
+    runs = ByteRuns.cat([byte_runs(d, s) for d, s, _ in copies])
+    table = kernel.tiles(runs, device)
     dst, src, names = zip(*copies)
-    return Batch(table, kernel, dst, src, names)
+    return Batch(table, kernel, len(runs), dst, src, names)

@@ -34,7 +34,7 @@ import torch
 from .._cuda_driver import driver_function
 from . import kernel_cache
 
-__all__ = ["VECTOR", "THREADS", "UNROLL", "TILE_BYTES", "CopyKernel", "copy_kernel", "plan_runs", "plan_tiles", "SOURCE"]
+__all__ = ["ByteRuns", "VECTOR", "THREADS", "UNROLL", "TILE_BYTES", "CopyKernel", "copy_kernel", "plan_runs", "plan_tiles", "SOURCE"]
 
 #: bytes each thread moves per access (one 16-byte vector load and store)
 VECTOR = 16
@@ -89,27 +89,58 @@ extern "C" __global__ void expand_tiles(const long long* __restrict__ runs, int 
 """
 
 
-def plan_runs(copies: Sequence[tuple[int, int, int]], tile_bytes: int = TILE_BYTES) -> tuple[torch.Tensor, int]:
-    """The run table of ``copies`` given as (destination address, source address, bytes),
-    each a multiple of ``VECTOR``: one int64 row (source, destination, 16-byte words,
-    first tile) per copy, and the number of tiles of ``tile_bytes``. Pure."""
+@dataclass(frozen=True)
+class ByteRuns:
+    """Byte runs to copy, as int64 columns: destination address, source address, bytes
+    (one element per run). What a batch copies, however many runs each tensor is (one
+    for a dense copy, one per row for a strided one)."""
+
+    dst: torch.Tensor
+    src: torch.Tensor
+    nbytes: torch.Tensor
+
+    @staticmethod
+    def of(copies: Sequence[tuple[int, int, int]]) -> ByteRuns:
+        """From (destination address, source address, bytes) triples."""
+        cols = torch.tensor(list(copies), dtype=torch.int64).reshape(-1, 3)
+        return ByteRuns(*cols.unbind(1))
+
+    @staticmethod
+    def cat(parts: Sequence[ByteRuns]) -> ByteRuns:
+        if not parts:
+            return ByteRuns.of([])
+        return ByteRuns(*(torch.cat(cols) for cols in zip(*((p.dst, p.src, p.nbytes) for p in parts))))
+
+    def __len__(self) -> int:
+        return self.dst.numel()
+
+
+def plan_runs(copies: Sequence[tuple[int, int, int]] | ByteRuns,
+              tile_bytes: int = TILE_BYTES) -> tuple[torch.Tensor, int]:
+    """The run table of ``copies`` (:class:`ByteRuns`, or (destination address, source
+    address, bytes) triples), each a multiple of ``VECTOR``: one int64 row (source,
+    destination, 16-byte words, first tile) per run, and the number of tiles of
+    ``tile_bytes``. Pure; vectorized (a strided copy is one run per row: 10^5 runs)."""
     if tile_bytes % VECTOR:
         raise ValueError(f"tile of {tile_bytes} bytes is not a multiple of {VECTOR}")
-    rows, tiles = [], 0
-    for dst, src, n in copies:
-        if n <= 0 or (dst | src | n) % VECTOR:
-            raise ValueError(f"copy {src:#x} -> {dst:#x} of {n} bytes is not {VECTOR}-byte aligned")
-        rows.append((src, dst, n // VECTOR, tiles))
-        tiles += -(-n // tile_bytes)
-    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 4), tiles
+    runs = copies if isinstance(copies, ByteRuns) else ByteRuns.of(copies)
+    dst, src, n = runs.dst, runs.src, runs.nbytes
+    bad = ((n <= 0) | ((dst | src | n) % VECTOR != 0)).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"copy {int(src[i]):#x} -> {int(dst[i]):#x} of {int(n[i])} bytes is not "
+                         f"{VECTOR}-byte aligned")
+    tiles = (n + tile_bytes - 1) // tile_bytes
+    first = torch.cumsum(tiles, 0) - tiles
+    return torch.stack([src, dst, n // VECTOR, first], dim=1), int(tiles.sum())
 
 
-def plan_tiles(copies: Sequence[tuple[int, int, int]], tile_bytes: int = TILE_BYTES) -> torch.Tensor:
+def plan_tiles(copies: Sequence[tuple[int, int, int]] | ByteRuns, tile_bytes: int = TILE_BYTES) -> torch.Tensor:
     """The tile table of ``copies`` (as for :func:`plan_runs`): one int64 row (source,
-    destination, 16-byte words) per tile of ``tile_bytes``, each copy's tiles in order,
+    destination, 16-byte words) per tile of ``tile_bytes``, each run's tiles in order,
     its last one the remainder. Pure, on the CPU: the reference for the table
     :meth:`CopyKernel.tiles` builds on the device (a qwen3-shaped preset's 9.7 GB are
-    2.4 million tiles, 57 MB: the device builds them from one row per copy rather than
+    2.4 million tiles, 57 MB: the device builds them from one row per run rather than
     the host building and uploading them on the first refit)."""
     runs, total = plan_runs(copies, tile_bytes)
     if not total:
@@ -117,7 +148,7 @@ def plan_tiles(copies: Sequence[tuple[int, int, int]], tile_bytes: int = TILE_BY
     src, dst, words, first = runs.unbind(1)
     tiles = (words * VECTOR + tile_bytes - 1) // tile_bytes
     owner = torch.repeat_interleave(torch.arange(len(runs)), tiles)
-    start = (torch.arange(total) - first[owner]) * (tile_bytes // VECTOR)  # vectors into its copy
+    start = (torch.arange(total) - first[owner]) * (tile_bytes // VECTOR)  # vectors into its run
     return torch.stack([src[owner] + VECTOR * start, dst[owner] + VECTOR * start,
                         torch.clamp(words[owner] - start, max=tile_bytes // VECTOR)], dim=1)
 
@@ -139,7 +170,7 @@ class CopyKernel:
     def tile_bytes(self) -> int:
         return self.threads * self.unroll * VECTOR
 
-    def tiles(self, copies: Sequence[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
+    def tiles(self, copies: Sequence[tuple[int, int, int]] | ByteRuns, device: torch.device) -> torch.Tensor:
         """:func:`plan_tiles`' table of ``copies``, built on ``device`` from the run table
         (on the current stream; no wait)."""
         runs, total = plan_runs(copies, self.tile_bytes)

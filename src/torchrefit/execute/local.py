@@ -9,8 +9,10 @@ or, where the batched kernel cannot be built, as elementwise kernels
 (``execute.kernel_copies``; ``TORCHREFIT_SM_COPY_BELOW=<bytes>`` sets a size);
 small ones in one ``torch._foreach_copy_`` per (destination dtype, source dtype,
 dense) group on another stream; with ``cuda_graph`` the whole set, fork and join
-included, is captured once and replayed with one launch. Strided large copies run on
-the widest views of the same bytes that fit (off with ``TORCHREFIT_STRIDED_WORDS=0``).
+included, is captured once and replayed with one launch. Strided large copies cut
+into aligned rows of at least 2 KB join the batched launch (unless
+``TORCHREFIT_BATCHED_COPY=0``); the others run on the widest views of the same bytes that
+fit (off with ``TORCHREFIT_STRIDED_WORDS=0``).
 All stream ordering goes through ``streams.SideStreams``.
 """
 
@@ -26,7 +28,15 @@ from typing import NamedTuple
 import torch
 
 from . import kernel_copies
-from .batched import Batch, batch_from, batchable, compile_batch, kernel_available
+from .batched import (
+    Batch,
+    batch_from,
+    batch_mode,
+    batchable,
+    compile_batch,
+    kernel_available,
+    strided_runs,
+)
 from .runs import merge_local
 from .streams import SideStreams
 
@@ -140,8 +150,9 @@ def compile_copies(copies: Iterable[Copy], side: SideStreams, cuda_graph: bool,
                    merge: bool = True) -> LocalCopies:
     """Group ``copies`` (skipping those whose destination is the source itself, and,
     with ``merge``, making runs contiguous on both sides one copy; plain byte copies
-    from ``batched.batch_from``'s size, where ``batched.kernel_available``, into one
-    batch) and, with ``cuda_graph`` on CUDA, capture them once."""
+    from ``batched.batch_from``'s size and large strided copies cut into rows
+    (``batched.strided_runs``), where ``batched.kernel_available``, into one batch)
+    and, with ``cuda_graph`` on CUDA, capture them once."""
     planned = []
     for c in copies:
         dst, src = c.dst, c.src
@@ -153,9 +164,11 @@ def compile_copies(copies: Iterable[Copy], side: SideStreams, cuda_graph: bool,
     big: list[Copy] = []
     small: dict[tuple, list[Copy]] = defaultdict(list)
     batch: list[Copy] = []
+    strided: list[Copy] = []  # batched where the kernel can be built, else per copy
     # the rules read the copies as planned: merged runs depend on where the allocator put them
     sizes = [n for c in planned if (n := max(c.dst.nbytes, c.src.nbytes)) >= SMALL_COPY_BYTES]
-    start = batch_from(sizes, SMALL_COPY_BYTES)
+    mode = batch_mode()
+    start = batch_from(sizes, SMALL_COPY_BYTES, mode)
     if start is not None and not kernel_available(side.device):
         start = None
     for c in (map(Copy._make, merge_local(planned)) if merge else planned):
@@ -163,9 +176,12 @@ def compile_copies(copies: Iterable[Copy], side: SideStreams, cuda_graph: bool,
         if start is not None and dst.nbytes >= start and batchable(dst, src):
             batch.append(c)
         elif max(dst.nbytes, src.nbytes) >= SMALL_COPY_BYTES:
-            big.append(c)
+            rows = mode != "0" and side.device.type == "cuda" and strided_runs(dst, src) is not None
+            (strided if rows else big).append(c)
         else:
             small[(dst.dtype, src.dtype, dst.is_contiguous() and src.is_contiguous())].append(c)
+    if strided:
+        (batch if kernel_available(side.device) else big).extend(strided)
     groups = tuple(CopyGroup(*(tuple(x) for x in zip(*g))) for g in small.values())
     if kernel_copies.strided_words():
         big = [Copy(*w, c.name) if (w := kernel_copies.widened(c.dst, c.src)) else c for c in big]

@@ -1,0 +1,89 @@
+"""Where a process's first refit goes (issue 16's 0.2 s bound): construction plus the
+first ``refit()`` of a preset on one GPU, timed by phase (describe, plan, compile, run)
+and profiled, for toy or megatron-core models (TP1 -> TP1, one process).
+
+A first Refitter on the same models runs before the timed one, as in ``torchrefit
+bench`` (imports, the CUDA context, the allocator and the copy kernel are warm; what is
+left is the per-Refitter work a trainer pays once per new Refitter).
+
+    python benchmarks/first_refit_profile.py --preset qwen3-30b-a3b --layers 8 [--megatron] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+
+import torch
+
+import torchrefit as tr
+from torchrefit.bench.config import spec_from_preset
+from torchrefit.bench.world import one_gpu_world
+from torchrefit.testing import Mesh, build_toy
+
+
+def models(spec, megatron: bool, device: torch.device):
+    if megatron:
+        from torchrefit.bench.megatron_models import build_megatron_gpt
+
+        return build_megatron_gpt(spec, seed=1), build_megatron_gpt(spec, seed=2)
+    return (build_toy(spec, Mesh(1, ranks=1), 0, 1, device=device, random_init=True),
+            build_toy(spec, Mesh(1, ranks=1), 0, 2, device=device, random_init=True))
+
+
+def timed_first(src, dst, device: torch.device) -> dict:
+    """Construction and first refit, wall to finished device work, by phase."""
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    r = tr.Refitter(src, dst)
+    t1 = time.perf_counter()
+    r.refit()
+    torch.cuda.synchronize(device)
+    t2 = time.perf_counter()
+    out = {"construct_s": t1 - t0, "first_refit_s": t2 - t1, "total_s": t2 - t0,
+           "plan_seconds": r.plan_seconds, "watched": len(r._program.compiled.watched),
+           "planned_copies": len(r._program.local.planned)}
+    r.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--megatron", action="store_true")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    device = one_gpu_world(29571)
+    spec = spec_from_preset(args.preset, layers=args.layers)
+    src, dst = models(spec, args.megatron, device)
+    tr.Refitter(src, dst).refit()  # process-wide first use: not the per-Refitter cost
+    runs = [timed_first(src, dst, device) for _ in range(args.repeat)]
+    for run in runs:
+        print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in run.items()))
+    prof = cProfile.Profile()
+    torch.cuda.synchronize(device)
+    prof.enable()
+    r = tr.Refitter(src, dst)
+    r.refit()
+    prof.disable()
+    torch.cuda.synchronize(device)
+    r.close()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("cumtime").print_stats(40)
+    stats.sort_stats("tottime").print_stats(25)
+    print(text.getvalue())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"preset": args.preset, "layers": args.layers, "megatron": args.megatron,
+                       "runs": runs, "profile": text.getvalue()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
