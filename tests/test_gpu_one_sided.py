@@ -9,8 +9,8 @@ sender (new handles must be exported and mapped) and on the receiver is followed
 and ``verify()`` catches a corrupted destination on every rank. For ipc it also
 checks that the sender exported far fewer allocation segments than tensors. With
 tensors of 2-16 MB (``LARGE``), the row-parallel halves landing in ``full[:, :half]``
-(local copies and ipc's pulls out of the peer's memory) run widened to complex128
-views (``kernel_copies.widened``), exactly. A MoE-shaped model (256 expert weights of 1-2
+(local copies and ipc's pulls out of the peer's memory) run row by row in the batched
+copy kernel (``batched.strided_runs``), exactly. A MoE-shaped model (256 expert weights of 1-2
 MB) held by rank 0 and pulled whole by rank 1 runs both ranks' copies in one batched launch
 each (rank 1's reading rank 0's mapped memory), exactly.
 """
@@ -133,7 +133,8 @@ def test_one_sided_two_processes_one_gpu(transport: str) -> None:
     for name in results[0]:
         assert results[1][name]["received"] > 0, f"{name}: nothing came through {transport} to rank 1"
     if transport == "ipc":  # each rank copies its own halves of 4 row-parallel weights, pulls its peer's 4
-        assert [c["large tp2->tp1"]["widened"] for c in results] == [8, 8], results
+        assert [c["large tp2->tp1"]["batched"] for c in results] == [8, 8], results
+        assert [c["large tp2->tp1"]["widened"] for c in results] == [0, 0], results
     # rank 0 copies the MoE model locally (runs merged first), rank 1 pulls its 262 large
     # tensors one by one (ipc) or is written (nixl): both ranks' copies run batched
     moe = [c["moe tp1 on rank 0 -> tp1 x 2"]["batched"] for c in results]
