@@ -164,3 +164,23 @@ def test_flat_buffer_models_refit_in_one_copy() -> None:
     assert got["planned"] > 20 and got["copies"] == 1
     assert got["exact"]
     assert got["caught"] is not None and "local_experts.2.linear_fc1.weight" in got["caught"]
+
+
+def test_allocations_asked_once_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_spans`` asks for each allocation once (a driver call on CUDA), and still
+    keeps runs inside allocations: two source buffers back to back in one flat
+    destination merge per buffer, never across them."""
+    from torchrefit.execute import runs
+
+    asked = []
+    real = runs.allocation_of
+    monkeypatch.setattr(runs, "allocation_of", lambda t: asked.append(t) or real(t))
+    sizes = [16] * 6
+    src_a, src_b, dst_flat = torch.randn(48), torch.randn(48), torch.zeros(96)
+    src = _pieces(src_a, sizes[:3]) + _pieces(src_b, sizes[3:])
+    dst = _pieces(dst_flat, sizes)
+    merged = merge_local([(d, s, f"t{i}") for i, (d, s) in enumerate(zip(dst, src))])
+    assert [m[2] for m in merged] == ["t0 .. t2 (3 tensors in one copy)", "t3 .. t5 (3 tensors in one copy)"]
+    _apply(merged)
+    assert torch.equal(dst_flat, torch.cat([src_a, src_b]))
+    assert len(asked) == 3  # dst_flat, src_a, src_b: one each

@@ -115,12 +115,16 @@ class LocalCopies:
         if self.batch is not None:
             with side.placed(_BATCH_LANE):
                 self.batch.launch()
-        for branch, (dst, src, _), w in zip(self.branch_of, self.big, self.words):
-            with side.placed(branch):
-                if w is None:
-                    dst.copy_(src)
-                else:
-                    kernel_copies.run(w)
+        on: dict[int, list[int]] = defaultdict(list)
+        for i, branch in enumerate(self.branch_of):
+            on[branch].append(i)
+        for branch, copies in on.items():  # one stream switch per branch, not per copy
+            with side.placed(branch):  # (~30 us each while capturing: 1000 copies, 30 ms)
+                for i in copies:
+                    if self.words[i] is None:
+                        self.big[i].dst.copy_(self.big[i].src)
+                    else:
+                        kernel_copies.run(self.words[i])
         with side.placed(_SMALL_LANE):
             for g in self.small:
                 torch._foreach_copy_(g.dst, g.src)
