@@ -22,6 +22,11 @@ def _x(v, digits=3) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
+def _watch(row: dict) -> str:
+    """Rows refitted with ``Refitter(watch="manual")`` say so (older JSONs have no key)."""
+    return " (watch manual)" if row.get("watch") == "manual" else ""
+
+
 def table(path: pathlib.Path) -> str:
     data = json.loads(path.read_text())
     rows = data["configs"]
@@ -37,7 +42,7 @@ def table(path: pathlib.Path) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r['impl']} | {r['variant']} | {r['transport']} | {_gb(r.get('bytes_local'))} | "
+            f"| {r['impl']} | {r['variant']}{_watch(r)} | {r['transport']} | {_gb(r.get('bytes_local'))} | "
             f"{_gb(r.get('bytes_remote'))} | {r['median_ms']:.2f} | {r['mean_ms']:.2f} ± {r['stddev_ms']:.2f} | "
             f"{r['min_ms']:.2f}-{r['max_ms']:.2f} | {_x(r.get('floor_ms'), 2)} | {_x(r.get('ratio_to_floor'))} | "
             f"{_x(r.get('ratio_to_megatron'))} | {_x(r.get('host_ms'))} | {_x(r.get('host_cold_ms'))} | "

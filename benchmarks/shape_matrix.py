@@ -13,6 +13,7 @@ Run (GPU machine, megatron-core importable)::
     python benchmarks/shape_matrix.py --also-toy --json F  # and torchrefit on toy models of each shape
     python benchmarks/shape_matrix.py --batched --json F  # every plain aligned copy batched (TORCHREFIT_BATCHED_COPY=1)
     python benchmarks/shape_matrix.py --no-megatron --only dense-0.5b --json F  # toy models, one preset
+    python benchmarks/shape_matrix.py --watch-manual-too --json F  # toy rows also with Refitter(watch="manual")
     python benchmarks/shape_matrix.py --report benchmarks/results/h200/h200_shape_matrix.json
 
 The second form writes the table into BENCHMARKS.md (between the ``shape_matrix``
@@ -43,7 +44,7 @@ TARGET = 1.03  # x the copy floor (issue 16)
 BEGIN, END = "<!-- shape_matrix: begin", "<!-- shape_matrix: end -->"
 
 
-def _config(name: str, layers: int | None, args, toy: bool = False):
+def _config(name: str, layers: int | None, args, toy: bool = False, watch: str = "every"):
     from torchrefit.bench import BenchConfig
     from torchrefit.bench.config import spec_from_preset
     from torchrefit.bench.megatron_models import megatron_available
@@ -56,10 +57,10 @@ def _config(name: str, layers: int | None, args, toy: bool = False):
         spec = spec_from_preset(name, layers=layers)
     compare = ("megatron-core" if (torch.cuda.is_available() and megatron_available() and not args.no_megatron
                                    and not toy) else None)
-    label = name + (f" ({layers} layers)" if layers else "")
+    label = name + (f" ({layers} layers)" if layers else "") + (" watch=manual" if watch == "manual" else "")
     return BenchConfig(spec=spec, transport="nccl" if torch.cuda.is_available() else "gloo",
                        warmup=args.warmup, iters=args.iters, variants=("graph",), compare=compare,
-                       label=label)
+                       label=label, watch=watch)
 
 
 def run(args) -> None:
@@ -76,8 +77,14 @@ def run(args) -> None:
     for name, layers in MATRIX:
         if args.only and name not in args.only:
             continue
-        for toy in (False, True) if args.also_toy and megatron else (False,):
-            out["shapes"].append(_run_one(name, _config(name, layers, args, toy), toy or args.no_megatron))
+        # --watch-manual-too: toy models both ways (with megatron-core, its rows come first)
+        toys = (False, True) if (args.also_toy or args.watch_manual_too) and megatron else (False,)
+        runs = [(toy, "every") for toy in toys]
+        if args.watch_manual_too:  # the same toy models' host time without the per-refit checks
+            runs.append((True, "manual"))
+        for toy, watch in runs:
+            cfg = _config(name, layers, args, toy, watch)
+            out["shapes"].append(_run_one(name, cfg, toy or args.no_megatron))
             print(_line(out["shapes"][-1]), flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps(out, indent=1, default=str))
@@ -88,7 +95,7 @@ def _run_one(name: str, cfg, toy: bool) -> dict:
 
     t0 = time.perf_counter()
     entry = {"preset": name, "layers": cfg.spec.layers,
-             "models": "toy" if toy or cfg.compare is None else "megatron-core"}
+             "models": "toy" if toy or cfg.compare is None else "megatron-core", "watch": cfg.watch}
     try:
         entry["rows"] = run_bench(cfg)
     except Exception:  # one shape failing (memory) must not lose the others
@@ -127,15 +134,27 @@ COLUMNS = ("shape", "models", "params", "torchrefit ms", "x floor", "device x fl
            "torchrefit / megatron")
 
 
+_WATCH_NOTE = (' *watch=manual*: torchrefit built with `Refitter(watch="manual")`, no per-refit check '
+               "for replaced tensors or moved storage (the caller calls `rebind()`); the other rows "
+               "check before every refit (the default).")
+
+
+def _watch(entry: dict) -> str:
+    """", watch=manual" for an entry run with ``--watch-manual-too`` (older JSONs: none)."""
+    return ", watch=manual" if entry.get("watch") == "manual" else ""
+
+
 def table(data: dict, source: str) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|---" * len(COLUMNS) + "|"]
     for e in data["shapes"]:
         shape = f"{e['preset']} ({e['layers']} layers)"
         if "error" in e:
-            lines.append(f"| {shape} | {e.get('models', '')} | failed: see the JSON |" + " |" * (len(COLUMNS) - 3))
+            lines.append(f"| {shape} | {e.get('models', '')}{_watch(e)} | failed: see the JSON |"
+                         + " |" * (len(COLUMNS) - 3))
             continue
         t, m = _rows(e)
-        cells = [shape, e.get("models", "megatron-core" if m else "toy"), f"{t['params'] / 1e9:.2f} B",
+        models = e.get("models", "megatron-core" if m else "toy") + _watch(e)
+        cells = [shape, models, f"{t['params'] / 1e9:.2f} B",
                  _x(t["median_ms"], ".2f"), f"**{_x(t['ratio_to_floor'])}**", _x(t.get("device_ratio_to_floor")),
                  _x(t.get("ratio_to_flat_copy")), _x(t["floor_ms"], ".2f"), _x(t.get("flat_copy_ms")),
                  _x(t["host_ms"]), _x(t.get("host_cold_ms")), _x(t["first_refit_s"]), _x(m and m["median_ms"], ".2f"),
@@ -153,7 +172,8 @@ def table(data: dict, source: str) -> str:
             f"*host ms*: host time per refit while the GPU is busy; *warm* right after another call, "
             f"*cold* the first call after the host waited for the device, as each timed refit is. "
             f"*x flat copy*: wall time over one copy of the same bytes between two flat buffers, timed "
-            f"the same way (launch and synchronisation included; '-' where two more buffers do not fit).\n\n"
+            f"the same way (launch and synchronisation included; '-' where two more buffers do not fit)."
+            f"{_WATCH_NOTE if any(_watch(e) for e in data['shapes']) else ''}\n\n"
             + "\n".join(lines) + f"\n\n{END}")
 
 
@@ -179,6 +199,10 @@ def main() -> None:
     ap.add_argument("--no-megatron", action="store_true", help="torchrefit only")
     ap.add_argument("--also-toy", action="store_true",
                     help="after each megatron-core shape, torchrefit on toy models of the same shape")
+    ap.add_argument("--watch-manual-too", action="store_true",
+                    help="after each shape, torchrefit on toy models of it with Refitter(watch='manual') "
+                         "(no per-refit tensor checks) as well as the default (implies --also-toy): "
+                         "host time both ways in one run")
     ap.add_argument("--batched", action="store_true",
                     help="batch every plain aligned copy (TORCHREFIT_BATCHED_COPY=1; default: auto)")
     args = ap.parse_args()

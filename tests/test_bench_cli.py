@@ -1,7 +1,8 @@
 """``torchrefit bench`` on CPU: it runs, verifies, and writes the JSON keys BENCHMARKS.md
 and issue 5 rely on (median, floor and ratio, first refit, peak memory), for the plain and
 shared-storage variants; its table names its columns plainly and leaves out what a CPU
-run cannot have (the CUDA-graph variant, host-time and megatron-core columns)."""
+run cannot have (the CUDA-graph variant, host-time and megatron-core columns).
+``--watch manual`` reaches the bench's config and Refitter, and rows record it."""
 
 import json
 
@@ -18,15 +19,44 @@ def test_bench_writes_the_figures(tmp_path, capsys) -> None:
                  "--variant", "share", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["configs"]
     assert [r["variant"] for r in rows] == ["plain", "share"]
+    assert [r["watch"] for r in rows] == ["every", "every"]
     for r in rows:
         for key in ("median_ms", "floor_ms", "ratio_to_floor", "first_refit_s", "peak_extra_bytes"):
             assert r[key] is not None, key
         assert r["bytes_local"] > 0 and r["bytes_remote"] == 0
     assert rows[0]["shared_tensors"] == 0 < rows[1]["shared_tensors"]
     header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("impl"))
-    assert header.split()[:7] == ["impl", "variant", "transport", "local", "remote", "median", "ms"]
+    assert header.split()[:8] == ["impl", "variant", "transport", "watch", "local", "remote", "median", "ms"]
     assert "floor ms" in header and "vs floor" in header
     assert "vs mcore" not in header and "host ms" not in header and "x floor" not in header
+
+
+def test_bench_watch_manual_reaches_the_refitter(tmp_path, capsys, monkeypatch) -> None:
+    """``--watch manual``: in the config, in the Refitter (the row reads it back from the
+    Refitter), in the JSON and in the printed table; a bad value is refused by argparse."""
+    import torchrefit.bench as bench
+
+    seen = []
+    real = bench.run_bench
+    monkeypatch.setattr(bench, "run_bench", lambda cfg: seen.append(cfg.watch) or real(cfg))
+    out = tmp_path / "watch.json"
+    assert main(["bench", "--layers", "1", "--hidden", "64", "--heads", "4", "--ffn", "128",
+                 "--vocab", "256", "--warmup", "1", "--iters", "2", "--variant", "plain",
+                 "--watch", "manual", "--json", str(out)]) == 0
+    assert seen == ["manual"]
+    (row,) = json.loads(out.read_text())["configs"]
+    assert row["watch"] == "manual" and row["median_ms"] is not None
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("impl"))
+    cells = next(line for line in lines if line.startswith("torchrefit")).split()
+    assert cells[header.split().index("watch")] == "manual"
+    with pytest.raises(SystemExit):
+        main(["bench", "--watch", "sometimes"])
+    from torchrefit.bench import BenchConfig
+    from torchrefit.testing import ModelSpec
+
+    with pytest.raises(ValueError, match="'sometimes'"):
+        BenchConfig(spec=ModelSpec(layers=1), watch="sometimes")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU defaults")

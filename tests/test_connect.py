@@ -65,7 +65,7 @@ def _refits(conn, src, dst, check) -> dict:
     out["versions"] = [rep.version for rep in reports]
     out["received"] = sum(rep.bytes_received for rep in reports)
 
-    def broken():  # a transport that fails mid-refit, on every rank
+    def broken(*_args, **_kwargs):  # a transport that fails mid-refit, on every rank
         raise tr.TransportError("injected failure")
     r._program.run = broken
     with pytest.raises(tr.TransportError):

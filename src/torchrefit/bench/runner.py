@@ -167,7 +167,7 @@ def _time_refitter(tr, src, dst, cfg: BenchConfig, variant: str, device: torch.d
     made: dict = {}
 
     def first() -> None:
-        kwargs = dict(VARIANTS[variant])
+        kwargs = dict(VARIANTS[variant], watch=cfg.watch)
         if cfg.name_map == "hf":
             s = cfg.spec
             kwargs["name_map"] = tr.maps.megatron_to_hf(num_heads=s.heads, num_query_groups=s.groups)
@@ -187,6 +187,7 @@ def _time_refitter(tr, src, dst, cfg: BenchConfig, variant: str, device: torch.d
                 "large_local_copies_as_kernels": sum(w is not None for w in local.words) if local else 0,
                 "batched_local_copies": len(local.batch.dst) if local and local.batch else 0})
     row.update({"impl": "torchrefit", "variant": variant, "transport": refitter.transport_name,
+                "watch": refitter.watch,
                 "staging_bytes": report.staging_bytes, "bytes_local": report.bytes_local,
                 "bytes_sent": report.bytes_sent, "bytes_received": report.bytes_received,
                 "shared_tensors": report.shared_tensors, "plan_seconds": refitter.plan_seconds,

@@ -7,6 +7,8 @@ configuration and variant: bytes moved, mean / median / stddev / min-max, the
 floor measured in the same run and the ratio to it, host time per refit while
 the GPU is busy (warm: calls back to back; cold: the first call after the host
 waited for the device), peak extra device memory and first-refit time.
+``--watch manual`` times ``Refitter(watch="manual")`` (no per-refit check for replaced
+tensors or moved storage); rows say which in their ``watch`` column and key.
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ def add_parser(sub) -> None:
                    help="executor variant, repeatable: plain replay, CUDA-graph replay of local "
                         "copies (GPU only), shared storage (default: plain and graph on a GPU, "
                         "plain on CPU)")
+    p.add_argument("--watch", default="every", choices=["every", "manual"],
+                   help="Refitter(watch=...): every (default) checks for replaced tensors and moved "
+                        "storage before each refit; manual skips that O(tensors) host work (the "
+                        "bench's models never change between refits)")
     p.add_argument("--compare", choices=["megatron-core"], help="also time megatron-core's "
                                                                  "swap_model_weights on the same models")
     p.add_argument("--map", dest="name_map", choices=["hf"],
@@ -118,7 +124,7 @@ def run(args) -> int:
         cfg = BenchConfig(spec=_spec(args, layers), src=args.src, dst=args.dst, mode=args.mode,
                           transport=args.transport, nproc=args.nproc, warmup=args.warmup,
                           iters=args.iters, variants=variants, compare=args.compare, label=args.label,
-                          name_map=args.name_map, fp8=args.fp8)
+                          name_map=args.name_map, fp8=args.fp8, watch=args.watch)
         got = run_bench(cfg)
         _print(cfg, got)
         rows.extend(got)
@@ -143,6 +149,7 @@ _COLUMNS = (
     ("impl", -14, lambda r: r["impl"], str),
     ("variant", -20, lambda r: r["variant"], str),
     ("transport", -10, lambda r: r["transport"], str),
+    ("watch", -7, lambda r: r.get("watch"), str),
     ("local", 11, lambda r: r.get("bytes_local"), format_bytes),
     ("remote", 11, lambda r: r.get("bytes_remote"), format_bytes),
     ("median ms", 10, lambda r: r["median_ms"], _num(".2f")),
@@ -177,6 +184,11 @@ def _print(cfg, rows: list[dict]) -> None:
         print("".join(f"{v:<{-w}}" if w < 0 else f"{v:>{w}}" for v, w in cells))
 
 
+def _watch_suffix(row: dict) -> str:
+    """" watch=manual" for rows refitted without the per-refit checks, else nothing."""
+    return " watch=manual" if row.get("watch") == "manual" else ""
+
+
 def _plot(rows: list[dict], path: str) -> None:
     try:
         import matplotlib
@@ -187,7 +199,7 @@ def _plot(rows: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series: dict[str, list] = {}
     for r in rows:
-        series.setdefault(f"{r['impl']} {r['variant']}", []).append((r["params"] / 1e9, r["median_ms"]))
+        series.setdefault(f"{r['impl']} {r['variant']}{_watch_suffix(r)}", []).append((r["params"] / 1e9, r["median_ms"]))
     for name, pts in series.items():
         pts.sort()
         ax.plot(*zip(*pts), marker="o", label=name)

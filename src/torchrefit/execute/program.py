@@ -173,11 +173,14 @@ class Program:
                 check_same_meta(side, key, was, now, rank)
             self.compiled = self._compile()
 
-    def run(self) -> RunStats:
-        """Replay the refit. Collective with the plan's peers."""
+    def run(self, check: bool = True) -> RunStats:
+        """Replay the refit. Collective with the plan's peers. ``check=False`` skips
+        :meth:`check_storage` (O(tensors) host time): the caller calls it itself when
+        storage may have moved (``Refitter(watch="manual")`` and ``Refitter.rebind``)."""
         # Before any copy, never after: a caller may re-use the old storage (an engine
         # that swaps weight buffers), so even one replay into it would corrupt.
-        self.check_storage()
+        if check:
+            self.check_storage()
         c = self.compiled
         with torch.no_grad():
             # FP8 from the source first: the side streams and the exchange wait for the

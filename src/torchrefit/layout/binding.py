@@ -6,10 +6,11 @@ was described with the old one: a refit would then write into (or read from) a t
 the model no longer uses, silently. A :class:`Binding` remembers, per local key, the
 dict (``module._parameters``, ``module._buffers`` or a mapping model) and the name
 that held the tensor when the model was described. ``Refitter.refit()`` asks it
-before every refit, on this rank only (one identity check per tensor, no
-collective); where one changed it takes the model's current tensor if it has the
-same shape, dtype and device (the plan stays valid: only compiled views are rebuilt)
-and otherwise raises :class:`LayoutError` naming it.
+before every refit (``watch="manual"``: only ``Refitter.rebind()`` does), on this rank
+only (one identity check per tensor, no collective); where one changed it takes the
+model's current tensor if it has the same shape, dtype and device (the plan stays
+valid: only compiled views are rebuilt) and otherwise raises :class:`LayoutError`
+naming it.
 
 ``param.data = new`` keeps the Parameter object and moves its storage: the compiled
 program notices that itself (``Program.storage_moved``) and recompiles.
