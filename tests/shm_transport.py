@@ -83,6 +83,27 @@ class ShmPush(_Shm):
             dst.copy_(src)
 
 
+@register_transport
+class ShmPullTurns(ShmPull):
+    """``shm-pull`` where ranks copying on one device take turns (``transport.turns``;
+    on CPU every rank of the host copies on "cpu"). Each turn's copies are held
+    :attr:`hold` seconds before its word (as a GPU's copies take time), and every turn's
+    start and end are logged with ``time.monotonic()`` (one clock for all processes)."""
+
+    name = "shm-pull-turns"
+    turns = True
+    hold = 0.05
+
+    def wait_turn(self) -> None:
+        super().wait_turn()
+        LOG.append(f"turn_start:{time.monotonic()}")
+
+    def post_turn(self) -> None:
+        time.sleep(self.hold)
+        LOG.append(f"turn_end:{time.monotonic()}")
+        super().post_turn()
+
+
 class _Stream:
     """A GPU stream's order on CPU: what is queued runs on one worker thread, in order."""
 

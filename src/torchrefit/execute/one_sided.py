@@ -117,22 +117,38 @@ class OneSidedProgram:
     def run(self, compare: bool = False) -> list[str]:
         """One refit's exchange, collective with this rank's peers; in ``compare`` mode
         nothing is written and the mismatching regions are returned."""
+        self.announce()
+        bad = self.initiate(compare)
+        self.finish()
+        return bad
+
+    def announce(self) -> None:
+        """Target: this refit's ready token and header to each initiator (first, so that
+        they may read or write this rank's memory while it waits for anything)."""
         c, transport = self.compiled, self.transport
         if c.targets:
             token = transport.ready()  # after this rank's current stream: its producer
             for target in c.targets:
                 transport.post_header(target.peer, c.generation, (c.exposed, target.regions), token)
-        bad: list[str] = []
-        if c.initiated:
-            remote = [self._attach(pair) for pair in c.initiated]
-            bad = self._transfer(remote, compare)
-            token = transport.done()
-            for pair in c.initiated:
-                transport.post_done(pair.peer, token)
-        for target in c.targets:
-            transport.wait_done(target.peer, transport.recv_done(target.peer))
-        transport.settle()
+
+    def initiate(self, compare: bool = False) -> list[str]:
+        """Initiator: read or write each target's memory once it is ready, then post the
+        done tokens. Returns the mismatches in ``compare`` mode."""
+        c, transport = self.compiled, self.transport
+        if not c.initiated:
+            return []
+        remote = [self._attach(pair) for pair in c.initiated]
+        bad = self._transfer(remote, compare)
+        token = transport.done()
+        for pair in c.initiated:
+            transport.post_done(pair.peer, token)
         return bad
+
+    def finish(self) -> None:
+        """Target: this rank's later work waits for each initiator's access."""
+        for target in self.compiled.targets:
+            self.transport.wait_done(target.peer, self.transport.recv_done(target.peer))
+        self.transport.settle()
 
     def _attach(self, pair: Initiated) -> tuple[int, tuple]:
         generation, token, remote = self.transport.recv_header(pair.peer)

@@ -182,6 +182,8 @@ class Program:
         if check:
             self.check_storage()
         c = self.compiled
+        if isinstance(self.transport, OneSidedTransport) and self.transport.turn is not None:
+            return self._run_in_turn(c)
         with torch.no_grad():
             # FP8 from the source first: the side streams and the exchange wait for the
             # caller's stream, so they see the staging the sends carry
@@ -197,6 +199,29 @@ class Program:
                     c.local.run_in_session(self.side)  # on side streams: overlaps the exchange
                     self._exchange(c, compare=False)
             c.quantize.after.run()  # from the shadows, now joined into the caller's stream
+        return c.stats()
+
+    def _run_in_turn(self, c: Compiled) -> RunStats:
+        """``run`` on a GPU shared with other ranks that copy (``transport.turns``): the
+        ready header first, then this rank's copies once the previous rank's finished,
+        its turn word behind them, and only then the wait for its readers' done tokens."""
+        one = c.one_sided if c.one_sided is not None and not c.one_sided.idle else None
+        with torch.no_grad():
+            c.quantize.before.run()
+            if one is not None:
+                one.announce()
+            self.transport.wait_turn()
+            if one is None and c.local.graph is not None:
+                c.local.graph.replay()
+            else:
+                with self.side.session(1 if c.local.graph is not None else None):
+                    c.local.run_in_session(self.side)
+                    if one is not None:
+                        one.initiate()
+            self.transport.post_turn()  # the caller's stream has joined every copy
+            if one is not None:
+                one.finish()
+            c.quantize.after.run()
         return c.stats()
 
     def mismatches(self) -> list[str]:

@@ -134,6 +134,7 @@ class IpcTransport(OneSidedTransport):
     name = "ipc"
     pull = True
     mailbox = True  # one host: headers and done tokens as shared-memory words (transport.mailbox)
+    turns = True  # ranks copying on one shared GPU take turns (transport.turns)
     preference = 30  # no staging and no packing: copies at the device's copy bandwidth
     needs_cuda = True
     one_host = True

@@ -44,11 +44,14 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+from .._collectives import all_gather_pickled
 from ..errors import TransportError
 from ..layout._types import Box
 from ..plan.types import RankPlan
-from .base import Transport, require_backend
+from .base import Transport, poll_until, require_backend
 from .mailbox import Mailbox, done_word, header_word
+from .turns import Turn, chain_of, device_key
+from .turns import enabled as turns_enabled
 
 __all__ = ["OneSidedTransport", "Table", "WORD"]
 
@@ -76,6 +79,8 @@ class OneSidedTransport(Transport):
     #: one host: headers and done tokens with nothing new go through host shared memory
     #: (``transport.mailbox``) instead of Gloo; ``TORCHREFIT_MAILBOX=0`` turns it off
     mailbox: ClassVar[bool] = False
+    #: ranks copying on one shared GPU take turns (``transport.turns``); needs ``mailbox``
+    turns: ClassVar[bool] = False
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         super().__init__(group, device)
@@ -94,6 +99,48 @@ class OneSidedTransport(Transport):
         self._got: dict[tuple[str, int], object] = {}  # last header (generation, token) / done token
         self._writers: dict[Mailbox, Callable[[int, int], None] | None] = {}  # per mailbox, stream_writer's
         self.gloo_messages = 0  # control messages posted or received over Gloo (tests count them)
+        self.turn: Turn | None = None  # this rank's place among ranks copying on its GPU, if shared
+
+    def prepare(self, plan, message_limit: int) -> None:
+        """Collective: where several ranks copy on this rank's GPU, their turns
+        (``transport.turns``): each rank's device, whether it copies and can post its
+        turn word in stream order, and its turn mailbox, gathered once."""
+        if not (self.turns and self.mailbox and turns_enabled()):
+            return
+        copies = bool(plan.local) or bool(plan.recvs if self.pull else plan.sends)
+        own = writer = None
+        if copies:
+            try:
+                own = Mailbox.create(1)
+                writer = self._writer(own)
+            except (RuntimeError, OSError):  # no shared memory: this rank copies whenever
+                own, copies = None, False
+            # on a GPU the word must follow the copies in stream order; the host may write
+            # it only where copies finish when queued (CPU)
+            copies = copies and (writer is not None or self.device.type == "cpu")
+        mine = (device_key(self.device), copies, own.handle() if copies else None)
+        infos = all_gather_pickled(mine, self.group, self.timeout)
+        chain = chain_of(self.rank, [i[0] for i in infos], [i[1] for i in infos])
+        if not chain:
+            return
+        k = chain.index(self.rank)
+        previous = chain[k - 1] if k else None
+        before = Mailbox.open(infos[previous][2]) if previous is not None else None
+        last = k == len(chain) - 1
+        self.turn = Turn(self.rank, previous, before, None if last else own, None if last else writer)
+
+    def wait_turn(self) -> None:
+        """Host, before this rank queues a refit's copies: the previous rank's copies of
+        it finished (a no-op where this rank takes no turns)."""
+        turn = self.turn
+        if turn is not None and not turn.wait(poll_until, self.poll_timeout()):
+            raise self.peer_error(turn.previous, "receive",
+                                  TimeoutError(f"its turn {turn.taken} on the shared GPU never ended"))
+
+    def post_turn(self) -> None:
+        """After this rank's copies of a refit, in its current stream's order."""
+        if self.turn is not None:
+            self.turn.post()
 
     @classmethod
     def plan_problem(cls, plan: RankPlan) -> str | None:
@@ -333,6 +380,7 @@ class OneSidedTransport(Transport):
         return ctypes.string_at(body.data_ptr(), int(size))
 
     def close(self) -> None:
+        self.turn = None
         self._attached.clear()
         self._announced.clear()
         self._peer_boxes.clear()

@@ -1,0 +1,93 @@
+"""Turns on a shared GPU: processes of one group that copy on the same GPU do it one
+after another, not at once.
+
+Without MPS a GPU runs one process's kernels at a time and switches between processes
+with work queued; copies from several processes at once then cost more than the same
+copies one process after another. On one H200, pure copies from two and four
+processes at once took 1.08x and 1.12x the copy floor, and ipc's collocated TP2 -> TP1
+refit with two and four processes sharing the GPU 1.19-1.22x (BENCHMARKS.md,
+"Transports run 4" and "Eleventh session").
+
+So where several ranks of a group copy on one GPU (a ``one_host`` transport; ranks
+with local copies or, for a pull transport, reads), they take turns in rank order for
+every refit: rank ``k`` posts its ready header (peers may read its sources during
+others' turns), its host waits until the previous rank's turn word says that rank's
+copies of this refit finished, then queues its own copies, and its stream writes its
+own turn word after them. A host wait, not a stream wait: a stream waiting on another
+process's word keeps its context in the GPU's rotation (BENCHMARKS.md "Transports run
+6"). The waits never form a cycle: a rank's ready header precedes its wait, and its
+wait for its readers' done tokens follows its own turn word.
+
+Found once per Refitter by a collective in ``OneSidedTransport.prepare`` (each rank's
+host, device identity and whether it copies); ``TORCHREFIT_DEVICE_TURNS=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .mailbox import Mailbox
+
+__all__ = ["Turn", "TURNS_ENV", "device_key", "chain_of"]
+
+TURNS_ENV = "TORCHREFIT_DEVICE_TURNS"
+_WORD = 0  # the one word of a turn mailbox: the number of this rank's finished turns
+
+
+def device_key(device: torch.device) -> str:
+    """What identifies the physical device a rank copies on, across processes: host and
+    GPU UUID (``CUDA_VISIBLE_DEVICES`` may number one GPU differently per process)."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        ident = str(getattr(props, "uuid", "") or getattr(props, "pci_bus_id", "") or device.index)
+    else:
+        ident = device.type
+    return f"{socket.gethostname()}/{ident}"
+
+
+def chain_of(rank: int, keys: list[str], copies: list[bool]) -> list[int]:
+    """The ranks that take turns with ``rank``, in order: those that copy on its device,
+    where there are two or more and ``rank`` is one of them; else empty. Pure."""
+    members = [r for r, (k, c) in enumerate(zip(keys, copies)) if c and k == keys[rank]]
+    return members if len(members) > 1 and rank in members else []
+
+
+@dataclass
+class Turn:
+    """This rank's place in its device's chain: the previous rank's mailbox (None: it
+    goes first) and its own (None: it goes last), with the writer of its word (a
+    transport's stream writer, or None where the host writes it: copies that finished
+    when they were queued, on CPU)."""
+
+    rank: int
+    previous: int | None
+    before: Mailbox | None
+    own: Mailbox | None
+    writer: Callable[[int, int], None] | None
+    taken: int = 0  # turns this rank took (refits of any program, in the same order everywhere)
+
+    def wait(self, poll: Callable[[Callable[[], bool], float], bool], timeout: float) -> bool:
+        """Host: until the previous rank finished turn ``taken + 1``; False on timeout."""
+        self.taken += 1
+        if self.before is None:
+            return True
+        box, want = self.before, self.taken
+        return poll(lambda: box.load(_WORD) >= want, timeout)
+
+    def post(self) -> None:
+        """After this rank's copies: its word, from its stream where it has a writer."""
+        if self.own is None:
+            return
+        if self.writer is not None:
+            self.writer(_WORD, self.taken)
+        else:
+            self.own.store(_WORD, self.taken)
+
+
+def enabled() -> bool:
+    return os.environ.get(TURNS_ENV, "1").strip() != "0"
