@@ -131,13 +131,25 @@ class OneSidedProgram:
             for target in c.targets:
                 transport.post_header(target.peer, c.generation, (c.exposed, target.regions), token)
 
-    def initiate(self, compare: bool = False) -> list[str]:
-        """Initiator: read or write each target's memory once it is ready, then post the
-        done tokens. Returns the mismatches in ``compare`` mode."""
+    def reach(self) -> list[tuple[int, tuple]]:
+        """Initiator: each target's header (its table opened where new) and ready token,
+        and, for a pull transport, its copies compiled (captured) for these tables: all
+        but the transfer, so that a rank taking turns on a shared GPU does this before
+        its turn (``Program._run_in_turn``)."""
+        remote = [self._attach(pair) for pair in self.compiled.initiated]
+        if remote and self.transport.pull:
+            self._pull_copies(remote)
+        return remote
+
+    def initiate(self, compare: bool = False, remote: list[tuple[int, tuple]] | None = None) -> list[str]:
+        """Initiator: read or write each target's memory once it is ready (``remote``:
+        what :meth:`reach` returned, else reached now), then post the done tokens.
+        Returns the mismatches in ``compare`` mode."""
         c, transport = self.compiled, self.transport
         if not c.initiated:
             return []
-        remote = [self._attach(pair) for pair in c.initiated]
+        if remote is None:
+            remote = [self._attach(pair) for pair in c.initiated]
         bad = self._transfer(remote, compare)
         token = transport.done()
         for pair in c.initiated:

@@ -208,8 +208,10 @@ class Program:
         one = c.one_sided if c.one_sided is not None and not c.one_sided.idle else None
         with torch.no_grad():
             c.quantize.before.run()
+            remote = None
             if one is not None:
                 one.announce()
+                remote = one.reach()  # headers, tables, pulls compiled: not on the turn's clock
             self.transport.wait_turn()
             if one is None and c.local.graph is not None:
                 c.local.graph.replay()
@@ -217,7 +219,7 @@ class Program:
                 with self.side.session(1 if c.local.graph is not None else None):
                     c.local.run_in_session(self.side)
                     if one is not None:
-                        one.initiate()
+                        one.initiate(remote=remote)
             self.transport.post_turn()  # the caller's stream has joined every copy
             if one is not None:
                 one.finish()
