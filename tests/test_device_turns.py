@@ -8,7 +8,8 @@ logged on the one monotonic clock of the host), in one 4-process Gloo world:
 - collocated TP2 -> TP1 twice over (ranks 0-3; each rank copies its half and reads its
   peer's): all four take turns, 0 then 1, 2, 3, each refit, no two turns overlapping,
   and each destination is exact against the toy's values (an independent oracle),
-  refit after refit with new source values;
+  refit after refit with new source values; on every rank the ready token and the
+  wait for the peer's precede the turn, and the reads' done token falls inside it;
 - non-collocated TP2 (ranks 0-1) -> TP1 (ranks 2-3): only the readers take turns;
 - ``TORCHREFIT_DEVICE_TURNS=0``: nobody does (and the refit is still exact).
 
@@ -70,8 +71,12 @@ def _case(rank: int, src_mesh: Mesh, dst_mesh: Mesh) -> dict:
         exact.append(dst is None or all(torch.equal(v, expected_local(SPEC, dst_mesh, rank, seed)[k])
                                         for k, v in dst.state_dict().items()))
     turns = _turns(shm_transport.LOG)
+    # the protocol's calls around each turn: ready token, then the peer's ready awaited,
+    # then the turn, the reads and their done token inside it, then the turn's end
+    kinds = ("ready", "wait_ready", "turn_start", "done", "turn_end")
+    order = [e.split(":", 1)[0] for e in shm_transport.LOG if e.split(":", 1)[0] in kinds]
     r.close()
-    return {"exact": exact, "turns": turns}
+    return {"exact": exact, "turns": turns, "order": order}
 
 
 def _world(rank: int, world: int) -> dict:
@@ -95,6 +100,9 @@ def test_ranks_copying_on_one_device_take_turns() -> None:
     for rank, got in enumerate(results):
         for name, case in got.items():
             assert all(case["exact"]), f"rank {rank} {name}: {case['exact']}"
+    for rank, got in enumerate(results):  # every rank both exposes and reads its peer's half
+        assert got["collocated"]["order"] == ["ready", "wait_ready", "turn_start", "done", "turn_end"] * REFITS, \
+            f"rank {rank}: {got['collocated']['order']}"
     colloc = [got["collocated"]["turns"] for got in results]
     assert [len(t) for t in colloc] == [REFITS] * 4
     _in_turn(colloc, [0, 1, 2, 3])
