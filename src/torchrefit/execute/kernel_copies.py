@@ -32,8 +32,10 @@ per preset), but was not itself re-timed on a GPU (see BENCHMARKS.md).
 ``TORCHREFIT_SM_COPY_BELOW=<bytes>`` overrides it: every plain large copy below that size
 is a kernel; 0, none is.
 
-**Strided copies** (a TP half into ``full[:, :half]``) run on the widest views of the
-same bytes that fit, 16-byte complex128 elements first (:func:`widened`; off with
+**Strided copies** (a TP half into ``full[:, :half]``) whose rows the batched kernel
+takes (``batched.strided_runs``: aligned rows of at least 2 KB) run there, 1.098x their
+floor for the seed's halves on one H200 (BENCHMARKS.md "Eleventh session"); the others
+run on the widest views of the same bytes that fit, 16-byte complex128 elements first (:func:`widened`; off with
 ``TORCHREFIT_STRIDED_WORDS=0``). On one H200, 40 such copies of the seed's model took
 2.07 ms on bf16 elements, 1.03 ms on int64 views, 0.98 ms on complex128 views (1.25x the
 copy floor; 0.93 ms the same bytes contiguous), exact for random bits; a 2-D
