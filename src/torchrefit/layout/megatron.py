@@ -102,10 +102,14 @@ def _layer_prefix_map(core: nn.Module) -> dict[str, str]:
     """``decoder.layers.0`` -> ``decoder.layers.16`` for a module with ``layer_number`` 17."""
     out = {}
     for mod_name, mod in named_modules(core):
+        # the name first: most modules' names end in no index, and nn.Module's
+        # __getattr__ for a missing attribute is slow (a MoE model has thousands)
+        head, _, last = mod_name.rpartition(".")
+        if not last.isdigit():
+            continue
         number = getattr(mod, "layer_number", None)
-        parts = mod_name.split(".")
-        if isinstance(number, int) and mod_name and parts[-1].isdigit():
-            out[mod_name] = ".".join(parts[:-1] + [str(number - 1)])
+        if isinstance(number, int):
+            out[mod_name] = f"{head}.{number - 1}" if head else str(number - 1)
     return out
 
 
