@@ -103,31 +103,43 @@ class OneSidedTransport(Transport):
 
     def prepare(self, plan, message_limit: int) -> None:
         """Collective: where several ranks copy on this rank's GPU, their turns
-        (``transport.turns``): each rank's device, whether it copies and can post its
-        turn word in stream order, and its turn mailbox, gathered once."""
+        (``transport.turns``). Two small gathers: each rank's device and whether it
+        copies; then the turn mailboxes of the ranks that take turns (none made
+        elsewhere: one process per GPU registers nothing)."""
         if not (self.turns and self.mailbox and turns_enabled()):
             return
         copies = bool(plan.local) or bool(plan.recvs if self.pull else plan.sends)
-        own = writer = None
-        if copies:
+        infos = all_gather_pickled((device_key(self.device), copies), self.group, self.timeout)
+        chain = chain_of(self.rank, [i[0] for i in infos], [i[1] for i in infos])
+        own = None
+        if chain and self.rank != chain[-1]:  # the last one's word nobody reads
             try:
                 own = Mailbox.create(1)
-                writer = self._writer(own)
-            except (RuntimeError, OSError):  # no shared memory: this rank copies whenever
-                own, copies = None, False
-            # on a GPU the word must follow the copies in stream order; the host may write
-            # it only where copies finish when queued (CPU)
-            copies = copies and (writer is not None or self.device.type == "cpu")
-        mine = (device_key(self.device), copies, own.handle() if copies else None)
-        infos = all_gather_pickled(mine, self.group, self.timeout)
-        chain = chain_of(self.rank, [i[0] for i in infos], [i[1] for i in infos])
-        if not chain:
+            except (RuntimeError, OSError):  # no shared memory: nobody takes turns (below)
+                own = None
+        handles = all_gather_pickled(own.handle() if own is not None else None, self.group, self.timeout)
+        if not chain or any(handles[r] is None for r in chain[:-1]):  # the same answer on every rank
             return
         k = chain.index(self.rank)
         previous = chain[k - 1] if k else None
-        before = Mailbox.open(infos[previous][2]) if previous is not None else None
-        last = k == len(chain) - 1
-        self.turn = Turn(self.rank, previous, before, None if last else own, None if last else writer)
+        before = Mailbox.open(handles[previous]) if previous is not None else None
+        self.turn = Turn(self.rank, previous, before, own, self._turn_writer(own))
+
+    def _turn_writer(self, box: Mailbox | None) -> Callable[[int, int], None] | None:
+        """Writes this rank's turn word after everything queued on its current stream:
+        the transport's stream writer, else the host once the stream drained (CPU: the
+        copies finished when they were queued)."""
+        if box is None:
+            return None
+        writer = self._writer(box)
+        if writer is not None or self.device.type != "cuda":
+            return writer
+        device = self.device
+
+        def after_sync(index: int, value: int) -> None:
+            torch.cuda.current_stream(device).synchronize()
+            box.store(index, value)
+        return after_sync
 
     def wait_turn(self) -> None:
         """Host, before this rank queues a refit's copies: the previous rank's copies of
