@@ -13,13 +13,15 @@ with local copies or, for a pull transport, reads), they take turns in rank orde
 every refit: rank ``k`` posts its ready header (peers may read its sources during
 others' turns), its host waits until the previous rank's turn word says that rank's
 copies of this refit finished, then queues its own copies, and its stream writes its
-own turn word after them. A host wait, not a stream wait: a stream waiting on another
-process's word keeps its context in the GPU's rotation (BENCHMARKS.md "Transports run
-6"). The waits never form a cycle: a rank's ready header precedes its wait, and its
+own turn word after them. A host wait, not a stream wait: a wait queued on a stream
+for another process makes the GPU switch contexts to resolve it (0.25 ms per refit on an
+H200, ``transport.base.poll_until``; BENCHMARKS.md "Transports run 4"). The waits never
+form a cycle: a rank's ready header precedes its wait, and its
 wait for its readers' done tokens follows its own turn word.
 
-Found once per Refitter by a collective in ``OneSidedTransport.prepare`` (each rank's
-host, device identity and whether it copies); ``TORCHREFIT_DEVICE_TURNS=0`` turns it off.
+Found once per Refitter by two small gathers in ``OneSidedTransport.prepare`` (each
+rank's host and GPU and whether it copies; then the turn mailboxes of the ranks that
+take turns); ``TORCHREFIT_DEVICE_TURNS=0`` turns it off.
 """
 
 from __future__ import annotations
