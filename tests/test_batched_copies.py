@@ -168,3 +168,29 @@ def test_strided_runs_refused() -> None:
     assert strided_runs(half, over) is not None  # a broadcast source is read, never written
     dense = _views(b, torch.bfloat16, 1 << 18, (64, 1024))
     assert strided_runs(dense, half) is None  # dense: one run, batchable()'s case
+
+
+def test_compile_batch_takes_the_runs_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``compile_batch`` plans the runs a caller already cut (``compile_copies`` cuts a
+    strided copy's rows once, to decide) and cuts the others itself: the table is the
+    tiles of both, in copy order (a CPU stand-in for the kernel's table builder)."""
+    class Fake:
+        tile_bytes = 4096
+
+        def tiles(self, runs, device):
+            return plan_tiles(runs, self.tile_bytes)
+
+    monkeypatch.setattr(batched, "copy_kernel", lambda device: Fake())
+    b = torch.zeros(1 << 20, dtype=torch.uint8)
+    strided = STRIDED["into the second half"](b)
+    dense = (_views(b, torch.bfloat16, 3 << 18, (4096,)), _views(b, torch.bfloat16, 7 << 17, (4096,)))
+    copies = [(*dense, "dense"), (*strided, "strided")]
+    rows = strided_runs(*strided)
+    cpu = torch.device("cpu")
+    want = plan_tiles(batched.ByteRuns.cat([batched.byte_runs(*dense), rows]), 4096)
+    assert torch.equal(batched.compile_batch(copies, cpu).table, want)
+    assert torch.equal(batched.compile_batch(copies, cpu, [None, rows]).table, want)
+    first_row = batched.ByteRuns(rows.dst[:1], rows.src[:1], rows.nbytes[:1])
+    given = batched.compile_batch(copies, cpu, [None, first_row])  # used as given, not cut again
+    assert given.runs == 2 and torch.equal(given.table, plan_tiles(batched.ByteRuns.cat(
+        [batched.byte_runs(*dense), first_row]), 4096))

@@ -168,17 +168,20 @@ def kernel_available(device: torch.device) -> bool:
     return device.type == "cuda" and copy_kernel(device) is not None
 
 
-def compile_batch(copies: Sequence[tuple[torch.Tensor, torch.Tensor, str]], device: torch.device) -> Batch | None:
+def compile_batch(copies: Sequence[tuple[torch.Tensor, torch.Tensor, str]], device: torch.device,
+                  runs: Sequence[ByteRuns | None] | None = None) -> Batch | None:
     """Plan the tiles of ``copies`` (each :func:`batchable` or with
     :func:`strided_runs`) and upload the table, with the kernel loaded, so that
-    capturing ``launch`` in a graph compiles and loads nothing. None where there is
-    nothing to batch."""
+    capturing ``launch`` in a graph compiles and loads nothing. ``runs``: per copy,
+    its runs where the caller has them already (a strided copy's :func:`strided_runs`),
+    else None. None where there is nothing to batch."""
     if not copies:
         return None
     kernel = copy_kernel(device)
     if kernel is None:
         raise RuntimeError("the batched copy kernel is not available: check kernel_available() first")
-    runs = ByteRuns.cat([byte_runs(d, s) for d, s, _ in copies])
-    table = kernel.tiles(runs, device)
+    known = runs if runs is not None else [None] * len(copies)
+    every = ByteRuns.cat([r if r is not None else byte_runs(d, s) for (d, s, _), r in zip(copies, known)])
+    table = kernel.tiles(every, device)
     dst, src, names = zip(*copies)
-    return Batch(table, kernel, len(runs), dst, src, names)
+    return Batch(table, kernel, len(every), dst, src, names)

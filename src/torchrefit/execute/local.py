@@ -37,6 +37,7 @@ from .batched import (
     kernel_available,
     strided_runs,
 )
+from .copy_kernel import ByteRuns
 from .runs import merge_local
 from .streams import SideStreams
 
@@ -168,7 +169,7 @@ def compile_copies(copies: Iterable[Copy], side: SideStreams, cuda_graph: bool,
     big: list[Copy] = []
     small: dict[tuple, list[Copy]] = defaultdict(list)
     batch: list[Copy] = []
-    strided: list[Copy] = []  # batched where the kernel can be built, else per copy
+    strided: list[tuple[Copy, ByteRuns]] = []  # batched where the kernel can be built, else per copy
     # the rules read the copies as planned: merged runs depend on where the allocator put them
     sizes = [n for c in planned if (n := max(c.dst.nbytes, c.src.nbytes)) >= SMALL_COPY_BYTES]
     mode = batch_mode()
@@ -180,12 +181,19 @@ def compile_copies(copies: Iterable[Copy], side: SideStreams, cuda_graph: bool,
         if start is not None and dst.nbytes >= start and batchable(dst, src):
             batch.append(c)
         elif max(dst.nbytes, src.nbytes) >= SMALL_COPY_BYTES:
-            rows = mode != "0" and side.device.type == "cuda" and strided_runs(dst, src) is not None
-            (strided if rows else big).append(c)
+            rows = strided_runs(dst, src) if mode != "0" and side.device.type == "cuda" else None
+            if rows is None:
+                big.append(c)
+            else:
+                strided.append((c, rows))
         else:
             small[(dst.dtype, src.dtype, dst.is_contiguous() and src.is_contiguous())].append(c)
-    if strided:
-        (batch if kernel_available(side.device) else big).extend(strided)
+    runs: list[ByteRuns | None] = [None] * len(batch)  # the dense ones' runs: planned by compile_batch
+    if strided and kernel_available(side.device):
+        batch.extend(c for c, _ in strided)
+        runs.extend(r for _, r in strided)
+    else:
+        big.extend(c for c, _ in strided)
     groups = tuple(CopyGroup(*(tuple(x) for x in zip(*g))) for g in small.values())
     if kernel_copies.strided_words():
         big = [Copy(*w, c.name) if (w := kernel_copies.widened(c.dst, c.src)) else c for c in big]
@@ -193,7 +201,7 @@ def compile_copies(copies: Iterable[Copy], side: SideStreams, cuda_graph: bool,
     words = tuple(kernel_copies.word_views(c.dst, c.src) if c.dst.nbytes < below else None for c in big)
     compiled = LocalCopies(tuple(planned), tuple(big),
                            tuple(balance_by_bytes([c.dst.nbytes for c in big], branches())), groups, words,
-                           compile_batch(batch, side.device))
+                           compile_batch(batch, side.device, runs))
     if cuda_graph and side.streams and compiled:
         return replace(compiled, graph=_capture(compiled, side))
     return compiled
