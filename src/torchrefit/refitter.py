@@ -28,7 +28,7 @@ from .errors import LayoutError, PlanError, RefitError, TransportError, Verifica
 from .execute.program import Program, RunStats
 from .execute.quantize import fp8_buffers
 from .execute.rounds import Staging
-from .layout import Described, LayoutArg, describe, layout_kind
+from .layout import NAMED_LAYOUTS, Described, LayoutArg, describe, layout_kind
 from .layout.binding import Binding
 from .layout.sink import SinkDescribed
 from .layout.walk import shared_walks
@@ -624,7 +624,7 @@ def _sides(infos: list[_RankInfo]) -> str:
 def _resolved(layout: LayoutArg, kind: str) -> LayoutArg:
     """``layout`` as ``describe`` takes it, with None replaced by the adapter ``kind``
     names where :func:`layout_kind` detected one (it detects as ``describe`` does)."""
-    return kind if layout is None and kind in ("dtensor", "megatron", "replicated") else layout
+    return kind if layout is None and kind in NAMED_LAYOUTS else layout
 
 
 def _raise_layout_errors(infos: list[_RankInfo]) -> None:

@@ -27,11 +27,14 @@ __all__ = [
     "Box", "Piece", "TensorLayout", "ModelLayout", "Described", "TensorSpec", "Explicit",
     "describe", "dtensor", "megatron", "replicated", "shard_pieces", "whole_piece",
     "placement_pieces", "named_refit_tensors", "is_dtensor_model", "global_name", "layout_kind",
+    "NAMED_LAYOUTS",
 ]
 
 LayoutArg = str | Mapping[str, TensorSpec] | Callable[..., Described] | None
 
 _NAMED = {"dtensor": dtensor, "megatron": megatron, "replicated": replicated}
+#: the layouts ``describe`` takes by name (what ``layout_kind`` detects when given none)
+NAMED_LAYOUTS = tuple(_NAMED)
 
 
 def layout_kind(model, layout: LayoutArg = None) -> str:

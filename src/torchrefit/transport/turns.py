@@ -79,6 +79,8 @@ class Turn:
         if self.before is None:
             return True
         box, want = self.before, self.taken
+        # at least, not exactly (Mailbox.take): the previous rank may be turns ahead, when
+        # nothing it does waits for this rank
         return poll(lambda: box.load(_WORD) >= want, timeout)
 
     def post(self) -> None:
