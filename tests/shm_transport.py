@@ -235,3 +235,22 @@ class ShmNvshmem(NvshmemTransport):
 
     def _stream(self) -> int:
         return 0
+
+
+@register_transport
+class ShmPullDelegate(ShmPullTurns):
+    """``shm-pull-turns`` where, as with ``ipc``, the first rank copying on a device
+    copies for all of them (``transport.delegates``); turns where one cannot."""
+
+    name = "shm-pull-delegate"
+    delegate = True
+
+
+@register_transport
+class ShmPullWordDelegate(ShmPullWord):
+    """``shm-pull-word`` with a delegate per device (``transport.delegates``): the
+    members' header words come from their fake streams, after what a test queued."""
+
+    name = "shm-pull-word-delegate"
+    turns = True
+    delegate = True

@@ -363,7 +363,7 @@ def test_initiator_refuses_regions_that_disagree_once_per_generation() -> None:
         program._attach(pair)
     right = (torch.zeros(4), torch.zeros(6))
     transport.header = (7, None, right)
-    assert program._attach(pair) == (7, right)
+    assert program._attach(pair) == (1, 7, right)
     transport.header = (8, None, wrong)  # the target re-exposed: checked again
     with pytest.raises(TransportError, match="rank 1's exposed regions"):
         program._attach(pair)

@@ -30,13 +30,13 @@ import torch
 
 from ..errors import TransportError
 from ..layout._types import Box
-from ..plan.types import Transfer
+from ..plan.types import LocalCopy, Transfer
 from ..transport.one_sided import OneSidedTransport
 from .local import LANES, Copy, LocalCopies, compile_copies, differing
 from .streams import SideStreams
 from .views import Views
 
-__all__ = ["Initiated", "Exposed", "OneSided", "OneSidedProgram", "compile_one_sided"]
+__all__ = ["Delegation", "Initiated", "Exposed", "OneSided", "OneSidedProgram", "Work", "compile_one_sided"]
 
 _GENERATIONS = itertools.count(1)
 
@@ -44,7 +44,8 @@ _GENERATIONS = itertools.count(1)
 @dataclass(frozen=True)
 class Initiated:
     """A peer whose memory this rank reaches: its local views, one per transfer in plan
-    order (destinations for pull, sources for push), and their names for errors."""
+    order (destinations for pull, sources for push), and their names for errors. A
+    delegate's peers have none: what it copies comes with its members' work."""
 
     peer: int
     local: tuple[torch.Tensor, ...]
@@ -52,12 +53,35 @@ class Initiated:
 
 
 @dataclass(frozen=True)
+class Work:
+    """What a rank asks its delegate to copy (``transport.delegates``), as indices into
+    the regions of the table it sends with it: its local copies (source region,
+    destination region, name) and its receptions (sender, destination region, name; per
+    sender in plan order, the sender's table holding the sources)."""
+
+    local: tuple[tuple[int, int, str], ...]
+    recvs: tuple[tuple[int, int, str], ...]
+
+
+@dataclass(frozen=True)
 class Exposed:
     """A peer that reaches this rank's memory: per transfer in plan order, the index of
-    the exposed tensor and the region of it."""
+    the exposed tensor and the region of it; for this rank's delegate, also its work."""
 
     peer: int
     regions: tuple[tuple[int, Box], ...]
+    work: Work | None = None
+
+
+@dataclass(frozen=True)
+class Delegation:
+    """A delegate's own part of the copies it does for ``members`` (rank order, itself
+    among them): its receptions per sender (destination views and names, plan order)
+    and its sources read for each other member (plan order)."""
+
+    members: tuple[int, ...]
+    recvs: dict[int, tuple[tuple[torch.Tensor, str], ...]]
+    sends: dict[int, tuple[torch.Tensor, ...]]
 
 
 @dataclass(frozen=True)
@@ -71,27 +95,68 @@ class OneSided:
     initiated: tuple[Initiated, ...]
     messages_sent: int
     messages_received: int
+    delegation: Delegation | None = None
 
 
-def compile_one_sided(views: Views, transport: OneSidedTransport) -> OneSided:
-    plan = views.plan
-    # pull: the sender is the target and the receiver reads; push: the other way round
-    mine, theirs = (plan.recvs, plan.sends) if transport.pull else (plan.sends, plan.recvs)
-    my_side, their_side = ("dst", "src") if transport.pull else ("src", "dst")
-    keys: dict[str, int] = {}  # exposed local tensor key -> its index in the table
+def compile_one_sided(views: Views, transport: OneSidedTransport, local: Sequence[LocalCopy] = (),
+                      compare: bool = False) -> OneSided:
+    """``local``: this rank's local copies where its delegate does them."""
+    plan, me, pull = views.plan, views.plan.rank, transport.pull
+    # pull: the sender is the target and the receiver's copier reads; push: the other way round
+    mine, theirs = (plan.recvs, plan.sends) if pull else (plan.sends, plan.recvs)
+    my_side, their_side = ("dst", "src") if pull else ("src", "dst")
+    copier = (lambda r: transport.copier_of(r, compare)) if pull else (lambda r: r)
+    keys: dict[tuple[str, str], int] = {}  # exposed local tensor (side, key) -> its index in the table
     regions: dict[int, list[tuple[int, Box]]] = defaultdict(list)
-    for t in theirs:
-        regions[t.peer].append((keys.setdefault(t.key, len(keys)), t.local_box))
-    exposed = transport.expose([views.tensor(their_side, k) for k in keys]) if keys else None
-    local: dict[int, list[Transfer]] = defaultdict(list)
-    for t in mine:
-        local[t.peer].append(t)
+    own_reads: dict[int, list[torch.Tensor]] = defaultdict(list)  # delegate: its sources for a member
+    # by receiver, then plan order: the order a delegate reading for several receivers expects
+    for t in sorted(theirs, key=lambda t: t.peer):
+        who = copier(t.peer)
+        if who == me:
+            own_reads[t.peer].append(views.view(their_side, t.key, t.local_box))
+        else:
+            regions[who].append((keys.setdefault((their_side, t.key), len(keys)), t.local_box))
+    delegate, work = copier(me), None
+    if delegate != me:  # its delegate reads and writes this rank's side of every copy
+        work, mine = _work(views, regions[delegate], keys, local, mine), ()
+    exposed = transport.expose([views.tensor(side, k) for side, k in keys]) if regions else None
+    targets = tuple(Exposed(peer, tuple(r), work if peer == delegate else None) for peer, r in sorted(regions.items()))
+    names = [f"{t.name}{t.region} {'from' if pull else 'to'} rank {t.peer}" for t in mine]
+    members = transport.copies_for(me, compare) if pull else ()
+    if members:
+        recvs: dict[int, list] = defaultdict(list)
+        for t, name in zip(mine, names):
+            recvs[t.peer].append((views.view(my_side, t.key, t.local_box), name))
+        delegation = Delegation(members, {p: tuple(v) for p, v in recvs.items()},
+                                {q: tuple(v) for q, v in own_reads.items()})
+        initiated = tuple(Initiated(p, (), ()) for p in sorted(set(recvs) | set(members) - {me}))
+        return OneSided(next(_GENERATIONS), exposed, targets, initiated, len(plan.sends), len(plan.recvs),
+                        delegation)
+    by_peer: dict[int, list[tuple[Transfer, str]]] = defaultdict(list)
+    for t, name in zip(mine, names):
+        by_peer[t.peer].append((t, name))
     initiated = tuple(
-        Initiated(peer, tuple(views.view(my_side, t.key, t.local_box) for t in ts),
-                  tuple(f"{t.name}{t.region} {'from' if transport.pull else 'to'} rank {t.peer}" for t in ts))
-        for peer, ts in sorted(local.items()))
-    targets = tuple(Exposed(peer, tuple(r)) for peer, r in sorted(regions.items()))
+        Initiated(peer, tuple(views.view(my_side, t.key, t.local_box) for t, _ in ts), tuple(n for _, n in ts))
+        for peer, ts in sorted(by_peer.items()))
     return OneSided(next(_GENERATIONS), exposed, targets, initiated, len(plan.sends), len(plan.recvs))
+
+
+def _work(views: Views, regions: list[tuple[int, Box]], keys: dict[tuple[str, str], int],
+          local: Sequence[LocalCopy], recvs: Sequence[Transfer]) -> Work:
+    """This rank's local copies and receptions as its delegate's work: their regions of
+    this rank's tensors appended to ``regions`` (after the sources it sends the
+    delegate's members), named by index."""
+    def at(side: str, key: str, box: Box) -> int:
+        regions.append((keys.setdefault((side, key), len(keys)), box))
+        return len(regions) - 1
+
+    return Work(tuple((at("src", c.src_key, c.src_box), at("dst", c.dst_key, c.dst_box), c.name) for c in local),
+                tuple((t.peer, at("dst", t.key, t.local_box), f"{t.name}{t.region} from rank {t.peer}")
+                      for t in recvs))
+
+
+#: what an initiator reached: per target, its rank, table generation and remote regions
+Reached = list[tuple[int, int, tuple]]
 
 
 class OneSidedProgram:
@@ -124,24 +189,34 @@ class OneSidedProgram:
 
     def announce(self) -> None:
         """Target: this refit's ready token and header to each initiator (first, so that
-        they may read or write this rank's memory while it waits for anything)."""
+        they may read or write this rank's memory while it waits for anything). A rank
+        whose delegate copies for it is the delegate's target: its token also orders the
+        delegate's writes after this rank's readers of the old destination."""
         c, transport = self.compiled, self.transport
         if c.targets:
-            token = transport.ready()  # after this rank's current stream: its producer
+            token = transport.ready()  # after this rank's current stream: its producer (and readers)
             for target in c.targets:
-                transport.post_header(target.peer, c.generation, (c.exposed, target.regions), token)
+                table = (c.exposed, target.regions) + ((target.work,) if target.work is not None else ())
+                transport.post_header(target.peer, c.generation, table, token)
 
-    def reach(self) -> list[tuple[int, tuple]]:
+    def reach(self) -> Reached:
         """Initiator: each target's header (its table opened where new) and ready token,
         and, for a pull transport, its copies compiled (captured) for these tables: all
         but the transfer, so that a rank taking turns on a shared GPU does this before
-        its turn (``Program._run_in_turn``)."""
+        its turn (``Program._run_in_turn``). A delegate reaches its members first, then
+        the senders their work names."""
         remote = [self._attach(pair) for pair in self.compiled.initiated]
+        d = self.compiled.delegation
+        if d is not None:
+            known = {peer for peer, _, _ in remote} | {self.transport.rank}
+            works = [self.transport.work_of(peer, gen) for peer, gen, _ in remote]
+            more = sorted({p for w in works if w is not None for p, _, _ in w.recvs} - known)
+            remote += [self._attach(Initiated(p, (), ())) for p in more]
         if remote and self.transport.pull:
             self._pull_copies(remote)
         return remote
 
-    def initiate(self, compare: bool = False, remote: list[tuple[int, tuple]] | None = None) -> list[str]:
+    def initiate(self, compare: bool = False, remote: Reached | None = None) -> list[str]:
         """Initiator: read or write each target's memory once it is ready (``remote``:
         what :meth:`reach` returned, else reached now), then post the done tokens.
         Returns the mismatches in ``compare`` mode."""
@@ -149,11 +224,11 @@ class OneSidedProgram:
         if not c.initiated:
             return []
         if remote is None:
-            remote = [self._attach(pair) for pair in c.initiated]
+            remote = self.reach()
         bad = self._transfer(remote, compare)
         token = transport.done()
-        for pair in c.initiated:
-            transport.post_done(pair.peer, token)
+        for peer, _, _ in remote:
+            transport.post_done(peer, token)
         return bad
 
     def finish(self) -> None:
@@ -162,40 +237,98 @@ class OneSidedProgram:
             self.transport.wait_done(target.peer, self.transport.recv_done(target.peer))
         self.transport.settle()
 
-    def _attach(self, pair: Initiated) -> tuple[int, tuple]:
+    def _attach(self, pair: Initiated) -> tuple[int, int, tuple]:
         generation, token, remote = self.transport.recv_header(pair.peer)
         # once per table, not per refit: on the receiver's path between the sender's
-        # header and its copies (56 us for the seed model's 203 regions on an H200)
-        if (pair.peer, generation) not in self._matched:
+        # header and its copies (56 us for the seed model's 203 regions on an H200);
+        # a delegate checks its tables where it pairs them (_delegated_copies)
+        if (pair.peer, generation) not in self._matched and self.compiled.delegation is None:
             if len(remote) != len(pair.local) or (self.transport.pull and any(
                     r.numel() != v.numel() for r, v in zip(remote, pair.local))):
                 raise TransportError(f"rank {pair.peer}'s exposed regions do not match what this rank "
                                      f"exchanges with it (first: {pair.names[0]}); the plans disagree")
             self._matched.add((pair.peer, generation))
         self.transport.wait_ready(pair.peer, token)
-        return generation, remote
+        return pair.peer, generation, remote
 
-    def _transfer(self, remote: Sequence[tuple[int, tuple]], compare: bool) -> list[str]:
+    def _transfer(self, remote: Reached, compare: bool) -> list[str]:
         pairs = self.compiled.initiated
         if compare:
             if not self.transport.pull:
                 raise AssertionError("verify of a push transport runs over message rounds")
-            return [name for pair, (_, r) in zip(pairs, remote)
+            return [name for pair, (_, _, r) in zip(pairs, remote)
                     for name in differing(pair.local, r, pair.names)]
         if self.transport.pull:
             self._pull_copies(remote).run_on_caller(self.side)
         else:
-            for pair, (_, r) in zip(pairs, remote):
+            for pair, (_, _, r) in zip(pairs, remote):
                 self.transport.write(pair.peer, pair.local, r)
             self.transport.finish_writes()
         return []
 
-    def _pull_copies(self, remote: Sequence[tuple[int, tuple]]) -> LocalCopies:
-        key = tuple((pair.peer, gen) for pair, (gen, _) in zip(self.compiled.initiated, remote))
+    def _pull_copies(self, remote: Reached) -> LocalCopies:
+        key = tuple((peer, gen) for peer, gen, _ in remote)
         if self._pulls is None or self._pulls[0] != key:
-            copies = [Copy(dst, src, name) for pair, (_, r) in zip(self.compiled.initiated, remote)
-                      for dst, src, name in zip(pair.local, r, pair.names)]
+            if self.compiled.delegation is not None:
+                copies = delegated_copies(self.compiled.delegation, self.transport.rank, remote,
+                                          {peer: self.transport.work_of(peer, gen) for peer, gen, _ in remote})
+            else:
+                copies = [Copy(dst, src, name) for pair, (_, _, r) in zip(self.compiled.initiated, remote)
+                          for dst, src, name in zip(pair.local, r, pair.names)]
             # not merged: byte runs across tensors are found through the driver's allocation
             # ranges, which nothing here has checked on memory mapped from another process
             self._pulls = (key, compile_copies(copies, self.side, self.cuda_graph, merge=False))
         return self._pulls[1]
+
+
+def delegated_copies(d: Delegation, me: int, remote: Reached, works: dict[int, Work | None]) -> list[Copy]:
+    """A delegate's copies for its members, in member order: each member's local copies
+    and receptions between regions of the tables reached (``remote``) and the delegate's
+    own views. A sender's table holds its sources for the delegate's members by member
+    (rank order), each in plan order: the members' work says how many are whose.
+    Raises :class:`TransportError` where a table or a work does not fit (plans disagree)."""
+    tables = {peer: r for peer, _, r in remote}
+    for q in d.members:
+        if q != me and works.get(q) is None:
+            raise TransportError(f"rank {q} copies on this rank's GPU but sent it no work; the ranks disagree "
+                                 "on who copies for whom", ranks=(q,), rule="out of step")
+
+    def wanted(p: int, q: int) -> int:  # receptions of member q from sender p
+        return len(d.recvs.get(p, ())) if q == me else sum(1 for s, _, _ in works[q].recvs if s == p)
+
+    sections: dict[tuple[int, int], tuple] = {}
+    for p, regions in tables.items():
+        at = 0
+        for q in d.members:
+            n = wanted(p, q)
+            sections[p, q] = regions[at:at + n]
+            at += n
+        w = works.get(p) if p in d.members else None
+        if len(regions) != at + (2 * len(w.local) + len(w.recvs) if w is not None else 0):
+            raise TransportError(f"rank {p}'s exposed regions ({len(regions)}) do not match what this rank "
+                                 f"copies from it for ranks {list(d.members)}; the plans disagree",
+                                 ranks=(p,), rule="out of step")
+    out = []
+    for q in d.members:
+        if q == me:
+            for p, items in d.recvs.items():
+                out += [Copy(dst, src, name) for (dst, name), src in zip(items, sections[p, me])]
+            continue
+        w, theirs, taken = works[q], tables[q], defaultdict(int)
+        out += [Copy(theirs[j], theirs[i], name) for i, j, name in w.local]
+        for p, j, name in w.recvs:
+            k = taken[p]
+            taken[p] += 1
+            sources = d.sends.get(q, ()) if p == me else sections[p, q]
+            if k >= len(sources):
+                raise TransportError(f"{name}: rank {p} sends rank {q} fewer regions than it receives; "
+                                     "the plans disagree", ranks=(p, q), rule="out of step")
+            out.append(Copy(theirs[j], sources[k], name))
+        if taken[me] != len(d.sends.get(q, ())):
+            raise TransportError(f"rank {q} receives {taken[me]} regions from this rank, which sends it "
+                                 f"{len(d.sends.get(q, ()))}; the plans disagree", ranks=(q,), rule="out of step")
+    for c in out:
+        if c.dst.numel() != c.src.numel():
+            raise TransportError(f"{c.name}: {c.src.numel()} elements read for {c.dst.numel()}; the plans "
+                                 "disagree", rule="out of step")
+    return out

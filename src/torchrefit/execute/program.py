@@ -120,15 +120,23 @@ class Program:
         views = Views(self.plan, self.src_tensors, self.dst_tensors)
         shared = _alias_whole_tensors(self.plan, views) if self.share_storage else ()
         skip = set(shared)
-        copies = [Copy(views.view("dst", c.dst_key, c.dst_box), views.view("src", c.src_key, c.src_box), c.name)
-                  for c in self.plan.local if c.dst_key not in skip]
+        planned = [c for c in self.plan.local if c.dst_key not in skip]
+        one = self.transport if isinstance(self.transport, OneSidedTransport) else None
+        rank = self.plan.rank
+        # on a GPU shared with other ranks, another process may copy for this one
+        # (transport.delegates): its local copies then go with the exchange
+        handed = one is not None and one.pull and one.copier_of(rank, self.compare) != rank
+        copies = [] if handed else [
+            Copy(views.view("dst", c.dst_key, c.dst_box), views.view("src", c.src_key, c.src_box), c.name)
+            for c in planned]
         local = compile_copies(copies, self.side, self.cuda_graph)
         rounds, one_sided = None, None
         remote = bool(self.plan.sends or self.plan.recvs)
-        if isinstance(self.transport, OneSidedTransport):
-            if remote:
-                one_sided = OneSidedProgram(compile_one_sided(views, self.transport), self.transport,
-                                            self.device, self.cuda_graph)
+        if one is not None:
+            if remote or handed or one.copies_for(rank, self.compare):
+                one_sided = OneSidedProgram(
+                    compile_one_sided(views, one, planned if handed else (), self.compare), one,
+                    self.device, self.cuda_graph)
         elif remote or isinstance(self.transport, RoundsTransport):
             rounds = compile_rounds(views, self.transport, self.message_limit, self.compare, self.device,
                                     self.staging)

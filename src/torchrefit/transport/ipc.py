@@ -135,6 +135,7 @@ class IpcTransport(OneSidedTransport):
     pull = True
     mailbox = True  # one host: headers and done tokens as shared-memory words (transport.mailbox)
     turns = True  # ranks copying on one shared GPU take turns (transport.turns)
+    delegate = True  # ... or, where they can, the first copies for all (transport.delegates)
     preference = 30  # no staging and no packing: copies at the device's copy bandwidth
     needs_cuda = True
     one_host = True

@@ -50,6 +50,8 @@ from ..layout._types import Box
 from ..plan.types import RankPlan
 from .base import Transport, poll_until, require_backend
 from .mailbox import Mailbox, done_word, header_word
+from .delegates import delegates_of
+from .delegates import enabled as delegates_enabled
 from .turns import Turn, chain_of, device_key
 from .turns import enabled as turns_enabled
 
@@ -61,7 +63,8 @@ _FIXED = 128  # bytes of a header or token message (an interprocess event handle
 
 #: what a target tells an initiator once per compiled program: the transport's
 #: description of its registered tensors, and per transfer (plan order) the index of
-#: its tensor there and the region of that tensor
+#: its tensor there and the region of that tensor (a rank whose copies a delegate does
+#: adds a third item, what to copy: ``transport.delegates``; ``attach`` sees two)
 Table = tuple[object, tuple[tuple[int, Box], ...]]
 
 #: a ready or done token that orders nothing itself: the mailbox word sent with it was
@@ -81,6 +84,9 @@ class OneSidedTransport(Transport):
     mailbox: ClassVar[bool] = False
     #: ranks copying on one shared GPU take turns (``transport.turns``); needs ``mailbox``
     turns: ClassVar[bool] = False
+    #: pull only: where ranks copy on one shared GPU, the first copies for all of them
+    #: (``transport.delegates``), rather than turns; needs ``turns``
+    delegate: ClassVar[bool] = False
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         super().__init__(group, device)
@@ -100,17 +106,25 @@ class OneSidedTransport(Transport):
         self._writers: dict[Mailbox, Callable[[int, int], None] | None] = {}  # per mailbox, stream_writer's
         self.gloo_messages = 0  # control messages posted or received over Gloo (tests count them)
         self.turn: Turn | None = None  # this rank's place among ranks copying on its GPU, if shared
+        self.delegates: dict[int, int] = {}  # rank -> the rank copying for it on a shared GPU
+        self._tasks: dict[tuple[int, int], object] = {}  # (peer, generation) -> its work for this delegate
 
     def prepare(self, plan, message_limit: int) -> None:
-        """Collective: where several ranks copy on this rank's GPU, their turns
-        (``transport.turns``). Two small gathers: each rank's device and whether it
-        copies; then the turn mailboxes of the ranks that take turns (none made
-        elsewhere: one process per GPU registers nothing)."""
-        if not (self.turns and self.mailbox and turns_enabled()):
+        """Collective: where several ranks copy on this rank's GPU, one of them copies
+        for all (``transport.delegates``, pull transports) or they take turns
+        (``transport.turns``). Two small gathers: each rank's device, whether it copies
+        and whether another process may copy for it; then the turn mailboxes of the
+        ranks that take turns (none made elsewhere: one process per GPU registers
+        nothing)."""
+        if not (self.turns and self.mailbox):
             return
         copies = bool(plan.local) or bool(plan.recvs if self.pull else plan.sends)
-        infos = all_gather_pickled((device_key(self.device), copies), self.group, self.timeout)
-        chain = chain_of(self.rank, [i[0] for i in infos], [i[1] for i in infos])
+        # FP8 quantizing runs this rank's own kernels around the exchange: not handed over
+        eligible = self.pull and self.delegate and delegates_enabled() and not plan.quantize
+        infos = all_gather_pickled((device_key(self.device), copies, eligible), self.group, self.timeout)
+        keys, copying = [i[0] for i in infos], [i[1] for i in infos]
+        self.delegates = delegates_of(keys, copying, [i[2] for i in infos])
+        chain = [] if self.rank in self.delegates or not turns_enabled() else chain_of(self.rank, keys, copying)
         own = None
         if chain and self.rank != chain[-1]:  # the last one's word nobody reads
             try:
@@ -124,6 +138,19 @@ class OneSidedTransport(Transport):
         previous = chain[k - 1] if k else None
         before = Mailbox.open(handles[previous]) if previous is not None else None
         self.turn = Turn(self.rank, previous, before, own, self._turn_writer(own))
+
+    def copier_of(self, rank: int, compare: bool = False) -> int:
+        """The rank that copies ``rank``'s receptions and local copies: its GPU's
+        delegate (``transport.delegates``), else itself. Verify programs (``compare``)
+        compare on each rank: never delegated."""
+        return rank if compare else self.delegates.get(rank, rank)
+
+    def copies_for(self, rank: int, compare: bool = False) -> tuple[int, ...]:
+        """The ranks ``rank`` copies for as their delegate (itself first among them, in
+        rank order), or () where it is no delegate."""
+        if compare or self.delegates.get(rank) != rank:
+            return ()
+        return tuple(sorted(r for r, d in self.delegates.items() if d == rank))
 
     def _turn_writer(self, box: Mailbox | None) -> Callable[[int, int], None] | None:
         """Writes this rank's turn word after everything queued on its current stream:
@@ -274,11 +301,13 @@ class OneSidedTransport(Transport):
         regions = self._attached.setdefault(peer, OrderedDict())
         if size:
             table, handle = pickle.loads(self._recv(peer, _TABLE, fixed=False))
-            regions[generation] = self.attach(peer, table)
+            regions[generation] = self.attach(peer, table[:2])
+            if len(table) > 2:  # a rank this one copies for: what to copy (execute.one_sided.Work)
+                self._tasks[peer, generation] = table[2]
             if handle is not None:
                 box = self._peer_boxes[peer] = self._open_mailbox(peer, handle)
             while len(regions) > _KEEP:
-                regions.popitem(last=False)
+                self._tasks.pop((peer, regions.popitem(last=False)[0]), None)
         if generation not in regions:
             raise TransportError(f"{self.name}: rank {peer} sent generation {generation} without its table")
         if token == WORD and not taken:  # the first header: its order is the word, written after it
@@ -288,6 +317,11 @@ class OneSidedTransport(Transport):
             self._take(box, header_word(self.rank), seq, peer, "header")
         self._got["header", peer] = (generation, token)
         return generation, token, regions[generation]
+
+    def work_of(self, peer: int, generation: int) -> object:
+        """Delegate: the work ``peer`` sent with its table of ``generation`` (None where
+        it sent none: it only exposes sources)."""
+        return self._tasks.get((peer, generation))
 
     def post_done(self, peer: int, token: bytes) -> None:
         seq = self._count("done out", peer)
@@ -394,6 +428,7 @@ class OneSidedTransport(Transport):
     def close(self) -> None:
         self.turn = None
         self._attached.clear()
+        self._tasks.clear()
         self._announced.clear()
         self._peer_boxes.clear()
         self._boxed.clear()

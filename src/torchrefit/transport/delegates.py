@@ -1,0 +1,46 @@
+"""One copier per shared GPU: where several ranks of a pull transport copy on one GPU,
+the first of them (the *delegate*) does every copy of all of them, reading and writing
+their memory, while the others only announce their tensors and wait.
+
+Without MPS a GPU runs one process's kernels at a time. Taking turns
+(``transport.turns``) stopped the processes' copies from contending, but every turn
+still paid a start and a handoff between processes: ipc's collocated TP2 -> TP1 refit
+of the seed's model took 1.11-1.14x the copy floor with turns, against 1.00x for the
+same copies queued by one process (BENCHMARKS.md, "Eleventh session"). A delegate
+queues them all in one process, one graph, so nothing switches.
+
+Which ranks delegate is decided once per Refitter from one small gather in
+``OneSidedTransport.prepare`` (each rank's device, whether it copies and whether its
+copies can be done by another process) and is the same on every rank, so each sender
+knows whose copier reads its sources. Its copies cannot be done by another process
+where a rank quantizes to FP8 (its own kernels around the exchange); such a GPU's ranks
+take turns instead. ``TORCHREFIT_DELEGATE=0`` turns delegation off (turns then apply).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+__all__ = ["DELEGATE_ENV", "delegates_of", "enabled"]
+
+DELEGATE_ENV = "TORCHREFIT_DELEGATE"
+
+
+def delegates_of(keys: list[str], copies: list[bool], eligible: list[bool]) -> dict[int, int]:
+    """rank -> the rank that copies for it, for every rank of a device where two or more
+    ranks copy and every one of them can hand its copies over: the device's first
+    copying rank. Ranks absent copy for themselves. Pure: the same on every rank."""
+    members: dict[str, list[int]] = defaultdict(list)
+    for rank, (key, copying) in enumerate(zip(keys, copies)):
+        if copying:
+            members[key].append(rank)
+    out: dict[int, int] = {}
+    for ranks in members.values():
+        if len(ranks) > 1 and all(eligible[r] for r in ranks):
+            out.update((r, ranks[0]) for r in ranks)
+    return out
+
+
+def enabled() -> bool:
+    return os.environ.get(DELEGATE_ENV, "1").strip() != "0"
