@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Twelfth session: ipc with one copier per shared GPU (transport/delegates.py) against
-# turns (TORCHREFIT_DELEGATE=0), same call: collocated TP2 -> TP1 with 2 and 4 processes
+# ipc with one copier per shared GPU (transport/delegates.py, TORCHREFIT_DELEGATE=1) against
+# turns (the default), same call: collocated TP2 -> TP1 with 2 and 4 processes
 # (2 also with watch="manual"); then the GPU tests of the one-sided path, the stale-read
 # test, and the stale-read test with the producer and done waits removed (must fail).
 # Results and log in $OUT.
@@ -13,12 +13,12 @@ python3 -m compileall -q src >/dev/null
 B="python3 -m torchrefit bench --model gpt-4b --variant graph --warmup 3 --iters 20 --transport ipc"
 echo "=== ipc refits, delegate then turns ($(date +%T))"
 for n in 2 4; do
-  timeout 100 $B --nproc $n --src tp2 --dst tp1 --label "tp2->tp1 collocated $n procs ipc delegate" \
+  TORCHREFIT_DELEGATE=1 timeout 100 $B --nproc $n --src tp2 --dst tp1 --label "tp2->tp1 collocated $n procs ipc delegate" \
     --json "$R/colloc${n}_delegate.json" 2>&1 | tail -1
-  TORCHREFIT_DELEGATE=0 timeout 100 $B --nproc $n --src tp2 --dst tp1 \
+  timeout 100 $B --nproc $n --src tp2 --dst tp1 \
     --label "tp2->tp1 collocated $n procs ipc turns" --json "$R/colloc${n}_turns.json" 2>&1 | tail -1
 done
-timeout 100 $B --nproc 2 --src tp2 --dst tp1 --watch manual --label "tp2->tp1 collocated 2 procs ipc delegate manual" \
+TORCHREFIT_DELEGATE=1 timeout 100 $B --nproc 2 --src tp2 --dst tp1 --watch manual --label "tp2->tp1 collocated 2 procs ipc delegate manual" \
   --json "$R/colloc2_delegate_manual.json" 2>&1 | tail -1
 echo "=== GPU tests: one-sided, stale reads ($(date +%T))"
 timeout 200 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_gpu_one_sided.py \

@@ -17,7 +17,9 @@ Setting ``TORCHREFIT_BREAK_PRODUCER_WAIT=1`` removes the side stream's wait for 
 producer and every one-sided transport's ``wait_ready``, and makes ipc's stream-written
 mailbox words land at once, written by the host (test-only monkeypatches), to show
 that the test then fails. ipc runs in both orders: ``ipc`` (stream-written words, the
-default) and ``ipc:event`` (interprocess events).
+default) and ``ipc:event`` (interprocess events), and collocated also as
+``ipc:delegate`` (one copier per shared GPU: the member's stream-written word orders
+its delegate's reads, and its ``refit()`` returns after the delegate's done word).
 
 The other direction: a one-sided sender's next step (queued right after ``refit()``
 returns) must not overwrite sources a receiver, its reads queued behind a gate,
@@ -98,9 +100,12 @@ def _words_at_once() -> None:
 
 
 def _order(transport: str) -> str:
-    """``"ipc:event"``: ipc with interprocess events (set for this process); the name."""
+    """``"ipc:event"``: ipc with interprocess events, ``"ipc:delegate"``: with one copier
+    per shared GPU (set for this process); the name."""
     name, _, order = transport.partition(":")
-    if order:
+    if order == "delegate":
+        os.environ["TORCHREFIT_DELEGATE"] = "1"
+    elif order:
         os.environ["TORCHREFIT_IPC_ORDER"] = order
     return name
 
@@ -158,6 +163,9 @@ for _t in (usable_transports(cuda=True, one_sided_only=True) if torch.cuda.is_av
 if "ipc-2proc-noncollocated" in CASES:  # ipc ordered by its events too
     CASES["ipc:event-2proc-collocated-tp2->tp1"] = (2, Mesh(2, ranks=2), Mesh(1, ranks=2), "ipc:event", True)
     CASES["ipc:event-2proc-noncollocated"] = (2, Mesh(1, ranks=1), Mesh(1, ranks=1, offset=1), "ipc:event", True)
+    # both ranks copy on the GPU: rank 0 reads and writes for rank 1 (transport.delegates)
+    CASES["ipc:delegate-2proc-collocated-tp2->tp1"] = (2, Mesh(2, ranks=2), Mesh(1, ranks=2), "ipc:delegate", True)
+    CASES["ipc:delegate-2proc-collocated-tp1->tp1"] = (2, Mesh(1, ranks=2), Mesh(1, ranks=2), "ipc:delegate", True)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -14,7 +14,12 @@ Which ranks delegate is decided once per Refitter from one small gather in
 copies can be done by another process) and is the same on every rank, so each sender
 knows whose copier reads its sources. Its copies cannot be done by another process
 where a rank quantizes to FP8 (its own kernels around the exchange); such a GPU's ranks
-take turns instead. ``TORCHREFIT_DELEGATE=0`` turns delegation off (turns then apply).
+take turns instead.
+
+Opt-in for now: ``TORCHREFIT_DELEGATE=1`` on every rank. It has run only on CPU
+(``tests/test_delegated_copies.py``, over shared memory); the device call meant to
+measure it on an H200 got no answer, so ipc keeps turns by default until it is measured
+there (``benchmarks/h200_delegate.sh``).
 """
 
 from __future__ import annotations
@@ -43,4 +48,4 @@ def delegates_of(keys: list[str], copies: list[bool], eligible: list[bool]) -> d
 
 
 def enabled() -> bool:
-    return os.environ.get(DELEGATE_ENV, "1").strip() != "0"
+    return os.environ.get(DELEGATE_ENV, "0").strip() == "1"

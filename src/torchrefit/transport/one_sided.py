@@ -49,9 +49,9 @@ from ..errors import TransportError
 from ..layout._types import Box
 from ..plan.types import RankPlan
 from .base import Transport, poll_until, require_backend
-from .mailbox import Mailbox, done_word, header_word
 from .delegates import delegates_of
 from .delegates import enabled as delegates_enabled
+from .mailbox import Mailbox, done_word, header_word
 from .turns import Turn, chain_of, device_key
 from .turns import enabled as turns_enabled
 
