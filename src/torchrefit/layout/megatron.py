@@ -108,7 +108,9 @@ def _layer_prefix_map(core: nn.Module) -> dict[str, str]:
         if not last.isdigit():
             continue
         number = getattr(mod, "layer_number", None)
-        if isinstance(number, int):
+        if isinstance(number, int) and int(last) != number - 1:
+            # only layers whose local index is not their global one: none without
+            # pipeline stages, and then no tensor's name is looked up at all
             out[mod_name] = f"{head}.{number - 1}" if head else str(number - 1)
     return out
 
@@ -157,6 +159,8 @@ def _local_expert_count(core: nn.Module, named: list, ep_size: int) -> int:
 
 def _global_expert_name(gname: str, ep: tuple[int, int], n_local: int, local_name: str) -> str:
     ep_rank, ep_size = ep
+    if ep_size == 1:  # every expert is here under its global index already
+        return gname
     m, group = _expert_match(gname)
     if m is None:
         # A fused tensor of all local experts is only global without expert parallelism.
