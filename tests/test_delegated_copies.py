@@ -17,6 +17,8 @@ refit after refit with new source values:
   table of rank 0's, its own and rank 2's;
 - a member's destination storage moves (``param.data = ...``): it recompiles, rank 0
   attaches its new table, and the refit is still exact; ``verify()`` passes throughout;
+- two devices (ranks 0 and 2 on one, 1 and 3 on the other), collocated TP2 -> TP1:
+  each device's delegate reads from the other's ranks and both delegates read each rank;
 - ``TORCHREFIT_DELEGATE=0`` (the default for now; the cases above set 1): the ranks
   take turns instead (and are exact).
 
@@ -36,7 +38,9 @@ import torch
 
 import torchrefit as tr
 from torchrefit.testing import Mesh, ModelSpec, build_toy, expected_local, run_world
+from torchrefit.transport import one_sided
 from torchrefit.transport.delegates import DELEGATE_ENV, delegates_of
+from torchrefit.transport.turns import device_key
 
 SPEC = ModelSpec(layers=2, hidden=64, heads=4, groups=2, ffn=128, vocab=128)
 REFITS = 3
@@ -98,6 +102,10 @@ def _world(rank: int, world: int) -> dict:
            "local": _case(rank, Mesh(1, ranks=4), Mesh(1, ranks=4)),
            "pp": _case(rank, Mesh(1, pp=2, ranks=2), Mesh(1, pp=2, ranks=2, offset=2)),
            "split": _case(rank, Mesh(1, ranks=1), Mesh(2, ranks=2, offset=1))}
+    # two "GPUs": even ranks on one, odd on the other (as ranks 0-3 placed round-robin)
+    one_sided.device_key = lambda device, rank=rank: f"host/gpu{rank % 2}"
+    out["two-gpus"] = _case(rank, Mesh(2, ranks=4), Mesh(1, ranks=4))
+    one_sided.device_key = device_key
     os.environ[DELEGATE_ENV] = "0"
     out["off"] = _case(rank, Mesh(2, ranks=4), Mesh(1, ranks=4))
     return out
@@ -143,6 +151,15 @@ def test_one_rank_copies_for_all_on_a_shared_device() -> None:
     split = [got["split"]["logs"][0] for got in results]
     assert _calls(split[1]) == [*_reached(0, 2, attach=True), "done"], split[1]
     assert _calls(split[0]) == ["ready", "wait_done:1"] and _calls(split[3]) == [], split
+    # two GPUs, ranks 0 and 2 on one, 1 and 3 on the other: rank 0 copies for 0 and 2,
+    # reading rank 1 (its half of TP group 0-1), rank 2 and rank 3 (rank 2's other half,
+    # learnt from rank 2's work); rank 1 likewise for 1 and 3; each holder's table goes to
+    # both delegates
+    two = [got["two-gpus"]["logs"][0] for got in results]
+    assert _calls(two[0]) == ["ready", *_reached(1, 2, 3, attach=True), "done", "wait_done:1"], two[0]
+    assert _calls(two[1]) == ["ready", *_reached(0, 3, 2, attach=True), "done", "wait_done:0"], two[1]
+    for rank in (2, 3):
+        assert _calls(two[rank]) == ["ready", "wait_done:0", "wait_done:1"], (rank, two[rank])
     off = [got["off"]["logs"] for got in results]  # turns, each rank reading its own
     assert all(any(e.startswith("turn_start") for e in log) for logs in off for log in logs), off
 
