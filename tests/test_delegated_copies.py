@@ -37,7 +37,7 @@ import shm_transport
 import torch
 
 import torchrefit as tr
-from torchrefit.testing import Mesh, ModelSpec, build_toy, expected_local, run_world
+from torchrefit.testing import Mesh, ModelSpec, build_toy, expected_local, load_seed, run_world
 from torchrefit.transport import one_sided
 from torchrefit.transport.delegates import DELEGATE_ENV, delegates_of
 from torchrefit.transport.turns import device_key
@@ -78,11 +78,7 @@ def _case(rank: int, src_mesh: Mesh, dst_mesh: Mesh, move: int | None = None) ->
     wrong, logs = [], []
     for i in range(REFITS + (move is not None)):
         seed = 10 + i
-        if src is not None:  # new source values each refit (the optimizer step)
-            fresh = build_toy(SPEC, src_mesh, rank, seed)
-            with torch.no_grad():
-                for p, q in zip(src.parameters(), fresh.parameters()):
-                    p.copy_(q)
+        load_seed(src, SPEC, src_mesh, rank, seed)  # new source values each refit (the optimizer step)
         if i == REFITS and rank == move:  # the engine re-allocated its weights
             for p in dst.parameters():
                 p.data = torch.zeros_like(p.data).share_memory_()

@@ -24,7 +24,7 @@ import shm_transport
 import torch
 
 import torchrefit as tr
-from torchrefit.testing import Mesh, ModelSpec, build_toy, expected_local, run_world
+from torchrefit.testing import Mesh, ModelSpec, build_toy, expected_local, load_seed, run_world
 from torchrefit.transport.turns import TURNS_ENV, chain_of
 
 SPEC = ModelSpec(layers=2, hidden=64, heads=4, groups=2, ffn=128, vocab=128)
@@ -62,11 +62,7 @@ def _case(rank: int, src_mesh: Mesh, dst_mesh: Mesh) -> dict:
     exact = []
     for i in range(REFITS):
         seed = 10 + i
-        if src is not None:  # new source values each refit (the optimizer step)
-            fresh = build_toy(SPEC, src_mesh, rank, seed)
-            with torch.no_grad():
-                for p, q in zip(src.parameters(), fresh.parameters()):
-                    p.copy_(q)
+        load_seed(src, SPEC, src_mesh, rank, seed)  # new source values each refit (the optimizer step)
         r.refit()
         exact.append(dst is None or all(torch.equal(v, expected_local(SPEC, dst_mesh, rank, seed)[k])
                                         for k, v in dst.state_dict().items()))

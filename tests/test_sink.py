@@ -83,10 +83,7 @@ def _expected(rank: int, name: str, seed: int) -> torch.Tensor:
 
 
 def _set(model, rank: int, seed: int) -> None:
-    fresh = build_toy(SPEC, TRAINER, rank, seed)
-    with torch.no_grad():
-        for p, q in zip(model.state_dict().values(), fresh.state_dict().values()):
-            p.copy_(q)
+    tr.testing.load_seed(model, SPEC, TRAINER, rank, seed)
 
 
 def _recorders(rank: int) -> dict:

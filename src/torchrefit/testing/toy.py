@@ -136,6 +136,19 @@ def expected_local(spec: ModelSpec, mesh: Mesh, rank: int, seed: int,
     return {k: v for k, (d, v) in got.items() if d.persistent}
 
 
+def load_seed(model: nn.Module | None, spec: ModelSpec, mesh: Mesh, rank: int, seed: int) -> None:
+    """Write seed ``seed``'s values into ``model`` (built by :func:`build_toy` for the
+    same spec, mesh and rank) in place, as an optimizer step changes weights without
+    moving them. No-op for None (a rank outside the mesh)."""
+    if model is None:
+        return
+    values = expected_local(spec, mesh, rank, seed)
+    with torch.no_grad():
+        for name, t in model.state_dict(keep_vars=True).items():
+            if name in values:
+                t.copy_(values[name])
+
+
 # ------------------------------------------------------------------------- model
 class FakeGroup:
     """A process-group stand-in that only knows this rank's index and the size."""
