@@ -4,12 +4,8 @@
 # (2 also with watch="manual"); then the GPU tests of the one-sided path, the stale-read
 # test, and the stale-read test with the producer and done waits removed (must fail).
 # Results and log in $OUT.
-set -u
-R=${OUT:-benchmarks/results/h200/delegate}
-mkdir -p "$R"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:${PYTHONPATH:-}
-exec > >(tee -a "$R/h200_delegate.log") 2>&1
-python3 -m compileall -q src >/dev/null
+source benchmarks/_h200_run.sh
+h200_run delegate
 B="python3 -m torchrefit bench --model gpt-4b --variant graph --warmup 3 --iters 20 --transport ipc"
 echo "=== ipc refits, delegate then turns ($(date +%T))"
 for n in 2 4; do
