@@ -58,6 +58,8 @@ class Box:
 
     def intersect(self, other: Box) -> Box | None:
         """The common box, or None where they do not overlap (empty boxes never overlap)."""
+        if self.offset == other.offset and self.size == other.size and min(self.size, default=1):
+            return self  # the same box (whole tensors on both sides): most of a TP1 -> TP1 plan
         off = []
         size = []
         for a, sa, b, sb in zip(self.offset, self.size, other.offset, other.size):
@@ -86,6 +88,8 @@ class Box:
 
     def moved(self, old_origin: Sequence[int], new_origin: Sequence[int]) -> Box:
         """This box translated so that ``old_origin`` lands on ``new_origin``."""
+        if old_origin == new_origin:  # a piece at the same place locally (every whole tensor)
+            return self
         return Box(
             tuple([o - a + b for o, a, b in zip(self.offset, old_origin, new_origin)]), self.size
         )

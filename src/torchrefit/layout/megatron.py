@@ -107,7 +107,12 @@ def _layer_prefix_map(core: nn.Module) -> dict[str, str]:
         head, _, last = mod_name.rpartition(".")
         if not last.isdigit():
             continue
-        number = getattr(mod, "layer_number", None)
+        # an instance attribute (Megatron's layers set it in __init__); the class only
+        # where it has one: nn.Module.__getattr__ raising for each of a MoE model's
+        # ~1000 experts (their names end in an index too) cost more than the walk
+        number = vars(mod).get("layer_number")
+        if number is None and hasattr(type(mod), "layer_number"):
+            number = getattr(mod, "layer_number", None)
         if isinstance(number, int) and int(last) != number - 1:
             # only layers whose local index is not their global one: none without
             # pipeline stages, and then no tensor's name is looked up at all
