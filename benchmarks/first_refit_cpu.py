@@ -1,0 +1,65 @@
+"""A first refit's Python work on CPU, where a GPU is not at hand: construction (describe,
+plan, bind) and the first ``refit()`` (compile, copy) of a preset's tensor count at toy
+sizes (hidden 64), TP1 -> TP1 in one process, after a first Refitter in the process.
+CPU seconds (``time.process_time``: steadier than wall time on a shared 2-core VM),
+minimum and median of ``--repeat`` runs.
+
+    python benchmarks/first_refit_cpu.py --preset qwen3-30b-a3b --layers 8 [--json OUT]
+
+On an H200 host the same work is ``benchmarks/first_refit_profile.py`` (at full sizes,
+with graph capture and the copy kernel on top).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import torchrefit as tr
+from torchrefit.bench.config import spec_from_preset
+from torchrefit.testing import Mesh, build_toy
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=12)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29631")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    spec = spec_from_preset(args.preset, layers=args.layers, hidden=64, ffn=64, expert_ffn=32, vocab=512,
+                            heads=4, groups=2)
+    src, dst = (build_toy(spec, Mesh(1, ranks=1), 0, seed, device="cpu", random_init=True) for seed in (1, 2))
+    tr.Refitter(src, dst).refit()  # the process's first: imports and caches, not per Refitter
+    construct, first = [], []
+    for _ in range(args.repeat):
+        t0 = time.process_time()
+        r = tr.Refitter(src, dst)
+        t1 = time.process_time()
+        r.refit()
+        construct.append(t1 - t0)
+        first.append(time.process_time() - t1)
+        r.close()
+    total = [a + b for a, b in zip(construct, first)]
+    out = {"preset": args.preset, "layers": args.layers, "tensors": 2 * sum(1 for _ in src.parameters()),
+           **{f"{k}_{f.__name__}_s": round(f(v), 4) for k, v in
+              (("construct", construct), ("first_refit", first), ("total", total))
+              for f in (min, statistics.median)}}
+    print(" ".join(f"{k}={v}" for k, v in out.items()))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
