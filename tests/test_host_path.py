@@ -42,6 +42,7 @@ from torchrefit.bench.config import BenchConfig
 from torchrefit.bench.runner import _aggregate
 from torchrefit.errors import LayoutError
 from torchrefit.execute.views import Views
+from torchrefit.layout import walk
 from torchrefit.layout._described import named_refit_tensors
 from torchrefit.layout._types import Box, Piece, TensorLayout
 from torchrefit.layout.binding import Binding
@@ -173,9 +174,22 @@ def _walks_world(rank: int, world: int) -> dict:
     src = build_toy(SPEC, mesh, rank, seed=1)
     dst = build_toy(SPEC, mesh, rank, seed=2)
     walks = {"src": 0, "dst": 0}
+    sides, inside = {id(src): "src", id(dst): "dst"}, []
+    real = walk._walk
+
+    def counting_walk(root):  # every walk through torchrefit's walker, shared or not
+        if id(root) in sides:
+            walks[sides[id(root)]] += 1
+        inside.append(root)
+        try:
+            return real(root)
+        finally:
+            inside.pop()
+    walk._walk = counting_walk
     for side, model in (("src", src), ("dst", dst)):
+        # ... and any walk of torch's from the root outside it (named_modules recurses with memo)
         def counting(*args, _side=side, _walk=model.named_modules, **kwargs):
-            if not args and not kwargs:  # a walk from the root (named_modules recurses with memo)
+            if not args and not kwargs and not inside:
                 walks[_side] += 1
             return _walk(*args, **kwargs)
         model.named_modules = counting

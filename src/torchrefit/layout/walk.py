@@ -54,8 +54,9 @@ _NAMED_MODULES = nn.Module.named_modules
 def _walk(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """``list(root.named_modules())`` (pre-order, each module once under its first
     name) by a loop instead of nested generators: 2.4 ms against 6.1 ms for a
-    qwen3-shaped toy's 3,151 modules on a 2-core CPU. A module whose class walks its
-    own way (overrides ``named_modules``) gets torch's walk of the whole tree."""
+    qwen3-shaped toy's 3,151 modules on a 2-core CPU. A tree holding a module that
+    walks its own way (its class or the module itself overrides ``named_modules``)
+    gets torch's walk of the whole tree."""
     out: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
     stack: list[tuple[str, nn.Module]] = [("", root)]
@@ -63,7 +64,7 @@ def _walk(root: nn.Module) -> list[tuple[str, nn.Module]]:
         prefix, module = stack.pop()
         if id(module) in seen:
             continue
-        if type(module).named_modules is not _NAMED_MODULES:
+        if type(module).named_modules is not _NAMED_MODULES or "named_modules" in module.__dict__:
             return list(root.named_modules())
         seen.add(id(module))
         out.append((prefix, module))
