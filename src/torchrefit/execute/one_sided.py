@@ -121,24 +121,35 @@ def compile_one_sided(views: Views, transport: OneSidedTransport, local: Sequenc
         work, mine = _work(views, regions[delegate], keys, local, mine), ()
     exposed = transport.expose([views.tensor(side, k) for side, k in keys]) if regions else None
     targets = tuple(Exposed(peer, tuple(r), work if peer == delegate else None) for peer, r in sorted(regions.items()))
-    names = [f"{t.name}{t.region} {'from' if pull else 'to'} rank {t.peer}" for t in mine]
+    mine = [(t, views.view(my_side, t.key, t.local_box), f"{t.name}{t.region} {'from' if pull else 'to'} rank "
+             f"{t.peer}") for t in mine]
     members = transport.copies_for(me, compare) if pull else ()
+    initiated, delegation = _initiated(mine), None
     if members:
-        recvs: dict[int, list] = defaultdict(list)
-        for t, name in zip(mine, names):
-            recvs[t.peer].append((views.view(my_side, t.key, t.local_box), name))
-        delegation = Delegation(members, {p: tuple(v) for p, v in recvs.items()},
-                                {q: tuple(v) for q, v in own_reads.items()})
-        initiated = tuple(Initiated(p, (), ()) for p in sorted(set(recvs) | set(members) - {me}))
-        return OneSided(next(_GENERATIONS), exposed, targets, initiated, len(plan.sends), len(plan.recvs),
-                        delegation)
-    by_peer: dict[int, list[tuple[Transfer, str]]] = defaultdict(list)
-    for t, name in zip(mine, names):
-        by_peer[t.peer].append((t, name))
-    initiated = tuple(
-        Initiated(peer, tuple(views.view(my_side, t.key, t.local_box) for t, _ in ts), tuple(n for _, n in ts))
-        for peer, ts in sorted(by_peer.items()))
-    return OneSided(next(_GENERATIONS), exposed, targets, initiated, len(plan.sends), len(plan.recvs))
+        initiated, delegation = _delegating(me, members, mine, own_reads)
+    return OneSided(next(_GENERATIONS), exposed, targets, initiated, len(plan.sends), len(plan.recvs),
+                    delegation)
+
+
+def _initiated(mine: list[tuple[Transfer, torch.Tensor, str]]) -> tuple[Initiated, ...]:
+    """Per peer whose memory this rank reaches, its views and names in plan order."""
+    by_peer: dict[int, list] = defaultdict(list)
+    for t, view, name in mine:
+        by_peer[t.peer].append((view, name))
+    return tuple(Initiated(peer, tuple(v for v, _ in got), tuple(n for _, n in got))
+                 for peer, got in sorted(by_peer.items()))
+
+
+def _delegating(me: int, members: tuple[int, ...], mine: list[tuple[Transfer, torch.Tensor, str]],
+                own_reads: dict[int, list[torch.Tensor]]) -> tuple[tuple[Initiated, ...], Delegation]:
+    """A delegate's peers (its own senders and its other members; the senders its
+    members name in their work are reached at run time) and its own part."""
+    recvs: dict[int, list] = defaultdict(list)
+    for t, view, name in mine:
+        recvs[t.peer].append((view, name))
+    delegation = Delegation(members, {p: tuple(v) for p, v in recvs.items()},
+                            {q: tuple(v) for q, v in own_reads.items()})
+    return tuple(Initiated(p, (), ()) for p in sorted(set(recvs) | set(members) - {me})), delegation
 
 
 def _work(views: Views, regions: list[tuple[int, Box]], keys: dict[tuple[str, str], int],
