@@ -426,3 +426,18 @@ def test_stream_words_order_both_ways() -> None:
     assert all("done:word" in log and "done:event" not in log for log in receiver["log"]), receiver["log"]
     assert "ready:event" in sender["fallback_log"] and "done:event" in receiver["fallback_log"], (sender, receiver)
     assert receiver["fallback_wrong"] == [], receiver["fallback_wrong"]
+
+
+def test_memory_a_peer_no_longer_exposes_is_its_transport_error() -> None:
+    """Opening a table whose memory the peer freed (or a dead peer's) raises
+    :class:`TransportError` naming that rank, not the backend's own error."""
+    from torchrefit.errors import TransportError
+
+    class _Gone(shm_transport.ShmPull):
+        def attach(self, peer: int, table) -> tuple:
+            raise RuntimeError("unable to open shared memory object </torch_1_2_3>")
+
+    transport = object.__new__(_Gone)  # only the name and attach are used
+    with pytest.raises(TransportError, match=r"shm-pull: cannot open the memory rank 3 exposed \(RuntimeError") as e:
+        transport._attach_table(3, (None, ()))
+    assert e.value.ranks == (3,) and e.value.rule == "peer memory"

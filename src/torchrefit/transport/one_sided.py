@@ -301,7 +301,7 @@ class OneSidedTransport(Transport):
         regions = self._attached.setdefault(peer, OrderedDict())
         if size:
             table, handle = pickle.loads(self._recv(peer, _TABLE, fixed=False))
-            regions[generation] = self.attach(peer, table[:2])
+            regions[generation] = self._attach_table(peer, table[:2])
             if len(table) > 2:  # a rank this one copies for: what to copy (execute.one_sided.Work)
                 self._tasks[peer, generation] = table[2]
             if handle is not None:
@@ -317,6 +317,19 @@ class OneSidedTransport(Transport):
             self._take(box, header_word(self.rank), seq, peer, "header")
         self._got["header", peer] = (generation, token)
         return generation, token, regions[generation]
+
+    def _attach_table(self, peer: int, table: Table) -> tuple:
+        """:meth:`attach`, with a failure to open the peer's memory (it freed or re-exposed
+        it, or died, since it sent the table) raised as the peer's TransportError."""
+        try:
+            return self.attach(peer, table)
+        except TransportError:
+            raise
+        except Exception as e:  # noqa: BLE001 (the backend's own error, whatever its type)
+            raise TransportError(
+                f"{self.name}: cannot open the memory rank {peer} exposed ({type(e).__name__}: {e}); the "
+                "peer freed it, re-exposed it or died since it sent its table: rebuild the Refitter",
+                ranks=(peer,), rule="peer memory") from e
 
     def work_of(self, peer: int, generation: int) -> object:
         """Delegate: the work ``peer`` sent with its table of ``generation`` (None where
