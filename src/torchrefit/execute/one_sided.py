@@ -214,8 +214,8 @@ class OneSidedProgram:
         """Initiator: each target's header (its table opened where new) and ready token,
         and, for a pull transport, its copies compiled (captured) for these tables: all
         but the transfer, so that a rank taking turns on a shared GPU does this before
-        its turn (``Program._run_in_turn``). A delegate reaches its members first, then
-        the senders their work names."""
+        its turn (``Program._run_in_turn``). A delegate reaches its own senders and its
+        members first, then the senders only its members' work names."""
         remote = [self._attach(pair) for pair in self.compiled.initiated]
         d = self.compiled.delegation
         if d is not None:
@@ -252,7 +252,7 @@ class OneSidedProgram:
         generation, token, remote = self.transport.recv_header(pair.peer)
         # once per table, not per refit: on the receiver's path between the sender's
         # header and its copies (56 us for the seed model's 203 regions on an H200);
-        # a delegate checks its tables where it pairs them (_delegated_copies)
+        # a delegate checks its tables where it pairs them (delegated_copies)
         if (pair.peer, generation) not in self._matched and self.compiled.delegation is None:
             if len(remote) != len(pair.local) or (self.transport.pull and any(
                     r.numel() != v.numel() for r, v in zip(remote, pair.local))):
