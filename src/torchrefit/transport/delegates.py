@@ -7,8 +7,8 @@ Without MPS a GPU runs one process's kernels at a time. Taking turns
 still paid a start and a handoff between processes: ipc's collocated TP2 -> TP1 refit
 of the seed's model took 1.11-1.14x the copy floor with turns, where one process queuing
 that model's TP1 copies takes 1.00x and the TP2 halves alone 1.10x (BENCHMARKS.md,
-"Eleventh session"). A delegate queues them all in one process, one graph, so nothing
-switches.
+"Eleventh session"). A delegate queues them all in one process (its own local copies,
+and one graph for every other copy), so nothing switches.
 
 Which ranks delegate is decided once per Refitter from one small gather in
 ``OneSidedTransport.prepare`` (each rank's device, whether it copies and whether its
