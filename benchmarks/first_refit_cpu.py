@@ -18,7 +18,6 @@ import os
 import statistics
 import time
 
-import torch
 import torch.distributed as dist
 
 import torchrefit as tr

@@ -25,7 +25,9 @@ refit after refit with new source values:
 ``shm-pull-word-delegate`` (2 processes, members ordered by words their fake streams
 write) checks the cross-process order: a member's late producer runs before the
 delegate reads, and the member's ``refit()`` returns after the delegate's copies.
-``delegates_of`` is checked as a pure function.
+``delegates_of`` and ``delegated_copies`` (which table region pairs with which, and the
+refusals where a member sent no work or a table or a work does not fit) are checked as
+pure functions.
 """
 
 from __future__ import annotations
@@ -190,3 +192,32 @@ def _word_world(rank: int, world: int) -> dict:
 def test_delegate_waits_for_members_and_members_for_it() -> None:
     results = run_world(_word_world, 2, timeout=240)
     assert [got["stale"] for got in results] == [[[], [], []]] * 2, results
+
+
+def test_delegated_copies_pair_tables_by_member_and_refuse_what_disagrees() -> None:
+    """``delegated_copies`` as a pure function on tensors: rank 0 delegates for itself and
+    rank 1; rank 2 sends both. Oracle: which tensor lands where, by identity."""
+    import pytest
+
+    from torchrefit.errors import TransportError
+    from torchrefit.execute.one_sided import Delegation, Work, delegated_copies
+
+    t = {k: torch.zeros(n) for k, n in (("a", 2), ("b", 3), ("own_dst", 2), ("m_src", 4), ("m_dst", 4),
+                                        ("m_dst2", 3), ("d_src", 5), ("m_dst3", 5))}
+    d = Delegation((0, 1), {2: ((t["own_dst"], "own <- 2"),)}, {1: (t["d_src"],)})
+    # rank 2's table for rank 0: its source for rank 0 (a), then for rank 1 (b)
+    # rank 1's table: its local copy's source and destination, its reception from 2, from 0
+    remote = [(1, 7, (t["m_src"], t["m_dst"], t["m_dst2"], t["m_dst3"])), (2, 3, (t["a"], t["b"]))]
+    works = {1: Work(((0, 1, "m local"),), ((2, 2, "m <- 2"), (0, 3, "m <- 0")))}
+    got = [(c.dst, c.src, c.name) for c in delegated_copies(d, 0, remote, works)]
+    want = [(t["own_dst"], t["a"], "own <- 2"), (t["m_dst"], t["m_src"], "m local"),
+            (t["m_dst2"], t["b"], "m <- 2"), (t["m_dst3"], t["d_src"], "m <- 0")]
+    assert [(id(x), id(y), n) for x, y, n in got] == [(id(x), id(y), n) for x, y, n in want]
+    with pytest.raises(TransportError, match="rank 1 copies on this rank's GPU but sent it no work"):
+        delegated_copies(d, 0, remote, {1: None})
+    short = [remote[0], (2, 3, (t["a"],))]  # rank 2's table lacks rank 1's region
+    with pytest.raises(TransportError, match=r"rank 2's exposed regions \(1\) do not match"):
+        delegated_copies(d, 0, short, works)
+    with pytest.raises(TransportError, match="rank 1 receives 0 regions from this rank, which sends it 1"):
+        delegated_copies(d, 0, [(1, 7, (t["m_src"], t["m_dst"], t["m_dst2"])), remote[1]],
+                         {1: Work(((0, 1, "m local"),), ((2, 2, "m <- 2"),))})
