@@ -26,7 +26,8 @@ there (``benchmarks/h200_delegate.sh``).
 from __future__ import annotations
 
 import os
-from collections import defaultdict
+
+from .turns import shared_devices
 
 __all__ = ["DELEGATE_ENV", "delegates_of", "enabled"]
 
@@ -37,13 +38,9 @@ def delegates_of(keys: list[str], copies: list[bool], eligible: list[bool]) -> d
     """rank -> the rank that copies for it, for every rank of a device where two or more
     ranks copy and every one of them can hand its copies over: the device's first
     copying rank. Ranks absent copy for themselves. Pure: the same on every rank."""
-    members: dict[str, list[int]] = defaultdict(list)
-    for rank, (key, copying) in enumerate(zip(keys, copies)):
-        if copying:
-            members[key].append(rank)
     out: dict[int, int] = {}
-    for ranks in members.values():
-        if len(ranks) > 1 and all(eligible[r] for r in ranks):
+    for ranks in shared_devices(keys, copies).values():
+        if all(eligible[r] for r in ranks):
             out.update((r, ranks[0]) for r in ranks)
     return out
 

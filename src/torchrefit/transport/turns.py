@@ -35,7 +35,7 @@ import torch
 
 from .mailbox import Mailbox
 
-__all__ = ["Turn", "TURNS_ENV", "device_key", "chain_of"]
+__all__ = ["Turn", "TURNS_ENV", "device_key", "chain_of", "shared_devices"]
 
 TURNS_ENV = "TORCHREFIT_DEVICE_TURNS"
 _WORD = 0  # the one word of a turn mailbox: the number of this rank's finished turns
@@ -52,11 +52,21 @@ def device_key(device: torch.device) -> str:
     return f"{socket.gethostname()}/{ident}"
 
 
+def shared_devices(keys: list[str], copies: list[bool]) -> dict[str, list[int]]:
+    """Device key -> the ranks that copy there, in rank order, for every device where two
+    or more do (the ranks that take turns, or whose first copies for all). Pure."""
+    members: dict[str, list[int]] = {}
+    for rank, (key, copying) in enumerate(zip(keys, copies)):
+        if copying:
+            members.setdefault(key, []).append(rank)
+    return {key: ranks for key, ranks in members.items() if len(ranks) > 1}
+
+
 def chain_of(rank: int, keys: list[str], copies: list[bool]) -> list[int]:
     """The ranks that take turns with ``rank``, in order: those that copy on its device,
     where there are two or more and ``rank`` is one of them; else empty. Pure."""
-    members = [r for r, (k, c) in enumerate(zip(keys, copies)) if c and k == keys[rank]]
-    return members if len(members) > 1 and rank in members else []
+    members = shared_devices(keys, copies).get(keys[rank], [])
+    return members if rank in members else []
 
 
 @dataclass
