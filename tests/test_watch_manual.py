@@ -104,12 +104,18 @@ def _change(step: str, src: nn.Module, dst: nn.Module, want: dict) -> list[torch
     return _move_dst(dst, names, step.removeprefix("dst-"))
 
 
-def _manual(rank: int) -> dict:
+def _refitted_once(rank: int) -> tuple:
+    """Toy models of this rank, a ``watch="manual"`` Refitter that has refit once, and
+    the destination's expected values."""
     src = build_toy(SPEC, SRC, rank, 1)
     dst = build_toy(SPEC, DST, rank, 2)
     r = tr.Refitter(src, dst, watch="manual")
-    want = expected_local(SPEC, DST, rank, 1)
     r.refit()
+    return src, dst, r, expected_local(SPEC, DST, rank, 1)
+
+
+def _manual(rank: int) -> dict:
+    src, dst, r, want = _refitted_once(rank)
     out: dict = {"watch": r.watch, "first": _wrong(dst, want)}
     for step in ("dst-data", "src-data", "dst-parameter", "mixed"):
         dropped = _change(step, src, dst, want)
@@ -122,11 +128,7 @@ def _manual(rank: int) -> dict:
 
 
 def _without_rebind(rank: int) -> dict:
-    src = build_toy(SPEC, SRC, rank, 1)
-    dst = build_toy(SPEC, DST, rank, 2)
-    r = tr.Refitter(src, dst, watch="manual")
-    want = expected_local(SPEC, DST, rank, 1)
-    r.refit()
+    src, dst, r, want = _refitted_once(rank)
     names = [n for n, _ in dst.named_parameters()]
     old = _move_dst(dst, names, "data")
     new = [p.data for p in dst.parameters()]
