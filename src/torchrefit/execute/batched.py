@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._strides import dense_rows, row_offsets
 from . import kernel_copies
 from .copy_kernel import VECTOR, ByteRuns, CopyKernel, copy_kernel, plan_tiles
 
@@ -70,18 +71,12 @@ def strided_runs(dst: torch.Tensor, src: torch.Tensor) -> ByteRuns | None:
     if (dst.dtype != src.dtype or dst.shape != src.shape or dst.device != src.device or dst.numel() == 0
             or (dst.is_contiguous() and src.is_contiguous())):
         return None
-    dims = [i for i, n in enumerate(dst.shape) if n != 1]  # unit dims: any stride
-    shape = [dst.shape[i] for i in dims]
-    ds, ss = [dst.stride(i) for i in dims], [src.stride(i) for i in dims]
-    k, row = len(dims), 1
-    while k and ds[k - 1] == row and ss[k - 1] == row:  # innermost dims dense on both sides
-        row *= shape[k - 1]
-        k -= 1
+    shape, ds, ss, row = dense_rows(dst.shape, dst.stride(), src.stride())
     size = dst.element_size()
-    if k == 0 or row * size < MIN_RUN_BYTES or (row * size) % ALIGN or not _disjoint(shape[:k], ds[:k], row):
+    if not shape or row * size < MIN_RUN_BYTES or (row * size) % ALIGN or not _disjoint(shape, ds, row):
         return None
-    d = dst.data_ptr() + size * _offsets(shape[:k], ds[:k])
-    s = src.data_ptr() + size * _offsets(shape[:k], ss[:k])
+    d = dst.data_ptr() + size * row_offsets(shape, ds)
+    s = src.data_ptr() + size * row_offsets(shape, ss)
     if bool(((d | s) % ALIGN).any()):
         return None
     return ByteRuns(d, s, torch.full_like(d, row * size))
@@ -106,14 +101,6 @@ def _disjoint(shape: list[int], strides: list[int], row: int) -> bool:
             return False
         reach = stride * (n - 1) + reach
     return True
-
-
-def _offsets(shape: list[int], strides: list[int]) -> torch.Tensor:
-    """Element offsets of every index of ``shape`` at ``strides``, row-major, int64."""
-    off = torch.zeros((), dtype=torch.int64)
-    for n, stride in zip(shape, strides):
-        off = off.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * stride
-    return off.reshape(-1)
 
 
 def batch_mode() -> str:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .._strides import dense_rows, row_offsets
 from ..errors import TransportError
 from ..layout._types import dtype_from_name, dtype_name
 from .base import Availability, host_wait_current, poll_until, register_transport, require_cuda
@@ -61,18 +62,11 @@ def contiguous_runs(a: tuple[int, tuple, tuple], b: tuple[int, tuple, tuple], it
     """Start addresses of the runs two equally shaped strided regions ``(address, shape,
     stride)`` have contiguous in common (row-major), and the run length in bytes."""
     (addr_a, shape, stride_a), (addr_b, _, stride_b) = a, b
-    inner, k = 1, len(shape)
-    # a size-1 dim never breaks contiguity, whatever its stride
-    while k > 0 and (shape[k - 1] == 1 or (stride_a[k - 1] == inner and stride_b[k - 1] == inner)):
-        k -= 1
-        inner *= shape[k]
-    outer = shape[:k]
+    outer, sa, sb, inner = dense_rows(shape, stride_a, stride_b)
     if not outer:
         return [addr_a], [addr_b], inner * itemsize
-    grid = torch.cartesian_prod(*[torch.arange(n, dtype=torch.int64) for n in outer]).reshape(-1, len(outer))
-    off_a = (grid * torch.tensor(stride_a[:k], dtype=torch.int64)).sum(1) * itemsize + addr_a
-    off_b = (grid * torch.tensor(stride_b[:k], dtype=torch.int64)).sum(1) * itemsize + addr_b
-    return off_a.tolist(), off_b.tolist(), inner * itemsize
+    return ((row_offsets(outer, sa) * itemsize + addr_a).tolist(),
+            (row_offsets(outer, sb) * itemsize + addr_b).tolist(), inner * itemsize)
 
 
 @register_transport
