@@ -20,6 +20,7 @@ import sys
 import torch
 
 from .._format import format_bytes
+from ..refitter import WATCH_MODES
 from .plan import SHAPE_FLAGS
 
 __all__ = ["add_parser", "run"]
@@ -53,7 +54,7 @@ def add_parser(sub) -> None:
                    help="executor variant, repeatable: plain replay, CUDA-graph replay of local "
                         "copies (GPU only), shared storage (default: plain and graph on a GPU, "
                         "plain on CPU)")
-    p.add_argument("--watch", default="every", choices=["every", "manual"],
+    p.add_argument("--watch", default="every", choices=WATCH_MODES,
                    help="Refitter(watch=...): every (default) checks for replaced tensors and moved "
                         "storage before each refit; manual skips that O(tensors) host work (the "
                         "bench's models never change between refits)")
