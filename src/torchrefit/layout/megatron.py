@@ -75,7 +75,8 @@ def _describe_chunk(core: nn.Module, pg) -> Iterable[tuple[str, TensorLayout, to
     etp = _rank_size(etp_group, "expt_tp") if etp_group is not None else tp
     layer_map = _layer_prefix_map(core)
     named = list(named_refit_tensors(core))
-    n_local = _local_expert_count(core, named, ep[1])
+    # without expert parallelism expert names are global already: nothing to count
+    n_local = _local_expert_count(core, named, ep[1]) if ep[1] > 1 else 0
     for name, t in named:
         gname = _global_layer_name(name, layer_map)
         is_expert = not getattr(t, "allreduce", True)
@@ -102,14 +103,13 @@ def _layer_prefix_map(core: nn.Module) -> dict[str, str]:
     """``decoder.layers.0`` -> ``decoder.layers.16`` for a module with ``layer_number`` 17."""
     out = {}
     for mod_name, mod in named_modules(core):
-        # the name first: most modules' names end in no index, and nn.Module's
-        # __getattr__ for a missing attribute is slow (a MoE model has thousands)
+        # the name first (most end in no index), then the instance's own attributes
+        # (Megatron's layers set it in __init__), the class's only where it has one:
+        # nn.Module.__getattr__ raising for each of a MoE model's ~1000 experts (their
+        # names end in an index too) cost more than the walk
         head, _, last = mod_name.rpartition(".")
         if not last.isdigit():
             continue
-        # an instance attribute (Megatron's layers set it in __init__); the class only
-        # where it has one: nn.Module.__getattr__ raising for each of a MoE model's
-        # ~1000 experts (their names end in an index too) cost more than the walk
         number = vars(mod).get("layer_number")
         if number is None and hasattr(type(mod), "layer_number"):
             number = getattr(mod, "layer_number", None)
