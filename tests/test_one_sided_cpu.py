@@ -151,6 +151,9 @@ def _auto(rank: int, world: int) -> dict:
             "dtensor_imported": "torch.distributed.tensor" in sys.modules}
 
 
+_NIXL_MISSING = "the nixl-cu13 package is not installed (pip install 'torchrefit[nixl]')"
+
+
 def test_auto_and_availability_reasons() -> None:
     for rank, got in enumerate(run_world(_auto, WORLD, timeout=300)):
         if torch.cuda.is_available():
@@ -158,7 +161,8 @@ def test_auto_and_availability_reasons() -> None:
         assert got["auto"] == "gloo", f"rank {rank}: {got}"
         assert got["reasons"]["ipc"] == "no CUDA GPU is visible"
         assert "needs CUDA tensors" in got["ipc"] and "ranks [0, 1" in got["ipc"], got["ipc"]
-        assert got["reasons"]["nixl"] == "no CUDA GPU is visible"
+        # nixl runs on CPU memory too, but "auto" leaves it to be asked for there
+        assert got["reasons"].get("nixl", "") in ("", _NIXL_MISSING), got["reasons"]
         # plain models: the DTensor check must not import torch.distributed.tensor
         # (seconds of Python import on a cold machine, counted in the first refit)
         assert not got["dtensor_imported"], f"rank {rank}"

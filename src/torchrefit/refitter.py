@@ -117,11 +117,13 @@ class Refitter:
         src_model / dst_model: this rank's model (or list of virtual-pipeline
             chunks), or None where the rank holds no such model.
         transport: ``"auto"`` (the most preferred registered transport that fits every
-            rank: ``ipc``, ``nccl``, ``nixl``, then ``gloo``; ``report.transport`` says
-            which), a registered name (``"nccl"``, ``"gloo"``, ``"ipc"``, ``"nixl"``), or
-            a :class:`Transport`. ``"ipc"`` and ``"nixl"`` are one-sided (receivers read,
-            or senders write, the peer's registered GPU memory) and exchange small
-            control messages over the group's Gloo backend (e.g. ``"cpu:gloo,cuda:nccl"``).
+            rank: ``ipc``, ``nccl``, ``nvshmem``, ``nixl``, then ``gloo``; for CPU
+            tensors ``gloo``; ``report.transport`` says which), a registered name
+            (``"nccl"``, ``"gloo"``, ``"ipc"``, ``"nvshmem"``, ``"nixl"``), or a
+            :class:`Transport`. ``"ipc"`` and ``"nixl"`` are one-sided (receivers read,
+            or senders write, the peer's registered memory: GPU memory, or for
+            ``"nixl"`` CPU memory too) and exchange small control messages over the
+            group's Gloo backend (e.g. ``"cpu:gloo,cuda:nccl"``).
         group: the process group spanning every participating rank (default: world),
             or the :class:`~torchrefit.connect.Connection` ``tr.connect`` returned (its
             joint group; its rank offsets replace ``src/dst_rank_offset`` left at 0).
@@ -675,8 +677,9 @@ def _choose_transport(transport: str | Transport, infos: list[_RankInfo], backen
     if isinstance(transport, Transport):
         return transport.name
     if transport == "auto":
+        cpu = any(i.device == "cpu" for i in infos)
         for cls in registered():
-            if _misfit(cls, infos, backend) is None:
+            if _misfit(cls, infos, backend) is None and (cls.auto_on_cpu or not cpu):
                 return cls.name
         raise TransportError(f"no registered transport fits every rank: "
                              f"{ {c.name: _misfit(c, infos, backend) for c in registered()} }")

@@ -71,6 +71,8 @@ class Transport(ABC):
     preference: ClassVar[int] = 0
     #: what the refit must offer (checked on every rank before any byte moves)
     needs_cuda: ClassVar[bool] = False
+    #: ``transport="auto"`` picks it for CPU tensors too (else only by name there)
+    auto_on_cpu: ClassVar[bool] = True
     one_host: ClassVar[bool] = False
     backend: ClassVar[str] = "gloo"  # the process-group backend it uses
 

@@ -1,12 +1,19 @@
-"""NIXL transport (push): senders WRITE into the receivers' registered GPU memory.
+"""NIXL transport (push): senders WRITE into the receivers' registered memory.
 
 Optional extra ``nixl-cu13`` (imports as ``nixl_cu13``), UCX backend. Each rank
-runs one NIXL agent. A receiver registers its destination tensors (their
-storages, once per compiled program) and sends the agent's metadata with the
-tensors' addresses, dtypes, shapes and strides; a sender registers its sources,
-loads the receiver's metadata again only when that table changes (a storage
-moved), and builds one WRITE request per receiver once, from the regions' common
-contiguous runs, then re-posts it every refit with a notification. Ordering:
+runs one NIXL agent. GPU tensors are registered as NIXL's "VRAM", CPU tensors as
+"DRAM" (UCX's shared-memory transports between processes on one host; no GPU
+needed). A receiver registers its destination tensors (their storages, once per
+compiled program) and sends the agent's metadata with the tensors' addresses,
+dtypes, shapes and strides; a sender registers its sources, loads the receiver's
+metadata again only when that table changes (a storage moved), and builds one
+WRITE request per receiver's table and its own compiled views, from the regions'
+common contiguous runs, then re-posts it every refit with a notification.
+
+A storage stays registered while it lives: once freed (its program compiled again
+after a move) it is deregistered, so that memory allocated later at its address is
+registered afresh (NIXL refused transfers over such stale registrations, and an
+RDMA registration pins the pages of what was there before). Ordering:
 
 * ready: the receiver's host waits for its current stream (its engine's reads of
   the old weights) before telling the sender to go; the sender's host waits for
@@ -28,6 +35,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,7 +45,7 @@ import torch.distributed as dist
 from .._strides import dense_rows, row_offsets
 from ..errors import TransportError
 from ..layout._types import dtype_from_name, dtype_name
-from .base import Availability, host_wait_current, poll_until, register_transport, require_cuda
+from .base import Availability, host_wait_current, poll_until, register_transport
 from .one_sided import OneSidedTransport, Table
 
 __all__ = ["NixlTransport", "RemoteRegion", "contiguous_runs"]
@@ -51,6 +59,7 @@ class RemoteRegion:
 
     address: int
     device: int
+    memory: str  # NIXL's memory type: "VRAM" or "DRAM"
     itemsize: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
@@ -69,15 +78,41 @@ def contiguous_runs(a: tuple[int, tuple, tuple], b: tuple[int, tuple, tuple], it
             (row_offsets(outer, sb) * itemsize + addr_b).tolist(), inner * itemsize)
 
 
+class _Registration:
+    """One registered storage: its NIXL descriptor and memory type, and a finalizer per
+    live storage object at its address (more than one only where storages alias)."""
+
+    def __init__(self, desc: tuple[int, int, int, str], memory: str) -> None:
+        self.desc, self.memory = desc, memory
+        self._finalizers: list[tuple[weakref.ref, weakref.finalize]] = []
+
+    def holds(self, storage: torch.UntypedStorage) -> bool:
+        return any(ref() is storage for ref, _ in self._finalizers)
+
+    def watch(self, storage: torch.UntypedStorage, freed: list[int]) -> None:
+        """Queue this address on ``freed`` when ``storage`` is freed."""
+        self._finalizers.append((weakref.ref(storage), weakref.finalize(storage, freed.append, self.desc[0])))
+
+    def release(self) -> bool:
+        """Forget the storages freed; True where none is left."""
+        self._finalizers = [(ref, f) for ref, f in self._finalizers if f.alive]
+        return not self._finalizers
+
+    def cancel(self) -> None:
+        for _, f in self._finalizers:
+            f.detach()
+
+
 @register_transport
 class NixlTransport(OneSidedTransport):
     name = "nixl"
     pull = False
     preference = 10
-    needs_cuda = True
+    # CPU tensors by name only: "auto" keeps gloo there (a process's first NIXL agent
+    # costs ~0.4 s, BENCHMARKS.md "Thirteenth session")
+    auto_on_cpu = False
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, progress_thread: bool | None = None) -> None:
-        require_cuda(device, "nixl")
         super().__init__(group, device)
         from nixl_cu13._api import nixl_agent, nixl_agent_config
 
@@ -86,9 +121,12 @@ class NixlTransport(OneSidedTransport):
         self._name = f"torchrefit-{dist.get_rank()}-{os.getpid()}-{id(self):x}"
         self._agent = nixl_agent(self._name, nixl_agent_config(enable_prog_thread=progress_thread,
                                                                backends=["UCX"]))
-        self._registered: dict[int, int] = {}  # storage address -> registered bytes
+        # storage address -> its registration, while a storage registered there lives
+        self._registered: dict[int, _Registration] = {}
+        self._freed: list[int] = []  # addresses whose registered storage was freed since
         self._remote_agents: dict[int, str] = {}  # peer -> loaded agent name
-        self._requests: dict[tuple, object] = {}  # (peer, id of its regions) -> WRITE request
+        # (peer, id of its regions) -> those regions, the local views and their WRITE request
+        self._requests: dict[tuple[int, int], tuple[tuple, Sequence[torch.Tensor], object]] = {}
         self._posted: list = []
         self._notif = b"torchrefit:%d" % dist.get_rank()
         self._pending_notifs: list[bytes] = []  # notifications that arrived for a later wait
@@ -97,49 +135,85 @@ class NixlTransport(OneSidedTransport):
     def available(cls) -> Availability:
         return Availability.first_missing([
             (dist.is_available() and dist.is_gloo_available(), "this torch build has no Gloo (control messages)"),
-            (torch.cuda.is_available(), "no CUDA GPU is visible"),
             (importlib.util.find_spec("nixl_cu13") is not None,
              "the nixl-cu13 package is not installed (pip install 'torchrefit[nixl]')"),
         ])
 
     # ------------------------------------------------------------- registering
     def _register(self, tensors: Sequence[torch.Tensor]) -> None:
-        new = []
+        """Register each tensor's storage once while it lives. A storage registered here
+        is deregistered once freed (``_release_freed``): memory allocated later at its
+        address (new pages, a new allocation) is registered afresh, never reached through
+        a registration of what was there before."""
+        self._release_freed()
+        new: dict[str, list] = {}
         for t in tensors:
             s = t.untyped_storage()
-            if self._registered.get(s.data_ptr(), 0) < s.nbytes():
-                self._registered[s.data_ptr()] = s.nbytes()
-                new.append((s.data_ptr(), s.nbytes(), t.device.index or 0, ""))
-        if new:
-            self._agent.register_memory(new, "VRAM")
+            addr, nbytes = s.data_ptr(), s.nbytes()
+            reg = self._registered.get(addr)
+            if nbytes == 0 or (reg is not None and reg.holds(s)):
+                continue
+            if reg is not None and reg.desc[1] >= nbytes:  # another storage object aliasing it
+                reg.watch(s, self._freed)
+                continue
+            if reg is not None:  # a larger storage there now: register it whole
+                self._deregister(addr)
+            desc = (addr, nbytes, _device_id(t), "")
+            self._registered[addr] = _Registration(desc, _memory(t))
+            self._registered[addr].watch(s, self._freed)
+            new.setdefault(_memory(t), []).append(desc)
+        for memory, regions in new.items():
+            self._agent.register_memory(regions, memory)
+
+    def _release_freed(self) -> None:
+        """Deregister the storages freed since the last call (each finalizer queued its
+        address; the deregistration runs here, in this transport's own calls)."""
+        while self._freed:
+            addr = self._freed.pop()
+            reg = self._registered.get(addr)
+            if reg is not None and reg.release():
+                self._deregister(addr)
+
+    def _deregister(self, addr: int) -> None:
+        reg = self._registered.pop(addr)
+        reg.cancel()
+        self._agent.deregister_memory(self._agent.get_reg_descs([reg.desc], reg.memory))
 
     def expose(self, tensors: Sequence[torch.Tensor]) -> object:
         self._register(tensors)
         return (self._agent.get_agent_metadata(),
-                tuple((t.data_ptr(), t.device.index or 0, t.element_size(), tuple(t.shape), tuple(t.stride()),
-                       dtype_name(t.dtype)) for t in tensors))
+                tuple((t.data_ptr(), _device_id(t), _memory(t), t.element_size(), tuple(t.shape),
+                       tuple(t.stride()), dtype_name(t.dtype)) for t in tensors))
 
     def attach(self, peer: int, table: Table) -> tuple:
         (metadata, tensors), regions = table
         for key in [k for k in self._requests if k[0] == peer]:
-            self._requests.pop(key).release()  # requests of the peer's older table
+            self._requests.pop(key)[2].release()  # requests of the peer's older table
         old = self._remote_agents.pop(peer, None)
         if old is not None:  # its registrations changed: load its metadata afresh
             self._agent.remove_remote_agent(old)
         self._remote_agents[peer] = self._agent.add_remote_agent(metadata)
         out = []
         for i, box in regions:
-            addr, dev, itemsize, _, stride, dtype = tensors[i]
+            addr, dev, memory, itemsize, _, stride, dtype = tensors[i]
             start = addr + sum(o * s for o, s in zip(box.offset, stride)) * itemsize
-            out.append(RemoteRegion(start, dev, itemsize, tuple(box.size), tuple(stride), dtype))
+            out.append(RemoteRegion(start, dev, memory, itemsize, tuple(box.size), tuple(stride), dtype))
         return tuple(out)
 
     # ------------------------------------------------------------------ writing
     def write(self, peer: int, local: Sequence[torch.Tensor], remote: tuple) -> None:
+        # one request per table and local views, re-posted every refit: views compiled
+        # again (this rank's sources moved while the peer's table stayed) need a new one,
+        # or the WRITE would read the old storage
         key = (peer, id(remote))
-        request = self._requests.get(key)
-        if request is None:
-            request = self._requests[key] = self._request(peer, local, remote)
+        cached = self._requests.get(key)
+        if cached is not None and cached[0] is remote and cached[1] is local:
+            request = cached[2]
+        else:
+            if cached is not None:
+                cached[2].release()
+            request = self._request(peer, local, remote)
+            self._requests[key] = (remote, local, request)
         if self._agent.transfer(request, self._notif) == "ERR":
             raise TransportError(f"nixl: posting the WRITE to rank {peer} failed")
         self._posted.append((peer, request))
@@ -148,16 +222,21 @@ class NixlTransport(OneSidedTransport):
         """One WRITE request for all regions sent to ``peer``, built once per table."""
         self._register(local)
         src, dst = [], []
+        src_memory = {_memory(view) for view in local}
+        dst_memory = {r.memory for r in remote}
+        if len(src_memory) > 1 or len(dst_memory) > 1:  # one request has one memory type a side
+            raise TransportError(f"nixl: the regions sent to rank {peer} mix GPU and CPU memory "
+                                 f"({sorted(src_memory)} -> {sorted(dst_memory)})")
         for view, r in zip(local, remote):
             if dtype_from_name(r.dtype) != view.dtype:
                 raise TransportError(f"nixl: rank {peer} lands {r.dtype} where this rank sends {view.dtype}")
             a, b, n = contiguous_runs((view.data_ptr(), tuple(view.shape), tuple(view.stride())),
                                       (r.address, r.shape, r.stride), r.itemsize)
-            dev = view.device.index or 0
+            dev = _device_id(view)
             src += [(x, n, dev) for x in a]
             dst += [(y, n, r.device) for y in b]
-        return self._agent.initialize_xfer("WRITE", self._agent.get_xfer_descs(src, "VRAM"),
-                                           self._agent.get_xfer_descs(dst, "VRAM"),
+        return self._agent.initialize_xfer("WRITE", self._agent.get_xfer_descs(src, src_memory.pop()),
+                                           self._agent.get_xfer_descs(dst, dst_memory.pop()),
                                            self._remote_agents[peer], self._notif)
 
     def finish_writes(self) -> None:
@@ -182,9 +261,13 @@ class NixlTransport(OneSidedTransport):
     # ---------------------------------------------------------------- ordering
     def ready(self) -> bytes:
         host_wait_current(self.device)  # the engine's reads of the old weights are done
+        if self._freed:  # storages of a program compiled again: no pages stay registered
+            self._release_freed()
         return b""
 
     def wait_ready(self, peer: int, token: bytes) -> None:
+        if self._freed:
+            self._release_freed()
         # NIXL reads the sources outside stream order: the producer must have finished
         # (tests/test_gpu_stale_read.py removes this wait to prove that)
         host_wait_current(self.device)
@@ -215,7 +298,16 @@ class NixlTransport(OneSidedTransport):
         return False
 
     def close(self) -> None:
-        for request in self._requests.values():
+        for _, _, request in self._requests.values():
             request.release()
         self._requests.clear()
         super().close()
+
+
+def _memory(t: torch.Tensor) -> str:
+    """NIXL's memory type of a tensor's storage."""
+    return "VRAM" if t.is_cuda else "DRAM"
+
+
+def _device_id(t: torch.Tensor) -> int:
+    return (t.device.index or 0) if t.is_cuda else 0
