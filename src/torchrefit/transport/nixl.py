@@ -91,7 +91,9 @@ class _Registration:
 
     def watch(self, storage: torch.UntypedStorage, freed: list[int]) -> None:
         """Queue this address on ``freed`` when ``storage`` is freed."""
-        self._finalizers.append((weakref.ref(storage), weakref.finalize(storage, freed.append, self.desc[0])))
+        f = weakref.finalize(storage, freed.append, self.desc[0])
+        f.atexit = False  # nothing to queue while the interpreter exits
+        self._finalizers.append((weakref.ref(storage), f))
 
     def release(self) -> bool:
         """Forget the storages freed; True where none is left."""
