@@ -12,7 +12,8 @@ the group; a rank raising mid-planning (its class kept, named by rank); a rank w
 description raises ``TransportError`` (the class travels). Refit-time faults (one world
 each): a rank killed before a refit, with the default timeout and with ``timeout=None``;
 a rank that stops (sleeps) past a short timeout, through gloo rounds and through a
-one-sided transport; a rank that never builds its Refitter; a storage move between
+one-sided transport; a rank killed, and one stopped, under nixl for real (CPU memory,
+where ``nixl-cu13`` is installed); a rank that never builds its Refitter; a storage move between
 refits; a flipped destination byte caught by ``verify()``; ``swap_model_weights`` with list keywords, a
 cache that drops dead models, a Gloo group built over a non-Gloo group; and 1000 refits
 with flat memory and unchanged results.
@@ -188,13 +189,15 @@ def _dying_world(rank: int, world: int, mode: str) -> dict:
         import shm_transport  # noqa: F401  (registers shm-pull)
 
         kwargs["transport"] = "shm-pull"
+    if mode.endswith("-nixl"):  # push through NIXL for real (CPU memory)
+        kwargs["transport"] = "nixl"
     src = build_toy(SPEC, TP2, rank, 1)
     dst = build_toy(SPEC, TP1, rank, 2)
-    if kwargs:
+    if kwargs.get("transport") == "shm-pull":
         src.share_memory()
     old = {k: v.clone() for k, v in dst.state_dict().items()}
     timeout = {"killed": tr.refitter.DEFAULT_TIMEOUT, "killed-no-timeout": None, "stopped": 4.0,
-               "stopped-one-sided": 4.0}[mode]
+               "stopped-one-sided": 4.0, "killed-nixl": 20.0, "stopped-nixl": 4.0}[mode]
     r = tr.Refitter(src, dst, timeout=60.0 if timeout and timeout < 10 else timeout, **kwargs)
     r.timeout = r._transport.timeout = timeout  # short for the refit only: start-up is slow here
     if rank == 3 and mode.startswith("killed"):
@@ -221,8 +224,14 @@ def _dying_world(rank: int, world: int, mode: str) -> dict:
     return out
 
 
+_NIXL = pytest.mark.skipif(not tr.transport.base.transport_class("nixl").available(),
+                           reason="nixl-cu13 is not installed")
+
+
 @pytest.mark.parametrize("mode,bound", [("killed", 30.0), ("killed-no-timeout", 30.0), ("stopped", 30.0),
-                                        ("stopped-one-sided", 30.0)])
+                                        ("stopped-one-sided", 30.0),
+                                        pytest.param("killed-nixl", 30.0, marks=_NIXL),
+                                        pytest.param("stopped-nixl", 30.0, marks=_NIXL)])
 def test_peer_dies_or_stops(mode: str, bound: float) -> None:
     # with a short refit timeout, the group's own (pg_timeout) is longer than the bound:
     # only torchrefit's own deadline can end the waits in time

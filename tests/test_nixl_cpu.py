@@ -1,12 +1,14 @@
 """The nixl transport's own logic on CPU, against a stand-in for the ``nixl_cu13`` package.
 
-NIXL needs a GPU; what this covers runs without one: NIXL's progress thread is off unless
+What this covers needs failures NIXL itself cannot be made to produce on cue
+(``test_nixl_dram.py`` runs the real package): NIXL's progress thread is off unless
 asked for (``TORCHREFIT_NIXL_PROGRESS_THREAD=1`` or ``progress_thread=True``: on an H200 the
 thread doubled the refit's time, BENCHMARKS.md "Tenth session"); ``finish_writes`` polls
 each posted WRITE until NIXL says DONE (each poll is what progresses UCX's worker with the
 thread off), raises naming the peer when one ends in ERR or never completes; and
 ``wait_done`` polls notifications until the peer's arrives, keeping others for later
-waits, and raises naming the peer when it never comes. One spawned process runs every case.
+waits, and raises naming the peer when it never comes; NIXL's own exceptions (a peer that
+died mid-transfer) become TransportError naming the peer. One spawned process runs every case.
 """
 
 from __future__ import annotations
@@ -34,10 +36,20 @@ class _Agent:
 
     def check_xfer_state(self, request) -> str:
         self.polls += 1
-        return self.states.pop(0) if self.states else "PROC"
+        state = self.states.pop(0) if self.states else "PROC"
+        if state == "GONE":
+            raise nixlRemoteDisconnectError("NIXL_ERR_REMOTE_DISCONNECT")
+        return state
 
     def get_new_notifs(self) -> dict:
-        return self.notifs.pop(0) if self.notifs else {}
+        got = self.notifs.pop(0) if self.notifs else {}
+        if got == "GONE":
+            raise nixlRemoteDisconnectError("NIXL_ERR_REMOTE_DISCONNECT")
+        return got
+
+
+class nixlRemoteDisconnectError(Exception):  # noqa: N801 (NIXL's own name)
+    """What NIXL raises where the peer's process is gone."""
 
 
 class _Config:
@@ -48,9 +60,11 @@ class _Config:
 def _install_fake() -> None:
     api = types.ModuleType("nixl_cu13._api")
     api.nixl_agent, api.nixl_agent_config = _Agent, _Config
+    bindings = types.ModuleType("nixl_cu13._bindings")
+    bindings.nixlRemoteDisconnectError = nixlRemoteDisconnectError
     pkg = types.ModuleType("nixl_cu13")
-    pkg._api = api
-    sys.modules.update({"nixl_cu13": pkg, "nixl_cu13._api": api})
+    pkg._api, pkg._bindings = api, bindings
+    sys.modules.update({"nixl_cu13": pkg, "nixl_cu13._api": api, "nixl_cu13._bindings": bindings})
 
 
 def _cases(rank: int, world: int) -> dict:
@@ -99,6 +113,21 @@ def _cases(rank: int, world: int) -> dict:
         out["no notif"] = None
     except TransportError as e:
         out["no notif"] = str(e)
+
+    # a peer that died: NIXL's own exception becomes TransportError naming it
+    nixl._TIMEOUT_S = 5.0
+    t._agent.states, t._posted = ["PROC", "GONE"], [(2, "e")]
+    try:
+        t.finish_writes()
+        out["gone writing"] = None
+    except TransportError as e:
+        out["gone writing"] = (str(e), e.ranks, e.rule)
+    t._agent.notifs = [{}, "GONE"]
+    try:
+        t.wait_done(3, b"")
+        out["gone waiting"] = None
+    except TransportError as e:
+        out["gone waiting"] = (str(e), e.ranks)
     return out
 
 
@@ -110,3 +139,8 @@ def test_nixl_progress_thread_and_polled_waits() -> None:
     assert "rank 4 did not complete" in got["timeout"], got
     assert got["kept"] == [b"torchrefit:7"] and got["kept after"] == [], got
     assert "no write notification from rank 6" in got["no notif"], got
+    msg, ranks, rule = got["gone writing"]
+    assert "completing the WRITE with rank 2 failed (nixlRemoteDisconnectError" in msg and ranks == (2,), got
+    assert rule == "nixl failure", got
+    msg, ranks = got["gone waiting"]
+    assert "notification with rank 3 failed" in msg and ranks == (3,), got

@@ -32,11 +32,12 @@ one H200, two processes, the seed's model: 9.99 ms with the thread, 5.68 ms with
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -78,6 +79,27 @@ def contiguous_runs(a: tuple[int, tuple, tuple], b: tuple[int, tuple, tuple], it
             (row_offsets(outer, sb) * itemsize + addr_b).tolist(), inner * itemsize)
 
 
+def _nixl_failures(what: str) -> Callable:
+    """Decorator of a primitive: NIXL's own exceptions (a peer that died or left, a
+    refused registration) become :class:`TransportError` naming the peer, the primitive's
+    first argument where it has one, so that the Refitter fails the refit as for any
+    other transport instead of a raw backend error escaping it."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def call(self: NixlTransport, *args, **kwargs):
+            try:
+                return fn(self, *args, **kwargs)
+            except self._errors as e:
+                peer = args[0] if args and isinstance(args[0], int) else None
+                where = "" if peer is None else f" with rank {peer}"
+                raise TransportError(f"nixl: {what}{where} failed ({type(e).__name__}: {e}); a peer that "
+                                     "died or left fails every later refit of this Refitter",
+                                     ranks=() if peer is None else (peer,), rule="nixl failure") from e
+        return call
+    return wrap
+
+
 class _Registration:
     """One registered storage: its NIXL descriptor and memory type, and a finalizer per
     live storage object at its address (more than one only where storages alias)."""
@@ -116,7 +138,12 @@ class NixlTransport(OneSidedTransport):
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, progress_thread: bool | None = None) -> None:
         super().__init__(group, device)
+        import nixl_cu13
         from nixl_cu13._api import nixl_agent, nixl_agent_config
+
+        bindings = getattr(nixl_cu13, "_bindings", None)
+        self._errors = tuple(c for n, c in vars(bindings or object).items()
+                             if n.startswith("nixl") and isinstance(c, type) and issubclass(c, Exception))
 
         if progress_thread is None:
             progress_thread = os.environ.get("TORCHREFIT_NIXL_PROGRESS_THREAD", "0") == "1"
@@ -181,12 +208,14 @@ class NixlTransport(OneSidedTransport):
         reg.cancel()
         self._agent.deregister_memory(self._agent.get_reg_descs([reg.desc], reg.memory))
 
+    @_nixl_failures("registering this rank's tensors")
     def expose(self, tensors: Sequence[torch.Tensor]) -> object:
         self._register(tensors)
         return (self._agent.get_agent_metadata(),
                 tuple((t.data_ptr(), _device_id(t), _memory(t), t.element_size(), tuple(t.shape),
                        tuple(t.stride()), dtype_name(t.dtype)) for t in tensors))
 
+    @_nixl_failures("loading the metadata")
     def attach(self, peer: int, table: Table) -> tuple:
         (metadata, tensors), regions = table
         for key in [k for k in self._requests if k[0] == peer]:
@@ -203,6 +232,7 @@ class NixlTransport(OneSidedTransport):
         return tuple(out)
 
     # ------------------------------------------------------------------ writing
+    @_nixl_failures("the WRITE")
     def write(self, peer: int, local: Sequence[torch.Tensor], remote: tuple) -> None:
         # one request per table and local views, re-posted every refit: views compiled
         # again (this rank's sources moved while the peer's table stayed) need a new one,
@@ -247,6 +277,7 @@ class NixlTransport(OneSidedTransport):
             self._finish(peer, request, deadline)
         self._posted = []
 
+    @_nixl_failures("completing the WRITE")
     def _finish(self, peer: int, request: object, deadline: float) -> None:
         state = "PROC"
 
@@ -261,12 +292,14 @@ class NixlTransport(OneSidedTransport):
             raise TransportError(f"nixl: the WRITE to rank {peer} failed ({state})")
 
     # ---------------------------------------------------------------- ordering
+    @_nixl_failures("deregistering freed storage")
     def ready(self) -> bytes:
         host_wait_current(self.device)  # the engine's reads of the old weights are done
         if self._freed:  # storages of a program compiled again: no pages stay registered
             self._release_freed()
         return b""
 
+    @_nixl_failures("deregistering freed storage")
     def wait_ready(self, peer: int, token: bytes) -> None:
         if self._freed:
             self._release_freed()
@@ -283,6 +316,7 @@ class NixlTransport(OneSidedTransport):
     def recv_done(self, peer: int) -> bytes:
         return b""
 
+    @_nixl_failures("waiting for the notification")
     def wait_done(self, peer: int, token: bytes) -> None:
         want = self._notif_of(peer)
         if not poll_until(lambda: self._take_notif(want), _TIMEOUT_S):
