@@ -1,5 +1,6 @@
 """``tr.load_weights_sink``: engines that only accept ``load_weights(iterable of (name,
-tensor))`` as refit destinations (one spawned world of 4 CPU processes, gloo).
+tensor))`` as refit destinations (one spawned world of 4 CPU processes per transport
+usable on CPU here: gloo, and nixl where ``nixl-cu13`` is installed).
 
 A Megatron-style TP2 trainer (ranks 0-1) refits, twice, into:
 
@@ -31,8 +32,17 @@ from test_maps_hf import reference, toy_globals
 from torch import nn
 
 import torchrefit as tr
-from torchrefit.testing import Mesh, ModelSpec, build_toy, check_failed_everywhere, run_world
+from torchrefit.testing import (
+    Mesh,
+    ModelSpec,
+    build_toy,
+    check_failed_everywhere,
+    run_world,
+    usable_transports,
+)
 from torchrefit.testing.toy import global_table, global_value
+from torchrefit.transport.base import transport_class
+from torchrefit.transport.one_sided import OneSidedTransport
 
 SPEC = ModelSpec(layers=2, bias=False)  # Llama-shaped: no linear biases
 TRAINER = Mesh(tp=2, ranks=2)
@@ -86,29 +96,29 @@ def _set(model, rank: int, seed: int) -> None:
     tr.testing.load_seed(model, SPEC, TRAINER, rank, seed)
 
 
+def _count_attaches(transport) -> list[int]:
+    """Count a one-sided transport's ``attach`` calls (tables opened) in a one-item list."""
+    count = [0]
+    if isinstance(transport, OneSidedTransport):
+        attach = transport.attach
+
+        def counted(*args):
+            count[0] += 1
+            return attach(*args)
+        transport.attach = counted
+    return count
+
+
 def _recorders(rank: int) -> dict:
     src = build_toy(SPEC, TRAINER, rank, 0) if rank < 2 else None
     recorder = Recorder(BUCKET)
     engine = nn.Module() if rank >= 2 else None  # stands for the engine: holds the version
     sink = tr.load_weights_sink(recorder, _wanted(rank), bucket_bytes=BUCKET) if rank >= 2 else None
-    r = tr.Refitter(src, engine, dst_layout=sink, skip=["extra.*"], staging_bytes=STAGING)
+    r = tr.Refitter(src, engine, dst_layout=sink, skip=["extra.*"], staging_bytes=STAGING, transport=TRANSPORT)
     out: dict = {"staging": []}
-    for seed in (1, 2):
-        if src is not None:
-            _set(src, rank, seed)
-        recorder.got.clear()
-        calls = recorder.calls
-        report = r.refit()
-        out["staging"].append(report.staging_bytes)
-        out[f"calls{seed}"] = recorder.calls - calls
-        if rank >= 2:
-            names = [n for n, *_ in _wanted(rank) if n != "extra.weight"]
-            out[f"once{seed}"] = sorted(recorder.got) == sorted(names) and all(
-                len(v) == 1 for v in recorder.got.values())
-            out[f"values{seed}"] = [n for n in names
-                                    if not torch.equal(recorder.got[n][0], _expected(rank, n, seed))]
+    _refits(r, src, recorder, rank, (1, 2), out)
     out["over_budget"] = recorder.over_budget
-    out["version"] = tr.weight_version(engine) if engine is not None else report.version
+    out["version"] = tr.weight_version(engine) if engine is not None else r.version
     out["buffer"] = sink.buffer.numel() if sink is not None else 0
     # staging memory the bucket programs hold, counted by storage: one shared pair
     pools = {p.untyped_storage().data_ptr(): p.numel() for prog in r._phase_programs
@@ -116,7 +126,35 @@ def _recorders(rank: int) -> dict:
     out["staging_held"] = sum(pools.values())
     with pytest.raises(tr.VerificationError, match="load_weights sink"):
         r.verify()
+    if isinstance(r._transport, OneSidedTransport):  # fewer tables kept than buckets
+        recorder = Recorder(BUCKET)
+        sink = tr.load_weights_sink(recorder, _wanted(rank), bucket_bytes=BUCKET) if rank >= 2 else None
+        r = tr.Refitter(src, engine, dst_layout=sink, skip=["extra.*"], transport=TRANSPORT)
+        r._transport.keep = 1  # every rank, before the first refit: both ends forget alike
+        _refits(r, src, recorder, rank, (3, 4), out)
     return out
+
+
+def _refits(r: tr.Refitter, src, recorder: Recorder, rank: int, seeds: tuple[int, ...], out: dict) -> None:
+    """Refit once per seed into ``out``: staging, load_weights calls, tables opened (a
+    one-sided transport's ``attach``) and, on the sinks, whether each name came once
+    with its value."""
+    attached = _count_attaches(r._transport)
+    for seed in seeds:
+        if src is not None:
+            _set(src, rank, seed)
+        recorder.got.clear()
+        calls, attaches = recorder.calls, attached[0]
+        report = r.refit()
+        out["staging"].append(report.staging_bytes)
+        out[f"attached{seed}"] = attached[0] - attaches
+        out[f"calls{seed}"] = recorder.calls - calls
+        if rank >= 2:
+            names = [n for n, *_ in _wanted(rank) if n != "extra.weight"]
+            out[f"once{seed}"] = sorted(recorder.got) == sorted(names) and all(
+                len(v) == 1 for v in recorder.got.values())
+            out[f"values{seed}"] = [n for n in names
+                                    if not torch.equal(recorder.got[n][0], _expected(rank, n, seed))]
 
 
 def _llama(seed: int):
@@ -144,7 +182,7 @@ def _transformers(rank: int) -> dict:
         wanted = [(n, tuple(t.shape), t.dtype) for n, t in model.state_dict().items()]
         sink = tr.load_weights_sink(load_weights, wanted, bucket_bytes=BUCKET if rank == 3 else 1 << 20)
     name_map = tr.maps.megatron_to_hf(num_heads=SPEC.heads, num_query_groups=SPEC.groups)
-    r = tr.Refitter(src, model, dst_layout=sink, name_map=name_map)
+    r = tr.Refitter(src, model, dst_layout=sink, name_map=name_map, transport=TRANSPORT)
     out: dict = {}
     for seed in (1, 2):
         if src is not None:
@@ -166,7 +204,7 @@ def _too_small(rank: int) -> dict:
     src = build_toy(SPEC, TRAINER, rank, 0) if rank < 2 else None
     dst = nn.Module() if rank >= 2 else None
     sink = tr.load_weights_sink(Recorder(1 << 30), _wanted(2), bucket_bytes=1024) if rank >= 2 else None
-    return attempt_refit(src, dst, dst_layout=sink, skip=["extra.*"])
+    return attempt_refit(src, dst, dst_layout=sink, skip=["extra.*"], transport=TRANSPORT)
 
 
 # FP8 into a sink: blocks of 8 x 24 make linear_proj's TP shards (12 of its 24 columns each)
@@ -197,7 +235,7 @@ def _fp8(rank: int) -> dict:
     recorder = Recorder(FP8_BUCKET)
     sink = tr.load_weights_sink(recorder, _fp8_wanted(), bucket_bytes=FP8_BUCKET) if rank >= 2 else None
     r = tr.Refitter(src, nn.Module() if rank >= 2 else None, dst_layout=sink, fp8_block=FP8_BLOCK,
-                    staging_bytes=STAGING)
+                    staging_bytes=STAGING, transport=TRANSPORT)
     out: dict = {"wrong": [], "apart": []}
     for seed in (1, 2):
         if src is not None:
@@ -225,17 +263,26 @@ def _fp8(rank: int) -> dict:
     return out
 
 
-def _world(rank: int, world: int) -> dict:
+def _world(rank: int, world: int, transport: str) -> dict:
     import transformers  # noqa: F401  (every rank pays the import before the first gather)
 
-    return {"recorders": _recorders(rank), "transformers": _transformers(rank),
+    global TRANSPORT
+    TRANSPORT = transport
+
+    return {"transport": transport, "recorders": _recorders(rank), "transformers": _transformers(rank),
             "too_small": _too_small(rank), "fp8": _fp8(rank)}
 
 
-@pytest.fixture(scope="module")
-def results() -> list[dict]:
+#: the transport of this process's world (``_world`` sets it): each usable on CPU here, in
+#: turn (nixl: each bucket's program is its own table, more of them than a transport
+#: remembers by default)
+TRANSPORT = "auto"
+
+
+@pytest.fixture(scope="module", params=usable_transports(cuda=False))
+def results(request) -> list[dict]:
     pytest.importorskip("transformers")
-    return run_world(_world, 4, timeout=400, pg_timeout=180)
+    return run_world(_world, 4, request.param, timeout=400, pg_timeout=180)
 
 
 def test_every_name_once_with_the_right_values(results) -> None:
@@ -251,13 +298,33 @@ def test_every_name_once_with_the_right_values(results) -> None:
     assert all(r["recorders"]["calls1"] == 0 for r in results[:2])
 
 
+def test_one_sided_tables_kept_per_bucket(results) -> None:
+    """Through a one-sided transport each bucket's program has its own table: the
+    transport keeps one per bucket (``keep_tables``), so after the first refit no table
+    travels again; with fewer kept than buckets (``keep = 1`` on every rank) both ends
+    forget the same ones and the targets send them again (a second Refitter): every
+    value still right."""
+    if transport_class(results[0]["transport"]).protocol != "one_sided":
+        pytest.skip("a rounds transport has no tables")
+    for rank in (0, 1):  # the senders initiate (push): they open the sinks' tables
+        got = results[rank]["recorders"]
+        assert got["attached1"] > 4 and got["attached2"] == 0, got
+        assert got["attached3"] > 0 and got["attached4"] > 0, got
+    for rank in (2, 3):
+        got = results[rank]["recorders"]
+        assert got["once3"] and got["once4"] and got["values3"] == got["values4"] == [], got
+
+
 def test_buckets_share_one_staging(results) -> None:
     """Staging stays under staging_bytes however many buckets a sink refit runs: the
-    bucket programs share one pair of pools (one pair each would hold ~buckets x)."""
+    bucket programs share one pair of pools (one pair each would hold ~buckets x). A
+    one-sided transport (nixl) writes into the sink's buffer and stages nothing."""
+    staged = transport_class(results[0]["transport"]).protocol == "rounds"
     for rank, r in enumerate(results):
         got = r["recorders"]
-        assert 0 < got["staging_held"] <= STAGING, (rank, got["staging_held"])
-        assert got["staging"] == [got["staging_held"]] * 2, (rank, got["staging"])
+        assert (0 < got["staging_held"] if staged else got["staging_held"] == 0), (rank, got["staging_held"])
+        assert got["staging_held"] <= STAGING, (rank, got["staging_held"])
+        assert got["staging"][:2] == [got["staging_held"]] * 2, (rank, got["staging"])
 
 
 def test_transformers_model_loads_through_the_sink(results) -> None:
@@ -276,11 +343,13 @@ def test_bucket_smaller_than_a_tensor_fails_everywhere(results) -> None:
 def test_fp8_into_a_sink(results) -> None:
     """FP8 weights and their scales reach ``load_weights`` together, bit-identical to the
     torch quantization of the whole global tensor, quantized on the senders where whole
-    blocks of a shard fill them and on the sink where a block straddles two shards."""
+    blocks of a shard fill them and on the sink where a block straddles two shards (a
+    one-sided transport's senders transform nothing: all on the sink)."""
+    on_senders = transport_class(results[0]["transport"]).protocol == "rounds"
     for rank in (2, 3):
         got = results[rank]["fp8"]
         assert got["wrong"] == [] and got["over_budget"] == [], got
-        assert got["calls"] > 4 and got["sender"] > 0 and got["receiver"] > 0, got
+        assert got["calls"] > 4 and (got["sender"] > 0) == on_senders and got["receiver"] > 0, got
 
 
 # ------------------------------------------------------------- bucket planning (pure)

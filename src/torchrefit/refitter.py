@@ -252,6 +252,8 @@ class Refitter:
         self._phases = self._bucket(infos)
         max_peers = self._agree()
         self._transport = self._make_transport(transport)
+        if self._phases is not None and isinstance(self._transport, OneSidedTransport):
+            self._transport.keep_tables(len(self._phases) + 2)  # each bucket's, a verify's, a spare
         budget = min(i.staging_bytes for i in infos)
         self.message_limit = max(_MIN_MESSAGE, budget // (2 * max(1, max_peers)))
         self._transport.prepare(self.plan, self.message_limit)  # collective

@@ -51,7 +51,10 @@ from .one_sided import OneSidedTransport, Table
 
 __all__ = ["NixlTransport", "RemoteRegion", "contiguous_runs"]
 
-_TIMEOUT_S = float(os.environ.get("TORCHREFIT_NIXL_TIMEOUT", "300"))
+#: seconds a WRITE or a notification may take; unset: the Refitter's ``timeout`` (as every
+#: other wait of a refit)
+_TIMEOUT_S: float | None = (float(os.environ["TORCHREFIT_NIXL_TIMEOUT"])
+                            if os.environ.get("TORCHREFIT_NIXL_TIMEOUT") else None)
 
 
 @dataclass(frozen=True)
@@ -69,14 +72,29 @@ class RemoteRegion:
 
 def contiguous_runs(a: tuple[int, tuple, tuple], b: tuple[int, tuple, tuple], itemsize: int
                     ) -> tuple[list[int], list[int], int]:
-    """Start addresses of the runs two equally shaped strided regions ``(address, shape,
-    stride)`` have contiguous in common (row-major), and the run length in bytes."""
-    (addr_a, shape, stride_a), (addr_b, _, stride_b) = a, b
+    """Start addresses of the runs two strided regions ``(address, shape, stride)`` of
+    as many elements have contiguous in common (row-major), and the run length in bytes.
+    Where the shapes differ (a stacked experts tensor's ``[1, r, c]`` slice written from
+    an ``[r, c]`` weight), ``a``'s elements are taken in ``b``'s shape, as ``a.view(b's
+    shape)`` would; ``ValueError`` where no such view exists."""
+    (addr_a, shape_a, stride_a), (addr_b, shape, stride_b) = a, b
+    if tuple(shape_a) != tuple(shape):
+        stride_a = _viewed(shape_a, stride_a, shape)
     outer, sa, sb, inner = dense_rows(shape, stride_a, stride_b)
     if not outer:
         return [addr_a], [addr_b], inner * itemsize
     return ((row_offsets(outer, sa) * itemsize + addr_a).tolist(),
             (row_offsets(outer, sb) * itemsize + addr_b).tolist(), inner * itemsize)
+
+
+def _viewed(shape: Sequence[int], stride: Sequence[int], as_shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a ``shape`` / ``stride`` region viewed as ``as_shape`` (torch's own
+    rule, on a meta tensor: no memory)."""
+    try:
+        return torch.empty_strided(tuple(shape), tuple(stride), device="meta").view(tuple(as_shape)).stride()
+    except RuntimeError as e:
+        raise ValueError(f"a {tuple(shape)} region at strides {tuple(stride)} cannot be viewed as "
+                         f"{tuple(as_shape)}") from e
 
 
 def _nixl_failures(what: str) -> Callable:
@@ -262,8 +280,13 @@ class NixlTransport(OneSidedTransport):
         for view, r in zip(local, remote):
             if dtype_from_name(r.dtype) != view.dtype:
                 raise TransportError(f"nixl: rank {peer} lands {r.dtype} where this rank sends {view.dtype}")
-            a, b, n = contiguous_runs((view.data_ptr(), tuple(view.shape), tuple(view.stride())),
-                                      (r.address, r.shape, r.stride), r.itemsize)
+            try:
+                a, b, n = contiguous_runs((view.data_ptr(), tuple(view.shape), tuple(view.stride())),
+                                          (r.address, r.shape, r.stride), r.itemsize)
+            except ValueError as e:
+                raise TransportError(f"nixl: a region this rank writes to rank {peer} does not fit the "
+                                     f"one it lands in there: {e}; the plans disagree", ranks=(peer,),
+                                     rule="region shape") from e
             dev = _device_id(view)
             src += [(x, n, dev) for x in a]
             dst += [(y, n, r.device) for y in b]
@@ -272,7 +295,7 @@ class NixlTransport(OneSidedTransport):
                                            self._remote_agents[peer], self._notif)
 
     def finish_writes(self) -> None:
-        deadline = time.monotonic() + _TIMEOUT_S
+        deadline = time.monotonic() + self._timeout()
         for peer, request in self._posted:
             self._finish(peer, request, deadline)
         self._posted = []
@@ -287,7 +310,8 @@ class NixlTransport(OneSidedTransport):
             return state != "PROC"
 
         if not poll_until(finished, max(0.0, deadline - time.monotonic())):
-            raise TransportError(f"nixl: the WRITE to rank {peer} did not complete in {_TIMEOUT_S:.0f} s")
+            raise TransportError(f"nixl: the WRITE to rank {peer} did not complete in {self._timeout():.0f} s",
+                                 ranks=(peer,), rule="timeout")
         if state != "DONE":
             raise TransportError(f"nixl: the WRITE to rank {peer} failed ({state})")
 
@@ -319,8 +343,12 @@ class NixlTransport(OneSidedTransport):
     @_nixl_failures("waiting for the notification")
     def wait_done(self, peer: int, token: bytes) -> None:
         want = self._notif_of(peer)
-        if not poll_until(lambda: self._take_notif(want), _TIMEOUT_S):
-            raise TransportError(f"nixl: no write notification from rank {peer} in {_TIMEOUT_S:.0f} s")
+        if not poll_until(lambda: self._take_notif(want), self._timeout()):
+            raise TransportError(f"nixl: no write notification from rank {peer} in {self._timeout():.0f} s",
+                                 ranks=(peer,), rule="timeout")
+
+    def _timeout(self) -> float:
+        return _TIMEOUT_S if _TIMEOUT_S is not None else self.poll_timeout()
 
     def _notif_of(self, peer: int) -> bytes:
         return b"torchrefit:%d" % self.global_rank(peer)

@@ -58,7 +58,9 @@ from .turns import enabled as turns_enabled
 __all__ = ["OneSidedTransport", "Table", "WORD"]
 
 _HEADER, _TABLE, _DONE = 31, 32, 33  # gloo tags of the control messages
-_KEEP = 4  # tables remembered per peer: a refit and a verify program alternate
+#: tables remembered per peer by default: a refit and a verify program alternate (a
+#: Refitter with load_weights buckets raises it to hold each bucket's, ``keep_tables``)
+_KEEP = 4
 _FIXED = 128  # bytes of a header or token message (an interprocess event handle is 64)
 
 #: what a target tells an initiator once per compiled program: the transport's
@@ -92,7 +94,10 @@ class OneSidedTransport(Transport):
         super().__init__(group, device)
         require_backend(group, "gloo", self.name, "exchanges its small control messages")
         self.rank = dist.get_rank(group)
-        self._announced: set[tuple[int, int]] = set()  # (peer, generation) whose table it holds
+        # peer -> generations whose table it holds, oldest first: the same sequence (and so the
+        # same evictions) as the peer's ``_attached``, since tables arrive in the order sent
+        self._announced: dict[int, OrderedDict[int, None]] = {}
+        self.keep = _KEEP  # tables remembered per peer, the same on every rank
         self._attached: dict[int, OrderedDict[int, tuple]] = {}  # peer -> generation -> remote regions
         self._works: list = []  # posted gloo sends (peer, "send", work), with the tensors they read
         # per pair and direction (a collocated pair exchanges both ways), exchanges counted on
@@ -151,6 +156,13 @@ class OneSidedTransport(Transport):
         if compare or self.delegates.get(rank) != rank:
             return ()
         return tuple(sorted(r for r, d in self.delegates.items() if d == rank))
+
+    def keep_tables(self, programs: int) -> None:
+        """Remember each peer's tables of ``programs`` programs at least (every rank the
+        same number, before the first refit). Both ends forget a table in the same order,
+        so a target sends it again after the initiator dropped it; with fewer kept than
+        programs run in turn, every table would travel (and be opened) every refit."""
+        self.keep = max(self.keep, programs)
 
     def _turn_writer(self, box: Mailbox | None) -> Callable[[int, int], None] | None:
         """Writes this rank's turn word after everything queued on its current stream:
@@ -269,7 +281,8 @@ class OneSidedTransport(Transport):
         the first time it needs it: over Gloo, or as a mailbox word when the peer holds
         this rank's mailbox and nothing is new."""
         seq = self._count("header out", peer)
-        new = (peer, generation) not in self._announced
+        announced = self._announced.setdefault(peer, OrderedDict())
+        new = generation not in announced
         boxed = peer in self._boxed
         if token == WORD and not (boxed or new):  # the peer cannot be sent this rank's mailbox
             token = self.event_token("ready")
@@ -280,7 +293,9 @@ class OneSidedTransport(Transport):
             self._send(peer, struct.pack("<qq", generation, len(blob)) + token, _HEADER)
             if new:
                 self._send(peer, blob, _TABLE, fixed=False)
-                self._announced.add((peer, generation))
+                announced[generation] = None
+                while len(announced) > self.keep:  # the peer forgets the same one (recv_header)
+                    announced.popitem(last=False)
             self._sent_token["header", peer] = token
             if handle is not None:  # the peer maps it while reading this header
                 self._boxed.add(peer)
@@ -306,7 +321,7 @@ class OneSidedTransport(Transport):
                 self._tasks[peer, generation] = table[2]
             if handle is not None:
                 box = self._peer_boxes[peer] = self._open_mailbox(peer, handle)
-            while len(regions) > _KEEP:
+            while len(regions) > self.keep:  # the oldest table sent: the peer forgot it too
                 self._tasks.pop((peer, regions.popitem(last=False)[0]), None)
         if generation not in regions:
             raise TransportError(f"{self.name}: rank {peer} sent generation {generation} without its table")
