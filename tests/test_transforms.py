@@ -8,7 +8,9 @@ casts are ``tensor.to(bfloat16)`` of the oracle's global values.
 In one process: the block quantizer against the loop on shapes with partial edge
 blocks and stacked leading dims.
 
-In one spawned world of 4 gloo ranks:
+In one spawned world of 4 ranks per transport usable on CPU here (gloo; nixl where
+``nixl-cu13`` is installed: a push transport, whose senders transform nothing, so every
+FP8 tensor is quantized on receipt and the sender-side cast is refused on every rank):
 * cast: a Megatron-style TP2 fp32 trainer into a bf16 engine with ``cast=True``:
   values equal the fp32 -> bf16 oracle, and the bytes each rank reports received
   are 2 per element (bf16 on the wire), half of the same refit's fp32 engine;
@@ -42,8 +44,16 @@ import torchrefit as tr
 from torchrefit.layout._types import Box, ModelLayout, Piece, TensorLayout
 from torchrefit.layout.vllm import vllm_tp_layout
 from torchrefit.plan.simulate import plan_world
-from torchrefit.testing import Mesh, ModelSpec, build_toy, expected_local, run_world
+from torchrefit.testing import (
+    Mesh,
+    ModelSpec,
+    build_toy,
+    expected_local,
+    run_world,
+    usable_transports,
+)
 from torchrefit.transforms import quantize_blocks
+from torchrefit.transport.base import transport_class
 
 WORLD = 4
 SRC_SEED, DST_SEED = 1, 2
@@ -226,7 +236,7 @@ def _cast(case: Case, rank: int) -> dict:
     for dtype in (torch.bfloat16, torch.float32):
         spec = ModelSpec(layers=2, dtype=dtype, buffer_dtype=dtype)
         dst = build_toy(spec, Mesh(1, ranks=WORLD), rank, DST_SEED)
-        r = tr.Refitter(src, dst, cast=True)
+        r = tr.Refitter(src, dst, cast=True, transport=TRANSPORT)
         report = r.refit()
         want = {k: v.to(dtype) for k, v in expected_local(DENSE, Mesh(1, ranks=WORLD), rank, SRC_SEED).items()}
         got = dict(dst.state_dict())
@@ -316,7 +326,7 @@ def _refit(case: Case, rank: int, src, dst, name_map, want, kwargs) -> dict:
     params = dict(dst.named_parameters()) if dst is not None else {}
     before = {n: _bits(p.detach()).clone() for n, p in params.items()}
     try:
-        r = tr.Refitter(src, dst, name_map=name_map, fp8_block=case.block, **kwargs)
+        r = tr.Refitter(src, dst, name_map=name_map, fp8_block=case.block, transport=TRANSPORT, **kwargs)
     except tr.RefitError as e:
         return {"raised": f"{type(e).__name__}: {e}", "unchanged": all(
             torch.equal(_bits(p.detach()), before[n]) for n, p in params.items())}
@@ -368,7 +378,14 @@ def _verified(r: tr.Refitter) -> str:
     return "ok"
 
 
-def _world(rank: int, world: int, cases: list[Case]) -> dict[str, dict]:
+#: the transport of this process's world (``_world`` sets it): each usable on CPU here, in
+#: turn (nixl: a push transport, which converts no dtype: the sender-side cast is refused)
+TRANSPORT = "auto"
+
+
+def _world(rank: int, world: int, cases: list[Case], transport: str = "auto") -> dict[str, dict]:
+    global TRANSPORT
+    TRANSPORT = transport
     torch.set_num_threads(1)
     out = {}
     for case in cases:
@@ -381,14 +398,25 @@ def _world(rank: int, world: int, cases: list[Case]) -> dict[str, dict]:
     return out
 
 
-@pytest.fixture(scope="module")
-def results() -> list[dict[str, dict]]:
+@pytest.fixture(scope="module", params=usable_transports(cuda=False))
+def results(request) -> tuple[str, list[dict[str, dict]]]:
     pytest.importorskip("transformers")
-    return run_world(_world, WORLD, CASES, timeout=420, pg_timeout=120)
+    return request.param, run_world(_world, WORLD, CASES, request.param, timeout=420, pg_timeout=120)
+
+
+def _converts(transport: str) -> bool:
+    """Whether ``transport`` can carry a dtype conversion (a push transport cannot)."""
+    cls = transport_class(transport)
+    return cls.protocol != "one_sided" or cls.pull
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_transform_case(case: Case, results) -> None:
+    transport, results = results
+    if case.kind == "cast" and not _converts(transport):
+        for rank, per_rank in enumerate(results):
+            assert "cannot convert" in per_rank[case.id].get("error", ""), f"rank {rank}: {per_rank[case.id]}"
+        return
     for rank, per_rank in enumerate(results):
         got = per_rank[case.id]
         assert "error" not in got, f"rank {rank}: {got['error']}"
@@ -411,7 +439,9 @@ def test_transform_case(case: Case, results) -> None:
         assert got["wrong"] == [], f"rank {rank}: {got['wrong'][:6]}"
         total = sum(got["split"].values())
         assert got["fp8"] and got["sender"] + got["receiver"] == total, got
-        if case.receiver is not None:  # exactly the tensors the block cuts say
+        if transport_class(transport).protocol == "one_sided":  # senders transform nothing
+            assert got["sender"] == 0, got
+        elif case.receiver is not None:  # exactly the tensors the block cuts say
             on_receipt = sum(n for name, n in got["split"].items() if re.search(case.receiver, name))
             assert (got["sender"], got["receiver"]) == (total - on_receipt, on_receipt)
             for name, (nbytes, elements) in got["wire"].items():  # FP8, or fp32 into shadows
