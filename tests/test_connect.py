@@ -1,4 +1,5 @@
-"""Trainer and engine as separately launched jobs, joined by ``tr.connect`` (CPU, gloo).
+"""Trainer and engine as separately launched jobs, joined by ``tr.connect`` (CPU: gloo, and
+nixl where ``nixl-cu13`` is installed).
 
 Covers: two independently spawned worlds (two ``mp.start_processes`` calls, two
 default groups on two master ports) joined by ``tr.connect``; a Megatron-style TP2
@@ -22,7 +23,14 @@ import torch
 import torch.distributed as dist
 
 import torchrefit as tr
-from torchrefit.testing import Mesh, ModelSpec, build_toy, expected_local, run_world
+from torchrefit.testing import (
+    Mesh,
+    ModelSpec,
+    build_toy,
+    expected_local,
+    run_world,
+    usable_transports,
+)
 from torchrefit.testing.jobs import free_port, run_jobs
 
 SPEC = ModelSpec(layers=2)
@@ -49,11 +57,12 @@ def _default_group_sum() -> int:
     return int(x.item())
 
 
-def _refits(conn, src, dst, check) -> dict:
+def _refits(conn, src, dst, check, transport: str) -> dict:
     """The same sequence on both sides; ``check(seed)`` says whether this rank holds
     what it should after a refit of seed ``seed``."""
     out: dict = {"joint": (conn.joint_rank, conn.joint_world)}
-    r = tr.Refitter(src, dst, group=conn)
+    r = tr.Refitter(src, dst, group=conn, transport=transport)
+    out["transport"] = r.transport_name
     out["offsets"] = (conn.src_rank_offset, conn.dst_rank_offset)
     reports = []
     for seed, version in ((1, None), (2, None), (3, 10)):
@@ -82,24 +91,29 @@ def _refits(conn, src, dst, check) -> dict:
     return out
 
 
-def _trainer(rank: int, world: int, port: int, engines: int) -> dict:
+def _trainer(rank: int, world: int, port: int, engines: int, transport: str) -> dict:
     conn = tr.connect(role="trainer", rank=rank, world_size=world, peer_world_size=engines,
                       address="127.0.0.1", port=port, backend="gloo", timeout=60.0)
     src = build_toy(SPEC, TRAINER, rank, 0)
-    return _refits(conn, src, None, lambda seed: True)
+    return _refits(conn, src, None, lambda seed: True, transport)
 
 
-def _engine(rank: int, world: int, port: int, engines: int) -> dict:
+def _engine(rank: int, world: int, port: int, engines: int, transport: str) -> dict:
     conn = tr.connect(role="engine", rank=rank, world_size=world, peer_world_size=2,
                       address="127.0.0.1", port=port, backend="gloo", timeout=60.0)
     dst = build_toy(SPEC, ENGINE, rank, 99)
     out = {"before": tr.weight_version(dst)}
-    out.update(_refits(conn, None, dst, lambda seed: _matches(dst, ENGINE, rank, seed)))
+    out.update(_refits(conn, None, dst, lambda seed: _matches(dst, ENGINE, rank, seed), transport))
     return out
 
 
-def test_trainer_and_engine_jobs() -> None:
-    trainers, engines = run_jobs(_trainer, 2, _engine, 3, 3, timeout=240)
+@pytest.mark.parametrize("transport", usable_transports(cuda=False))
+def test_trainer_and_engine_jobs(transport: str) -> None:
+    """Each transport usable on CPU here (nixl: its notifications are tagged with ranks
+    of the joint group, which both jobs share, not of each job's own default group)."""
+    trainers, engines = run_jobs(_trainer, 2, _engine, 3, 3, transport, timeout=240)
+    for got in trainers + engines:
+        assert got["transport"] == transport, got
     for rank, got in enumerate(trainers):
         assert got["joint"] == (rank, 5)
         assert got["versions"] == [1, 2, 10] and got["after_failure"] == (10, None)

@@ -103,7 +103,6 @@ def _cases(rank: int, world: int) -> dict:
         out["timeout"] = str(e)
 
     t._agent.notifs = [{}, {"x": [b"torchrefit:7"]}, {}, {"y": [b"torchrefit:5"]}]
-    t.global_rank = lambda peer: peer  # the fake world has one rank: peers are labels here
     t.wait_done(5, b"")
     out["kept"] = list(t._pending_notifs)
     t.wait_done(7, b"")  # arrived earlier, kept for this wait

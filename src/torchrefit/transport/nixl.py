@@ -165,7 +165,7 @@ class NixlTransport(OneSidedTransport):
 
         if progress_thread is None:
             progress_thread = os.environ.get("TORCHREFIT_NIXL_PROGRESS_THREAD", "0") == "1"
-        self._name = f"torchrefit-{dist.get_rank()}-{os.getpid()}-{id(self):x}"
+        self._name = f"torchrefit-{self.rank}-{os.getpid()}-{id(self):x}"
         self._agent = nixl_agent(self._name, nixl_agent_config(enable_prog_thread=progress_thread,
                                                                backends=["UCX"]))
         # storage address -> its registration, while a storage registered there lives
@@ -175,7 +175,10 @@ class NixlTransport(OneSidedTransport):
         # (peer, id of its regions) -> those regions, the local views and their WRITE request
         self._requests: dict[tuple[int, int], tuple[tuple, Sequence[torch.Tensor], object]] = {}
         self._posted: list = []
-        self._notif = b"torchrefit:%d" % dist.get_rank()
+        # tagged with this rank in the refit group, which the receiver knows it by (not the
+        # default group's rank: a trainer and an engine job joined by tr.connect each
+        # have their own default group, so those ranks repeat)
+        self._notif = b"torchrefit:%d" % self.rank
         self._pending_notifs: list[bytes] = []  # notifications that arrived for a later wait
 
     @classmethod
@@ -351,7 +354,7 @@ class NixlTransport(OneSidedTransport):
         return _TIMEOUT_S if _TIMEOUT_S is not None else self.poll_timeout()
 
     def _notif_of(self, peer: int) -> bytes:
-        return b"torchrefit:%d" % self.global_rank(peer)
+        return b"torchrefit:%d" % peer
 
     def _take_notif(self, want: bytes) -> bool:
         for msgs in self._agent.get_new_notifs().values():
