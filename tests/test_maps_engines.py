@@ -12,7 +12,8 @@ Megatron's experts into ``transformers`` 5's stacked ``gate_up_proj`` /
 both split and fused sources, torchtitan's rotary row order); shapes that do not
 fit raise ``PlanError`` naming the tensor.
 
-In one spawned world of 4 gloo ranks, real refits into ``transformers`` models
+In one spawned world of 4 ranks per transport usable on CPU here (gloo; nixl where
+``nixl-cu13`` is installed: fused and stacked regions written remotely), real refits into ``transformers`` models
 built from tiny random configs (no downloads): Megatron-style TP2 / PP2 / EP2 toy
 trainers into ``Qwen2ForCausalLM``, ``LlamaForCausalLM`` and ``MixtralForCausalLM``,
 and an FSDP2 ``Qwen2MoeForCausalLM`` trainer into its own class, each checked by
@@ -35,7 +36,7 @@ import torchrefit as tr
 from torchrefit.layout._types import Box
 from torchrefit.layout.vllm import vllm_tp_layout
 from torchrefit.maps import relocate
-from torchrefit.testing import Mesh, ModelSpec, build_toy, run_world
+from torchrefit.testing import Mesh, ModelSpec, build_toy, run_world, usable_transports
 
 transformers = pytest.importorskip("transformers")
 
@@ -345,7 +346,7 @@ def _run_logits(case: Case, rank: int) -> dict:
     kwargs = {"name_map": map_fn(dst.config)} if map_fn else {}
     with torch.no_grad():
         want, before = ref(TOKENS).logits, dst(TOKENS).logits
-    r = tr.Refitter(src, dst, **kwargs)
+    r = tr.Refitter(src, dst, transport=TRANSPORT, **kwargs)
     r.refit()
     with torch.no_grad():
         got = dst(TOKENS).logits
@@ -360,7 +361,7 @@ def _run_bad(case: Case, rank: int) -> dict:
     dst = _hf_model(case.dst, case.spec, DST_SEED)
     before = {n: p.detach().clone() for n, p in dst.named_parameters()}
     try:
-        tr.Refitter(src, dst)
+        tr.Refitter(src, dst, transport=TRANSPORT)
     except tr.RefitError as e:
         return {"raised": f"{type(e).__name__}: {e}", "detail": e.detail,
                 "parts": (e.tensor, e.ranks, e.rule),
@@ -398,7 +399,7 @@ def _run_vllm(case: Case, rank: int) -> dict:
                         rank % 2, case.spec)
     heads = {"num_attention_heads": case.spec.heads, "num_key_value_heads": case.spec.groups}
     name_map = tr.maps.megatron_to_vllm(heads) if map_fn else tr.maps.hf_to_vllm(heads)
-    r = tr.Refitter(src, dst, name_map=name_map, dst_layout=vllm_tp_layout(
+    r = tr.Refitter(src, dst, name_map=name_map, transport=TRANSPORT, dst_layout=vllm_tp_layout(
         rank % 2, 2, num_heads=case.spec.heads, num_kv_heads=case.spec.groups))
     r.refit()
     wrong = [n for n, p in dst.named_parameters() if not torch.equal(p.detach(), want[n])]
@@ -407,7 +408,13 @@ def _run_vllm(case: Case, rank: int) -> dict:
             "names": sorted(want)}
 
 
-def _world(rank: int, world: int, cases: list[Case]) -> dict[str, dict]:
+#: the transport of this process's world (``_world`` sets it): each usable on CPU here
+TRANSPORT = "auto"
+
+
+def _world(rank: int, world: int, cases: list[Case], transport: str = "auto") -> dict[str, dict]:
+    global TRANSPORT
+    TRANSPORT = transport
     torch.set_num_threads(1)
     out = {}
     for case in cases:
@@ -421,9 +428,9 @@ def _world(rank: int, world: int, cases: list[Case]) -> dict[str, dict]:
     return out
 
 
-@pytest.fixture(scope="module")
-def results() -> list[dict[str, dict]]:
-    return run_world(_world, WORLD, CASES, timeout=420, pg_timeout=120)
+@pytest.fixture(scope="module", params=usable_transports(cuda=False))
+def results(request) -> list[dict[str, dict]]:
+    return run_world(_world, WORLD, CASES, request.param, timeout=420, pg_timeout=120)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
