@@ -135,6 +135,10 @@ class _Registration:
         f.atexit = False  # nothing to queue while the interpreter exits
         self._finalizers.append((weakref.ref(storage), f))
 
+    def adopt(self, smaller: _Registration) -> None:
+        """Watch the storages ``smaller`` watched (this one covers them)."""
+        self._finalizers += smaller._finalizers
+
     def release(self) -> bool:
         """Forget the storages freed; True where none is left."""
         self._finalizers = [(ref, f) for ref, f in self._finalizers if f.alive]
@@ -206,11 +210,13 @@ class NixlTransport(OneSidedTransport):
             if reg is not None and reg.desc[1] >= nbytes:  # another storage object aliasing it
                 reg.watch(s, self._freed)
                 continue
-            if reg is not None:  # a larger storage there now: register it whole
-                self._deregister(addr)
             desc = (addr, nbytes, _device_id(t), "")
-            self._registered[addr] = _Registration(desc, _memory(t))
-            self._registered[addr].watch(s, self._freed)
+            grown = _Registration(desc, _memory(t))
+            if reg is not None:  # a larger storage aliasing the one registered: register it whole
+                self._agent.deregister_memory(self._agent.get_reg_descs([reg.desc], reg.memory))
+                grown.adopt(reg)  # deregistered only once both are freed
+            grown.watch(s, self._freed)
+            self._registered[addr] = grown
             new.setdefault(_memory(t), []).append(desc)
         for memory, regions in new.items():
             self._agent.register_memory(regions, memory)
