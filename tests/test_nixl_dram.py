@@ -9,10 +9,15 @@ new storage although no receiver's table changed), only the receivers', then bot
 Registrations follow the storages: one moved away is deregistered once it is freed, so
 after many moves each rank holds as many registrations as it has live storages (none
 pinned, none stale at a reused address). WRITE requests are built once per table and
-re-posted. ``verify()`` catches a corrupted destination.
+re-posted. ``verify()`` catches a corrupted destination. Casts (``cast=True``) both ways,
+refit after refit: fp32 -> bf16 converted by each sender into staging of the wire dtype,
+bf16 -> fp32 landing in staging and converted on receipt, exact against the source's
+values cast.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -104,16 +109,44 @@ def _case(rank: int, src_mesh: Mesh, dst_mesh: Mesh) -> dict:
     return out
 
 
+def _cast(rank: int, src_dtype: torch.dtype, dst_dtype: torch.dtype) -> dict:
+    """TP2 -> TP1 with ``cast=True``: a narrowing cast is converted by the sender into
+    staging of the wire dtype, a widening one lands in staging and is converted on receipt."""
+    src_spec, dst_spec = replace(SPEC, dtype=src_dtype), replace(SPEC, dtype=dst_dtype)
+    src_mesh, dst_mesh = Mesh(2, ranks=2), Mesh(1, ranks=2)
+    src = build_toy(src_spec, src_mesh, rank, seed=1)
+    dst = build_toy(dst_spec, dst_mesh, rank, seed=2)
+    r = tr.Refitter(src, dst, transport="nixl", cast=True)
+    out = {}
+    for seed in (1, 3):
+        load_seed(src, src_spec, src_mesh, rank, seed)
+        r.refit()
+        want = expected_local(src_spec, dst_mesh, rank, seed)  # the source's values, cast
+        out[f"exact{seed}"] = [k for k, v in dst.state_dict().items() if not torch.equal(v, want[k].to(v.dtype))]
+    stages = r._program.compiled.one_sided.compiled
+    out["staged"] = (len(stages.before), len(stages.after))
+    r.close()
+    return out
+
+
 def _world(rank: int, world: int) -> dict:
     return {
         "tp2->tp1": _case(rank, Mesh(2, ranks=2), Mesh(1, ranks=2)),
         "tp1 on rank 0 -> tp2": _case(rank, Mesh(1, ranks=1), Mesh(2, ranks=2)),
+        "fp32->bf16": _cast(rank, torch.float32, torch.bfloat16),
+        "bf16->fp32": _cast(rank, torch.bfloat16, torch.float32),
     }
 
 
 def test_nixl_writes_host_memory_between_processes() -> None:
     results = run_world(_world, 2, timeout=240)
     for rank, cases in enumerate(results):
+        narrow, widen = cases.pop("fp32->bf16"), cases.pop("bf16->fp32")
+        for got in (narrow, widen):
+            assert got["exact1"] == [] and got["exact3"] == [], (rank, got)
+        # the sender converts a narrowing cast; a widening one is converted on receipt
+        assert narrow["staged"][0] > 0 and narrow["staged"][1] == 0, (rank, narrow)
+        assert widen["staged"][0] == 0 and widen["staged"][1] > 0, (rank, widen)
         for name, got in cases.items():
             where = f"rank {rank} {name}: {got}"
             assert got["transport"] == "nixl", where

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import TransportError
-from ..layout._types import Box
+from ..layout._types import Box, dtype_from_name
 from ..plan.types import LocalCopy, Transfer
 from ..transport.one_sided import OneSidedTransport
 from .local import LANES, Copy, LocalCopies, compile_copies, differing
@@ -96,6 +96,10 @@ class OneSided:
     messages_sent: int
     messages_received: int
     delegation: Delegation | None = None
+    #: push only, where a transfer converts its dtype: the sender's copies into staging
+    #: of the wire dtype before its writes, the receiver's out of staging after them
+    before: tuple[Copy, ...] = ()
+    after: tuple[Copy, ...] = ()
 
 
 def compile_one_sided(views: Views, transport: OneSidedTransport, local: Sequence[LocalCopy] = (),
@@ -110,25 +114,49 @@ def compile_one_sided(views: Views, transport: OneSidedTransport, local: Sequenc
     regions: dict[int, list[tuple[int, Box]]] = defaultdict(list)
     own_reads: dict[int, list[torch.Tensor]] = defaultdict(list)  # delegate: its sources for a member
     # by receiver, then plan order: the order a delegate reading for several receivers expects
+    staged: dict[tuple[str, str], torch.Tensor] = {}  # push receiver: ("stage", i) -> its staging
+    after: list[Copy] = []
     for t in sorted(theirs, key=lambda t: t.peer):
         who = copier(t.peer)
         if who == me:
             own_reads[t.peer].append(views.view(their_side, t.key, t.local_box))
+        elif not pull and t.wire_dtype != t.local_dtype:  # lands in staging, converted after
+            stage = _staging(views.view("dst", t.key, t.local_box), t.wire_dtype)
+            staged[key := ("stage", str(len(staged)))] = stage
+            after.append(Copy(views.view("dst", t.key, t.local_box), stage, f"{t.name}{t.region} from rank {t.peer}"))
+            regions[who].append((keys.setdefault(key, len(keys)), Box((0,) * stage.dim(), tuple(stage.shape))))
         else:
             regions[who].append((keys.setdefault((their_side, t.key), len(keys)), t.local_box))
     delegate, work = copier(me), None
     if delegate != me:  # its delegate reads and writes this rank's side of every copy
         work, mine = _work(views, regions[delegate], keys, local, mine), ()
-    exposed = transport.expose([views.tensor(side, k) for side, k in keys]) if regions else None
+    exposed = transport.expose([staged[side, k] if side == "stage" else views.tensor(side, k)
+                                for side, k in keys]) if regions else None
     targets = tuple(Exposed(peer, tuple(r), work if peer == delegate else None) for peer, r in sorted(regions.items()))
     mine = [(t, views.view(my_side, t.key, t.local_box), f"{t.name}{t.region} {'from' if pull else 'to'} rank "
              f"{t.peer}") for t in mine]
+    before: list[Copy] = []
+    if not pull:  # a push sender converts into staging of the wire dtype, and writes that
+        mine = [(t, _staged_send(view, t.wire_dtype, name, before) if t.wire_dtype != t.local_dtype else view, name)
+                for t, view, name in mine]
     members = transport.copies_for(me, compare) if pull else ()
     initiated, delegation = _initiated(mine), None
     if members:
         initiated, delegation = _delegating(me, members, mine, own_reads)
     return OneSided(next(_GENERATIONS), exposed, targets, initiated, len(plan.sends), len(plan.recvs),
-                    delegation)
+                    delegation, tuple(before), tuple(after))
+
+
+def _staging(like: torch.Tensor, dtype: str) -> torch.Tensor:
+    """A contiguous buffer shaped like ``like`` in ``dtype``, on its device."""
+    return torch.empty(like.shape, dtype=dtype_from_name(dtype), device=like.device)
+
+
+def _staged_send(view: torch.Tensor, wire: str, name: str, before: list[Copy]) -> torch.Tensor:
+    """Staging of the wire dtype a push sender writes from; its conversion appended to ``before``."""
+    stage = _staging(view, wire)
+    before.append(Copy(stage, view, name))
+    return stage
 
 
 def _initiated(mine: list[tuple[Transfer, torch.Tensor, str]]) -> tuple[Initiated, ...]:
@@ -184,6 +212,11 @@ class OneSidedProgram:
         self.side = SideStreams(device, LANES) if compiled.initiated and transport.pull else None
         self.cuda_graph = cuda_graph
         self._pulls: tuple[tuple, LocalCopies] | None = None  # (peer generations, copies)
+        # push, where transfers convert: copies into and out of staging, on the caller's stream
+        converts = SideStreams(device, LANES) if compiled.before or compiled.after else None
+        self._converts = converts
+        self._before = compile_copies(compiled.before, converts, cuda_graph, merge=False) if compiled.before else None
+        self._after = compile_copies(compiled.after, converts, cuda_graph, merge=False) if compiled.after else None
         self._matched: set[tuple[int, int]] = set()  # (peer, generation) whose regions were checked
 
     @property
@@ -234,6 +267,8 @@ class OneSidedProgram:
         c, transport = self.compiled, self.transport
         if not c.initiated:
             return []
+        if self._before is not None and not compare:  # queued before the ready waits, which cover it
+            self._before.run_on_caller(self._converts)
         if remote is None:
             remote = self.reach()
         bad = self._transfer(remote, compare)
@@ -247,6 +282,8 @@ class OneSidedProgram:
         for target in self.compiled.targets:
             self.transport.wait_done(target.peer, self.transport.recv_done(target.peer))
         self.transport.settle()
+        if self._after is not None:  # the writes landed: out of staging, before later work
+            self._after.run_on_caller(self._converts)
 
     def _attach(self, pair: Initiated) -> tuple[int, int, tuple]:
         generation, token, remote = self.transport.recv_header(pair.peer)

@@ -47,7 +47,6 @@ import torch.distributed as dist
 from .._collectives import all_gather_pickled
 from ..errors import TransportError
 from ..layout._types import Box
-from ..plan.types import RankPlan
 from .base import Transport, poll_until, require_backend
 from .delegates import delegates_of
 from .delegates import enabled as delegates_enabled
@@ -192,23 +191,6 @@ class OneSidedTransport(Transport):
         """After this rank's copies of a refit, in its current stream's order."""
         if self.turn is not None:
             self.turn.post()
-
-    @classmethod
-    def plan_problem(cls, plan: RankPlan) -> str | None:
-        """Why this rank's plan cannot go through the transport (checked on every rank
-        while planning, so all raise together), or None. A push transport writes bytes
-        as they are: it converts no dtype, neither where the sender casts (``cast=``)
-        nor where the receiver would."""
-        if cls.pull:
-            return None
-        sends = [(t, t.local_dtype, t.wire_dtype, "to") for t in plan.sends if t.wire_dtype != t.local_dtype]
-        recvs = [(t, t.wire_dtype, t.local_dtype, "from") for t in plan.recvs if t.wire_dtype != t.local_dtype]
-        if sends or recvs:
-            t, a, b, way = (sends or recvs)[0]
-            return (f"{t.name}{t.region} {way} rank {t.peer}: the {cls.name} transport writes bytes "
-                    f"as they are and cannot convert {a} to {b} ({len(sends) + len(recvs)} such "
-                    f"regions on this rank); use transport 'ipc', 'nccl' or 'gloo'")
-        return None
 
     # ---------------------------------------------------------- primitives
     @abstractmethod
