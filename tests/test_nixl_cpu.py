@@ -113,6 +113,12 @@ def _cases(rank: int, world: int) -> dict:
     except TransportError as e:
         out["no notif"] = str(e)
 
+    # a peer's global rank is named only where it has one in this process's default group
+    t._global = [0]
+    out["named global"] = str(t.peer_error(0, "receive", RuntimeError("gone")))
+    t._global = [1 << 24]  # a tr.connect joint group's stand-in
+    out["stand-in"] = str(t.peer_error(0, "receive", RuntimeError("gone")))
+
     # a peer that died: NIXL's own exception becomes TransportError naming it
     nixl._TIMEOUT_S = 5.0
     t._agent.states, t._posted = ["PROC", "GONE"], [(2, "e")]
@@ -138,6 +144,8 @@ def test_nixl_progress_thread_and_polled_waits() -> None:
     assert "rank 4 did not complete" in got["timeout"], got
     assert got["kept"] == [b"torchrefit:7"] and got["kept after"] == [], got
     assert "no write notification from rank 6" in got["no notif"], got
+    assert "receive from rank 0 (global rank 0) failed" in got["named global"], got
+    assert "receive from rank 0 failed" in got["stand-in"] and "global rank" not in got["stand-in"], got
     msg, ranks, rule = got["gone writing"]
     assert "completing the WRITE with rank 2 failed (nixlRemoteDisconnectError" in msg and ranks == (2,), got
     assert rule == "nixl failure", got

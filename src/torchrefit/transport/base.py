@@ -153,8 +153,12 @@ class Transport(ABC):
             return e
         way = "to" if kind == "send" else "from"
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        g = self.global_rank(peer)
+        # a tr.connect joint group's peers have no rank in this process's default group
+        # (c10d holds stand-ins for them): name the group rank alone there
+        shown = f" (global rank {g})" if dist.is_initialized() and 0 <= g < dist.get_world_size() else ""
         return TransportError(
-            f"{self.name}: {kind} {way} rank {peer} (global rank {self.global_rank(peer)}) failed "
+            f"{self.name}: {kind} {way} rank {peer}{shown} failed "
             f"or did not complete within the timeout of {self.timeout} s: the peer died, stopped "
             f"or left the refit ({type(e).__name__}: {detail[:300]}). This rank's destination "
             "may be partly updated; the group is unusable for refits: rebuild it and the Refitter",
