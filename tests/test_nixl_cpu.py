@@ -8,7 +8,9 @@ each posted WRITE until NIXL says DONE (each poll is what progresses UCX's worke
 thread off), raises naming the peer when one ends in ERR or never completes; and
 ``wait_done`` polls notifications until the peer's arrives, keeping others for later
 waits, and raises naming the peer when it never comes; NIXL's own exceptions (a peer that
-died mid-transfer) become TransportError naming the peer. One spawned process runs every case.
+died mid-transfer) become TransportError naming the peer; a transport error names the
+peer's global rank only where it has one in the default group (not a ``tr.connect`` joint
+group's stand-in). One spawned process runs every case.
 """
 
 from __future__ import annotations
