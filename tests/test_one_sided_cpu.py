@@ -10,7 +10,9 @@ the order of the protocol's calls on every rank (initiators wait for the target'
 ready token before anything else and send done after; targets wait for done last);
 a push transport converting a dtype through staging of the wire dtype (the sender's
 bf16 staging written, exact); and
-which transport ``"auto"`` picks, with ``available()``'s reasons; and that building a
+which transport ``"auto"`` picks, with ``available()``'s reasons, and what it means under
+``TORCHREFIT_TRANSPORT`` (set alike: that transport; set differently on some ranks, or
+naming one that does not fit: ``TransportError`` on every rank); and that building a
 Refitter of plain models does not import ``torch.distributed.tensor``.
 """
 
@@ -143,8 +145,20 @@ def _auto(rank: int, world: int) -> dict:
         ipc = str(e)
     import sys
 
-    return {"auto": r.refit().transport, "reasons": reasons, "ipc": ipc,
-            "dtensor_imported": "torch.distributed.tensor" in sys.modules}
+    out = {"auto": r.refit().transport, "reasons": reasons, "ipc": ipc,
+           "dtensor_imported": "torch.distributed.tensor" in sys.modules}
+    # TORCHREFIT_TRANSPORT: what "auto" means, alike on every rank or refused on every rank
+    for name, env in (("env", "shm-push"), ("env differs", "shm-push" if rank % 2 else "gloo"),
+                      ("env unfit", "ipc")):
+        os.environ["TORCHREFIT_TRANSPORT"] = env
+        try:
+            r = tr.Refitter(build_toy(case.spec, case.src, rank, 1), _shared(_build_dst(case, rank)))
+            out[name] = r.refit().transport
+        except tr.TransportError as e:
+            out[name] = f"TransportError: {e}"
+        finally:
+            del os.environ["TORCHREFIT_TRANSPORT"]
+    return out
 
 
 _NIXL_MISSING = "the nixl-cu13 package is not installed (pip install 'torchrefit[nixl]')"
@@ -157,6 +171,10 @@ def test_auto_and_availability_reasons() -> None:
         assert got["auto"] == "gloo", f"rank {rank}: {got}"
         assert got["reasons"]["ipc"] == "no CUDA GPU is visible"
         assert "needs CUDA tensors" in got["ipc"] and "ranks [0, 1" in got["ipc"], got["ipc"]
+        assert got["env"] == "shm-push", got["env"]
+        assert got["env differs"].startswith("TransportError: TORCHREFIT_TRANSPORT differs between ranks "
+                                             "(ranks [0, 2, 4, 6]: gloo; ranks [1, 3, 5, 7]: shm-push)"), got
+        assert "transport 'ipc' needs CUDA tensors" in got["env unfit"], got["env unfit"]
         # nixl runs on CPU memory too, but "auto" leaves it to be asked for there
         assert got["reasons"].get("nixl", "") in ("", _NIXL_MISSING), got["reasons"]
         # plain models: the DTensor check must not import torch.distributed.tensor

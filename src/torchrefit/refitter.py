@@ -12,6 +12,7 @@ local tensors, later calls only replay it.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import traceback
 import weakref
@@ -48,6 +49,9 @@ __all__ = ["Refitter", "RefitReport", "swap_model_weights", "clear_caches", "DEF
 
 #: ``Refitter(verify=...)``: never check automatically, after the first refit, after every one
 VERIFY_MODES = ("never", "first", "every")
+#: environment variable: the transport ``transport="auto"`` means on this rank (set it
+#: alike on every rank of a refit group), for jobs that cannot pass ``transport=``
+TRANSPORT_ENV = "TORCHREFIT_TRANSPORT"
 #: ``Refitter(watch=...)``: look for replaced or moved tensors before every refit, or only
 #: when the caller says so (``rebind()``)
 WATCH_MODES = ("every", "manual")
@@ -108,6 +112,7 @@ class _RankInfo:
     host: str  # the machine, for transports that only work within one (ipc)
     kinds: tuple[str, str] = ("", "")  # how the source and destination layouts were found
     bucket_bytes: int | None = None  # a load_weights sink's budget (layout.sink)
+    auto: str = ""  # what "auto" means on this rank: TORCHREFIT_TRANSPORT, or "" (the preferred)
 
 
 class Refitter:
@@ -120,7 +125,9 @@ class Refitter:
             rank: ``ipc``, ``nccl``, ``nvshmem``, ``nixl``, then ``gloo``; for CPU
             tensors ``gloo``; ``report.transport`` says which), a registered name
             (``"nccl"``, ``"gloo"``, ``"ipc"``, ``"nvshmem"``, ``"nixl"``), or a
-            :class:`Transport`. ``"ipc"`` and ``"nixl"`` are one-sided (receivers read,
+            :class:`Transport`. Where the environment variable ``TORCHREFIT_TRANSPORT``
+            names one (alike on every rank: else every rank raises ``TransportError``),
+            ``"auto"`` means that one, checked like a name. ``"ipc"`` and ``"nixl"`` are one-sided (receivers read,
             or senders write, the peer's registered memory: GPU memory, or for
             ``"nixl"`` CPU memory too) and exchange small control messages over the
             group's Gloo backend (e.g. ``"cpu:gloo,cuda:nccl"``).
@@ -283,7 +290,8 @@ class Refitter:
         unavailable = {cls.name: ok.reason for cls in registered() if not (ok := cls.available())}
         info = _RankInfo(error, None, None, int(staging_bytes), device, unavailable,
                          socket.gethostname(), self._kinds,
-                         dst.bucket_bytes if isinstance(dst, SinkDescribed) else None)
+                         dst.bucket_bytes if isinstance(dst, SinkDescribed) else None,
+                         _auto_env())
         # The rosters travel deduplicated (each distinct one once); the rest as a plain tuple.
         extras, (srcs, dsts), self.metadata = all_gather_rosters(
             astuple(info), (enc_src, enc_dst), self.group, self.timeout)
@@ -679,6 +687,8 @@ def _choose_transport(transport: str | Transport, infos: list[_RankInfo], backen
     if isinstance(transport, Transport):
         return transport.name
     if transport == "auto":
+        transport = _auto_named(infos) or "auto"
+    if transport == "auto":
         cpu = any(i.device == "cpu" for i in infos)
         for cls in registered():
             if _misfit(cls, infos, backend) is None and (cls.auto_on_cpu or not cpu):
@@ -689,6 +699,27 @@ def _choose_transport(transport: str | Transport, infos: list[_RankInfo], backen
     if why is not None:
         raise TransportError(f"transport {transport!r} {why}")
     return transport
+
+
+def _auto_env() -> str:
+    """This rank's ``TORCHREFIT_TRANSPORT`` ("" where unset or "auto")."""
+    env = os.environ.get(TRANSPORT_ENV, "").strip()
+    return "" if env == "auto" else env
+
+
+def _auto_named(infos: list[_RankInfo]) -> str:
+    """The transport ``TORCHREFIT_TRANSPORT`` names for ``"auto"`` ("" where unset), the
+    same on every rank or a TransportError on every rank (each decides from the same
+    gathered infos, so none goes ahead with another transport and hangs)."""
+    named: dict[str, list[int]] = {}
+    for r, i in enumerate(infos):
+        named.setdefault(i.auto, []).append(r)
+    if len(named) > 1:
+        views = "; ".join(f"ranks {ranks[:8]}: {name or 'unset'}" for name, ranks in sorted(named.items()))
+        raise TransportError(f"{TRANSPORT_ENV} differs between ranks ({views}); set it alike on every "
+                             "rank of the refit group, or on none", ranks=tuple(named[min(named)])[:8],
+                             rule="transport")
+    return next(iter(named))
 
 
 def _misfit(cls: type[Transport], infos: list[_RankInfo], backend: str) -> str | None:
