@@ -127,10 +127,10 @@ class Refitter:
             (``"nccl"``, ``"gloo"``, ``"ipc"``, ``"nvshmem"``, ``"nixl"``), or a
             :class:`Transport`. Where the environment variable ``TORCHREFIT_TRANSPORT``
             names one (alike on every rank: else every rank raises ``TransportError``),
-            ``"auto"`` means that one, checked like a name. ``"ipc"`` and ``"nixl"`` are one-sided (receivers read,
-            or senders write, the peer's registered memory: GPU memory, or for
-            ``"nixl"`` CPU memory too) and exchange small control messages over the
-            group's Gloo backend (e.g. ``"cpu:gloo,cuda:nccl"``).
+            ``"auto"`` means that one, checked like a name. ``"ipc"`` and ``"nixl"`` are
+            one-sided (receivers read, or senders write, the peer's registered memory:
+            GPU memory, or for ``"nixl"`` CPU memory too) and exchange small control
+            messages over the group's Gloo backend (e.g. ``"cpu:gloo,cuda:nccl"``).
         group: the process group spanning every participating rank (default: world),
             or the :class:`~torchrefit.connect.Connection` ``tr.connect`` returned (its
             joint group; its rank offsets replace ``src/dst_rank_offset`` left at 0).
