@@ -121,9 +121,10 @@ def compile_one_sided(views: Views, transport: OneSidedTransport, local: Sequenc
         if who == me:
             own_reads[t.peer].append(views.view(their_side, t.key, t.local_box))
         elif not pull and t.wire_dtype != t.local_dtype:  # lands in staging, converted after
-            stage = _staging(views.view("dst", t.key, t.local_box), t.wire_dtype)
+            dst = views.view("dst", t.key, t.local_box)
+            stage = _staging(dst, t.wire_dtype)
             staged[key := ("stage", str(len(staged)))] = stage
-            after.append(Copy(views.view("dst", t.key, t.local_box), stage, f"{t.name}{t.region} from rank {t.peer}"))
+            after.append(Copy(dst, stage, f"{t.name}{t.region} from rank {t.peer}"))
             regions[who].append((keys.setdefault(key, len(keys)), Box((0,) * stage.dim(), tuple(stage.shape))))
         else:
             regions[who].append((keys.setdefault((their_side, t.key), len(keys)), t.local_box))
@@ -159,22 +160,25 @@ def _staged_send(view: torch.Tensor, wire: str, name: str, before: list[Copy]) -
     return stage
 
 
-def _initiated(mine: list[tuple[Transfer, torch.Tensor, str]]) -> tuple[Initiated, ...]:
-    """Per peer whose memory this rank reaches, its views and names in plan order."""
-    by_peer: dict[int, list] = defaultdict(list)
+def _by_peer(mine: list[tuple[Transfer, torch.Tensor, str]]) -> dict[int, list[tuple[torch.Tensor, str]]]:
+    """This rank's views and names of its transfers, per peer, in plan order."""
+    by_peer: dict[int, list[tuple[torch.Tensor, str]]] = defaultdict(list)
     for t, view, name in mine:
         by_peer[t.peer].append((view, name))
+    return by_peer
+
+
+def _initiated(mine: list[tuple[Transfer, torch.Tensor, str]]) -> tuple[Initiated, ...]:
+    """Per peer whose memory this rank reaches, its views and names in plan order."""
     return tuple(Initiated(peer, tuple(v for v, _ in got), tuple(n for _, n in got))
-                 for peer, got in sorted(by_peer.items()))
+                 for peer, got in sorted(_by_peer(mine).items()))
 
 
 def _delegating(me: int, members: tuple[int, ...], mine: list[tuple[Transfer, torch.Tensor, str]],
                 own_reads: dict[int, list[torch.Tensor]]) -> tuple[tuple[Initiated, ...], Delegation]:
     """A delegate's peers (its own senders and its other members; the senders its
     members name in their work are reached at run time) and its own part."""
-    recvs: dict[int, list] = defaultdict(list)
-    for t, view, name in mine:
-        recvs[t.peer].append((view, name))
+    recvs = _by_peer(mine)
     delegation = Delegation(members, {p: tuple(v) for p, v in recvs.items()},
                             {q: tuple(v) for q, v in own_reads.items()})
     return tuple(Initiated(p, (), ()) for p in sorted(set(recvs) | set(members) - {me})), delegation
