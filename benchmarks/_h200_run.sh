@@ -9,3 +9,12 @@ h200_run() {
   exec > >(tee -a "$R/h200_$1.log") 2>&1
   python3 -m compileall -q src >/dev/null
 }
+
+# `h200_broken_stale_read VAR [pytest args]`: the GPU stale-read test with the wait that
+# TORCHREFIT_BREAK_<VAR>=1 removes (PRODUCER_WAIT, DONE_WAIT); its cases must FAIL.
+h200_broken_stale_read() {
+  local var=$1
+  shift
+  env "TORCHREFIT_BREAK_$var=1" timeout 120 python3 -m pytest -q -p no:cacheprovider "$@" \
+    tests/test_gpu_stale_read.py --timeout 60 2>&1 | grep -E "^FAILED|passed|failed" | tail -16
+}
