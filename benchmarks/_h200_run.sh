@@ -18,3 +18,11 @@ h200_broken_stale_read() {
   env "TORCHREFIT_BREAK_$var=1" timeout 120 python3 -m pytest -q -p no:cacheprovider "$@" \
     tests/test_gpu_stale_read.py --timeout 60 2>&1 | grep -E "^FAILED|passed|failed" | tail -16
 }
+
+# `h200_with_nixl`: nixl-cu13 importable from .whl/nixl (carried alone: 59 MB); false
+# where the wheel was not carried.
+h200_with_nixl() {
+  ls .whl/nixl/*.whl >/dev/null 2>&1 || return 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/nixl/*.whl
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+}

@@ -19,8 +19,8 @@ refit after refit with new source values:
   attaches its new table, and the refit is still exact; ``verify()`` passes throughout;
 - two devices (ranks 0 and 2 on one, 1 and 3 on the other), collocated TP2 -> TP1:
   each device's delegate reads from the other's ranks and both delegates read each rank;
-- ``TORCHREFIT_DELEGATE=0`` (the default for now; the cases above set 1): the ranks
-  take turns instead (and are exact).
+- ``TORCHREFIT_DELEGATE=0``: the ranks take turns instead (and are exact). The cases
+  above leave the variable unset: delegating is the default.
 
 ``shm-pull-word-delegate`` (2 processes, members ordered by words their fake streams
 write) checks the cross-process order: a member's late producer runs before the
@@ -94,7 +94,7 @@ def _case(rank: int, src_mesh: Mesh, dst_mesh: Mesh, move: int | None = None) ->
 
 
 def _world(rank: int, world: int) -> dict:
-    os.environ[DELEGATE_ENV] = "1"  # opt-in until measured on a GPU
+    os.environ.pop(DELEGATE_ENV, None)  # the default: a delegate per device
     out = {"collocated": _case(rank, Mesh(2, ranks=4), Mesh(1, ranks=4), move=1),
            "non-collocated": _case(rank, Mesh(2, ranks=2), Mesh(1, ranks=2, offset=2)),
            "local": _case(rank, Mesh(1, ranks=4), Mesh(1, ranks=4)),
@@ -166,7 +166,7 @@ def _word_world(rank: int, world: int) -> dict:
     """TP1 -> TP1 on both ranks, rank 0 copying for rank 1. Each refit rank 1's producer
     runs LATE on its fake stream (queued before ``refit()``): rank 0 must read only
     after it, and rank 1's ``refit()`` must return only after rank 0 wrote."""
-    os.environ[DELEGATE_ENV] = "1"
+    os.environ.pop(DELEGATE_ENV, None)
     mesh = Mesh(1, ranks=2)
     src, dst = _shared(build_toy(SPEC, mesh, rank, 1)), _shared(build_toy(SPEC, mesh, rank, 2))
     r = tr.Refitter(src, dst, transport="shm-pull-word-delegate")

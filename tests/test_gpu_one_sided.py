@@ -12,10 +12,14 @@ tensors of 2-16 MB (``LARGE``), the row-parallel halves landing in ``full[:, :ha
 (local copies and ipc's pulls out of the peer's memory) run row by row in the batched
 copy kernel (``batched.strided_runs``), exactly. A MoE-shaped model (256 expert weights of 1-2
 MB) held by rank 0 and pulled whole by rank 1 runs both ranks' copies in one batched launch
-each (rank 1's reading rank 0's mapped memory), exactly.
+each (rank 1's reading rank 0's mapped memory), exactly. ipc runs twice: each rank copying
+its own (taking turns), and as ``ipc:delegate`` with rank 0 copying for both (the default,
+``transport.delegates``): rank 0 then runs every batched copy of both ranks, rank 1 none.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -29,6 +33,7 @@ from torchrefit.testing import (
     run_world,
     usable_transports,
 )
+from torchrefit.transport.delegates import DELEGATE_ENV
 
 pytestmark = pytest.mark.gpu
 
@@ -107,6 +112,10 @@ def _case(rank: int, src_mesh: Mesh, dst_mesh: Mesh, transport: str, spec: Model
 
 
 def _world(rank: int, world: int, transport: str) -> dict:
+    """``"ipc:delegate"``: ipc with one copier for both ranks (``transport.delegates``, the
+    default), plain ``"ipc"``: each rank copying its own, taking turns."""
+    transport, _, order = transport.partition(":")
+    os.environ[DELEGATE_ENV] = "1" if order == "delegate" else "0"
     torch.cuda.set_device(0)
     return {
         "tp2->tp1": _case(rank, Mesh(2, ranks=2), Mesh(1, ranks=2), transport),
@@ -117,6 +126,7 @@ def _world(rank: int, world: int, transport: str) -> dict:
 
 
 TRANSPORTS = usable_transports(cuda=True, one_sided_only=True) if torch.cuda.is_available() else ["ipc"]
+TRANSPORTS += ["ipc:delegate"] if "ipc" in TRANSPORTS else []
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -127,11 +137,16 @@ def test_one_sided_two_processes_one_gpu(transport: str) -> None:
             assert got["differed"] and got["exact"], f"rank {rank} {name}: {got}"
             assert got["moved_exact"], f"rank {rank} {name}: storage moves not followed"
             assert got["verify_caught"], f"rank {rank} {name}: verify missed a corruption"
-            assert got["transport"] == transport
+            assert got["transport"] == transport.partition(":")[0]
             if "segments" in got and not name.startswith(("large", "moe")):  # per allocation segment, not per tensor
                 assert got["segments"] * 4 <= got["tensors"], f"rank {rank} {name}: {got}"
     for name in results[0]:
         assert results[1][name]["received"] > 0, f"{name}: nothing came through {transport} to rank 1"
+    if transport == "ipc:delegate":  # rank 0 runs both ranks' copies, rank 1 none
+        assert [c["large tp2->tp1"]["batched"] for c in results] == [16, 0], results
+        moe = [c["moe tp1 on rank 0 -> tp1 x 2"]["batched"] for c in results]
+        assert moe[0] >= 256 and moe[1] == 0, moe
+        return
     if transport == "ipc":  # each rank copies its own halves of 4 row-parallel weights, pulls its peer's 4
         assert [c["large tp2->tp1"]["batched"] for c in results] == [8, 8], results
         assert [c["large tp2->tp1"]["widened"] for c in results] == [0, 0], results

@@ -17,9 +17,10 @@ Setting ``TORCHREFIT_BREAK_PRODUCER_WAIT=1`` removes the side stream's wait for 
 producer and every one-sided transport's ``wait_ready``, and makes ipc's stream-written
 mailbox words land at once, written by the host (test-only monkeypatches), to show
 that the test then fails. ipc runs in both orders: ``ipc`` (stream-written words, the
-default) and ``ipc:event`` (interprocess events), and collocated also as
-``ipc:delegate`` (one copier per shared GPU: the member's stream-written word orders
-its delegate's reads, and its ``refit()`` returns after the delegate's done word).
+default) and ``ipc:event`` (interprocess events), both with ranks sharing the GPU taking
+turns (``TORCHREFIT_DELEGATE=0``), and collocated also as ``ipc:delegate`` (one copier per
+shared GPU, the default: the member's stream-written word orders its delegate's reads,
+and its ``refit()`` returns after the delegate's done word).
 
 The other direction: a one-sided sender's next step (queued right after ``refit()``
 returns) must not overwrite sources a receiver, its reads queued behind a gate,
@@ -101,11 +102,11 @@ def _words_at_once() -> None:
 
 def _order(transport: str) -> str:
     """``"ipc:event"``: ipc with interprocess events, ``"ipc:delegate"``: with one copier
-    per shared GPU (set for this process); the name."""
+    per shared GPU (the default), every other ipc case with turns (set for this
+    process); the name."""
     name, _, order = transport.partition(":")
-    if order == "delegate":
-        os.environ["TORCHREFIT_DELEGATE"] = "1"
-    elif order:
+    os.environ["TORCHREFIT_DELEGATE"] = "1" if order == "delegate" else "0"
+    if order and order != "delegate":
         os.environ["TORCHREFIT_IPC_ORDER"] = order
     return name
 

@@ -17,10 +17,12 @@ knows whose copier reads its sources. Its copies cannot be done by another proce
 where a rank quantizes to FP8 (its own kernels around the exchange); such a GPU's ranks
 take turns instead.
 
-Opt-in for now: ``TORCHREFIT_DELEGATE=1`` on every rank. It has run only on CPU
-(``tests/test_delegated_copies.py``, over shared memory); the device call meant to
-measure it on an H200 got no answer, so ipc keeps turns by default until it is measured
-there (``benchmarks/h200_delegate.sh``).
+On by default; ``TORCHREFIT_DELEGATE=0`` (on any rank of a GPU) makes that GPU's ranks
+take turns instead. Measured on one H200 (BENCHMARKS.md, "Fourteenth session"): ipc's
+collocated TP2 -> TP1 of the seed's model at 1.096x the copy floor with 2 processes and
+1.067x with 4, against 1.142x and 1.138x taking turns in the same call; the first refit
+is slower (0.22 s against 0.15 s, 0.38 s against 0.20 s: the delegate compiles every
+member's copies), which a few hundred refits repay.
 """
 
 from __future__ import annotations
@@ -46,4 +48,4 @@ def delegates_of(keys: list[str], copies: list[bool], eligible: list[bool]) -> d
 
 
 def enabled() -> bool:
-    return os.environ.get(DELEGATE_ENV, "0").strip() == "1"
+    return os.environ.get(DELEGATE_ENV, "1").strip() != "0"
