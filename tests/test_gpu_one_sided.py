@@ -139,7 +139,10 @@ def test_one_sided_two_processes_one_gpu(transport: str) -> None:
             assert got["verify_caught"], f"rank {rank} {name}: verify missed a corruption"
             assert got["transport"] == transport.partition(":")[0]
             if "segments" in got and not name.startswith(("large", "moe")):  # per allocation segment, not per tensor
-                assert got["segments"] * 4 <= got["tensors"], f"rank {rank} {name}: {got}"
+                # a delegated member exposes its destinations too, more of them large (a
+                # segment each): 23 tensors in 8 segments on an H200
+                per = 2 if transport == "ipc:delegate" else 4
+                assert got["segments"] * per <= got["tensors"], f"rank {rank} {name}: {got}"
     for name in results[0]:
         assert results[1][name]["received"] > 0, f"{name}: nothing came through {transport} to rank 1"
     if transport == "ipc:delegate":  # rank 0 runs both ranks' copies, rank 1 none
