@@ -1,14 +1,15 @@
 """Where a one-sided transport's first refit and its copies spend their time (one GPU).
 
 Two processes on one GPU, the seed's model (``--layers`` to shrink it), TP1 -> TP1
-non-collocated: rank 0 holds the source, rank 1 the destination. Each rank profiles
+non-collocated: rank 0 holds the source, rank 1 the destination (``--collocated``: TP2 ->
+TP1 collocated, where ipc's rank 0 copies for both, ``transport.delegates``). Each rank profiles
 construction plus the first refit with cProfile and prints its top functions; the
 receiver then times, with CUDA events and the device idle before each, (a) a whole
 refit (wall time; when its host returned; when the peer's header arrived, after
 which the copies can start; device time between events around it), (b) the replay of its compiled copies out of the sender's memory alone (ipc),
 and (c) the same bytes copied locally by one flat copy (the floor's kernel).
 
-    python benchmarks/one_sided_first_refit.py --transport ipc [--layers 20]
+    python benchmarks/one_sided_first_refit.py --transport ipc [--layers 20] [--collocated]
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ def _device_ms(fn, iters: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _rank(rank: int, world: int, transport: str, layers: int) -> str:
-    src, dst = one_gpu_toy_pair(rank, layers)
+def _rank(rank: int, world: int, transport: str, layers: int, collocated: bool) -> str:
+    src, dst = one_gpu_toy_pair(rank, layers, collocated)
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
@@ -52,7 +53,7 @@ def _rank(rank: int, world: int, transport: str, layers: int) -> str:
     prof.disable()
     t2 = time.perf_counter()
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(18)
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(30)
     lines = [f"rank {rank}: construct {t1 - t0:.3f} s, first refit {t2 - t1:.3f} s"]
     whole, header, launched, device = [], [], [], []
     transport = r._transport
@@ -93,15 +94,16 @@ def _rank(rank: int, world: int, transport: str, layers: int) -> str:
                      f"{len(pulls.big)} large + {sum(len(g.dst) for g in pulls.small)} small copies")
     dist.barrier()
     r.close()
-    return "\n".join(lines) + "\n" + "\n".join(out.getvalue().splitlines()[:40])
+    return "\n".join(lines) + "\n" + "\n".join(out.getvalue().splitlines()[:52])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--transport", default="ipc")
     p.add_argument("--layers", type=int, default=20)
+    p.add_argument("--collocated", action="store_true")
     args = p.parse_args()
-    for text in run_world(_rank, 2, args.transport, args.layers, backend="gloo", timeout=600):
+    for text in run_world(_rank, 2, args.transport, args.layers, args.collocated, backend="gloo", timeout=600):
         print(text)
 
 

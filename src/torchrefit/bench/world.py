@@ -25,15 +25,18 @@ def one_gpu_world(port: int) -> torch.device:
     return device
 
 
-def one_gpu_toy_pair(rank: int, layers: int | None) -> tuple:
+def one_gpu_toy_pair(rank: int, layers: int | None, collocated: bool = False) -> tuple:
     """The seed's toy model (``layers`` to shrink it) as source and destination of a
     non-collocated TP1 -> TP1 refit between two processes sharing GPU 0 (rank 0 holds
-    the source, rank 1 the destination); returns once both ranks built theirs.
-    Called by the one-sided transport diagnostics on both ranks."""
+    the source, rank 1 the destination), or with ``collocated`` of a collocated TP2 ->
+    TP1 refit (each rank a source half and a whole destination); returns once both
+    ranks built theirs. Called by the one-sided transport diagnostics on both ranks."""
     torch.cuda.set_device(0)
     spec = spec_from_preset("gpt-4b", layers=layers)
-    src = build_toy(spec, Mesh(1, ranks=1), rank, 1, device="cuda", random_init=True)
-    dst = build_toy(spec, Mesh(1, ranks=1, offset=1), rank, 2, device="cuda", random_init=True)
+    meshes = ((Mesh(2, ranks=2), Mesh(1, ranks=2)) if collocated
+              else (Mesh(1, ranks=1), Mesh(1, ranks=1, offset=1)))
+    src, dst = (build_toy(spec, mesh, rank, seed, device="cuda", random_init=True)
+                for mesh, seed in zip(meshes, (1, 2)))
     torch.cuda.synchronize()
     dist.barrier()
     return src, dst
