@@ -21,9 +21,8 @@ On by default; ``TORCHREFIT_DELEGATE=0`` (on any rank of a GPU) makes that GPU's
 take turns instead. Measured on one H200 (BENCHMARKS.md, "Fourteenth session"): ipc's
 collocated TP2 -> TP1 of the seed's model at 1.096x the copy floor with 2 processes and
 1.067x with 4, against 1.142x and 1.138x taking turns in the same call. The first refit
-is slower (with 4 processes 0.29-0.45 s against 0.20 s: the delegate captures every
-member's copies in its graph, and ending a capture of copies out of IPC-mapped memory
-took about 2.8 ms per large copy), which a few hundred refits repay.
+is slower (with 4 processes 0.29-0.45 s against 0.20 s: most of it ending the capture
+of the delegate's graph of every member's copies), which a few hundred refits repay.
 """
 
 from __future__ import annotations
