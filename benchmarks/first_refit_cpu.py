@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
 import torch.distributed as dist
 
 import torchrefit as tr
-from torchrefit.bench.config import spec_from_preset
-from torchrefit.testing import Mesh, build_toy
+from torchrefit.bench.world import tiny_toy_pair
 
 
 def main() -> None:
@@ -32,12 +30,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=12)
     ap.add_argument("--json")
     args = ap.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29631")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    spec = spec_from_preset(args.preset, layers=args.layers, hidden=64, ffn=64, expert_ffn=32, vocab=512,
-                            heads=4, groups=2)
-    src, dst = (build_toy(spec, Mesh(1, ranks=1), 0, seed, device="cpu", random_init=True) for seed in (1, 2))
+    src, dst = tiny_toy_pair(args.preset, args.layers, 29631)
     tr.Refitter(src, dst).refit()  # the process's first: imports and caches, not per Refitter
     construct, first = [], []
     for _ in range(args.repeat):

@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import timeit
 
 import torch
 import torch.distributed as dist
 
 import torchrefit as tr
-from torchrefit.bench.config import spec_from_preset
-from torchrefit.testing import Mesh, build_toy
+from torchrefit.bench.world import tiny_toy_pair
 
 
 def best_us(fn, number: int = 50, repeat: int = 9) -> float:
@@ -37,13 +35,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--json")
     args = ap.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29633")
-    dist.init_process_group("gloo", rank=0, world_size=1)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    spec = spec_from_preset(args.preset, layers=args.layers, hidden=64, ffn=64, expert_ffn=32, vocab=512,
-                            heads=4, groups=2)
-    src, dst = (build_toy(spec, Mesh(1, ranks=1), 0, seed, device=device, random_init=True) for seed in (1, 2))
+    src, dst = tiny_toy_pair(args.preset, args.layers, 29633, device)
     r = tr.Refitter(src, dst)
     r.refit()
     program = r._program

@@ -1,5 +1,5 @@
-"""A one-rank NCCL world on GPU 0, as the one-GPU diagnostic scripts in ``benchmarks/``
-start it (the refit needs a process group even with one rank)."""
+"""One-rank worlds and toy model pairs, as the diagnostic scripts in ``benchmarks/`` start
+them (the refit needs a process group even with one rank)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.distributed as dist
 from ..testing import Mesh, build_toy
 from .config import spec_from_preset
 
-__all__ = ["one_gpu_world", "one_gpu_toy_pair"]
+__all__ = ["one_gpu_world", "one_gpu_toy_pair", "tiny_toy_pair"]
 
 
 def one_gpu_world(port: int) -> torch.device:
@@ -23,6 +23,17 @@ def one_gpu_world(port: int) -> torch.device:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     return device
+
+
+def tiny_toy_pair(preset: str, layers: int, port: int, device: torch.device | str = "cpu") -> tuple:
+    """Join a one-rank Gloo world on ``port`` and build a ``preset``'s toy pair (source
+    seed 1, destination seed 2) at tiny sizes (hidden 64) on ``device``: the preset's
+    tensor and module counts, for timing the host's work per tensor."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    spec = spec_from_preset(preset, layers=layers, hidden=64, ffn=64, expert_ffn=32, vocab=512, heads=4, groups=2)
+    return tuple(build_toy(spec, Mesh(1, ranks=1), 0, seed, device=device, random_init=True) for seed in (1, 2))
 
 
 def one_gpu_toy_pair(rank: int, layers: int | None, collocated: bool = False) -> tuple:
