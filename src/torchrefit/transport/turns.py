@@ -19,9 +19,12 @@ H200, ``transport.base.poll_until``; BENCHMARKS.md "Transports run 4"). The wait
 form a cycle: a rank's ready header precedes its wait, and its
 wait for its readers' done tokens follows its own turn word.
 
-Found once per Refitter by two small gathers in ``OneSidedTransport.prepare`` (each
-rank's host and GPU and whether it copies; then the turn mailboxes of the ranks that
-take turns); ``TORCHREFIT_DEVICE_TURNS=0`` turns it off.
+Where every rank copying on a GPU can hand its copies over, one of them copies for all
+instead (``transport.delegates``, the default); turns are for the others (a rank that
+quantizes to FP8, or ``TORCHREFIT_DELEGATE=0``). Found once per Refitter by two small
+gathers in ``OneSidedTransport.prepare`` (each rank's host and GPU, whether it copies
+and whether it can hand its copies over; then the turn mailboxes of the ranks that take
+turns); ``TORCHREFIT_DEVICE_TURNS=0`` turns it off.
 """
 
 from __future__ import annotations
