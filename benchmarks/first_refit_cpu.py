@@ -13,14 +13,11 @@ with graph capture and the copy kernel on top).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
-import torch.distributed as dist
-
 import torchrefit as tr
-from torchrefit.bench.world import tiny_toy_pair
+from torchrefit.bench.world import report_and_leave, tiny_toy_pair
 
 
 def main() -> None:
@@ -46,11 +43,7 @@ def main() -> None:
            **{f"{k}_{f.__name__}_s": round(f(v), 4) for k, v in
               (("construct", construct), ("first_refit", first), ("total", total))
               for f in (min, statistics.median)}}
-    print(" ".join(f"{k}={v}" for k, v in out.items()))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
-    dist.destroy_process_group()
+    report_and_leave(out, args.json)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,12 @@ microseconds, min over repeats; nothing else runs).
 from __future__ import annotations
 
 import argparse
-import json
 import timeit
 
 import torch
-import torch.distributed as dist
 
 import torchrefit as tr
-from torchrefit.bench.world import tiny_toy_pair
+from torchrefit.bench.world import report_and_leave, tiny_toy_pair
 
 
 def best_us(fn, number: int = 50, repeat: int = 9) -> float:
@@ -51,11 +49,7 @@ def main() -> None:
         assert c_check(watched, pointers, every)
         out["pointers_c_us"] = best_us(lambda: c_check(watched, pointers, every))
     out["manual_refit_host_us"] = best_us(lambda: program.run(False), number=20)
-    print(" ".join(f"{k}={v}" for k, v in out.items()))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
-    dist.destroy_process_group()
+    report_and_leave(out, args.json)
 
 
 if __name__ == "__main__":

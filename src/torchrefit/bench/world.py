@@ -3,6 +3,7 @@ them (the refit needs a process group even with one rank)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -11,7 +12,7 @@ import torch.distributed as dist
 from ..testing import Mesh, build_toy
 from .config import spec_from_preset
 
-__all__ = ["one_gpu_world", "one_gpu_toy_pair", "tiny_toy_pair"]
+__all__ = ["one_gpu_world", "one_gpu_toy_pair", "tiny_toy_pair", "report_and_leave"]
 
 
 def one_gpu_world(port: int) -> torch.device:
@@ -34,6 +35,16 @@ def tiny_toy_pair(preset: str, layers: int, port: int, device: torch.device | st
     dist.init_process_group("gloo", rank=0, world_size=1)
     spec = spec_from_preset(preset, layers=layers, hidden=64, ffn=64, expert_ffn=32, vocab=512, heads=4, groups=2)
     return tuple(build_toy(spec, Mesh(1, ranks=1), 0, seed, device=device, random_init=True) for seed in (1, 2))
+
+
+def report_and_leave(out: dict, path: str | None) -> None:
+    """Print ``out`` as ``key=value`` on one line, write it as JSON to ``path`` where given,
+    and leave the world :func:`tiny_toy_pair` joined."""
+    print(" ".join(f"{k}={v}" for k, v in out.items()))
+    if path:
+        with open(path, "w") as fh:
+            json.dump(out, fh, indent=1)
+    dist.destroy_process_group()
 
 
 def one_gpu_toy_pair(rank: int, layers: int | None, collocated: bool = False) -> tuple:
