@@ -160,6 +160,8 @@ def test_strided_runs_refused() -> None:
     assert strided_runs(full[:, 1024:], half) is not None
     assert strided_runs(full[:, :512], half[:, :512]) is None  # 1 KB rows: below MIN_RUN_BYTES
     assert strided_runs(full[:, 4:1028], half) is None  # rows 8 bytes off alignment
+    odd = _views(b, torch.bfloat16, 0, (64, 2052))  # rows 4104 bytes apart: every second one off
+    assert strided_runs(odd[:, :1024], half) is None and strided_runs(half, odd[:, 4:1028]) is None
     assert strided_runs(full[:, 1024:], half.float()) is None  # a cast
     assert strided_runs(full[:32, :1024].t(), half[:32, :1024].t()) is None  # no row dense on both
     assert strided_runs(full[:, :1024], full[:, 1024:].contiguous()) is not None

@@ -26,9 +26,15 @@ def dense_rows(shape: Sequence[int], a: Sequence[int], b: Sequence[int]
     return sizes[:k], sa[:k], sb[:k], row
 
 
-def row_offsets(shape: Sequence[int], strides: Sequence[int]) -> torch.Tensor:
-    """Element offsets of every index of ``shape`` at ``strides``, row-major, int64."""
-    off = torch.zeros((), dtype=torch.int64)
-    for n, stride in zip(shape, strides):
+def row_offsets(shape: Sequence[int], strides: Sequence[int], start: int = 0) -> torch.Tensor:
+    """``start`` plus the offsets of every index of ``shape`` at ``strides``, row-major,
+    int64 (in whatever unit the strides are: elements or bytes)."""
+    if not shape:
+        return torch.full((1,), start, dtype=torch.int64)
+    # built from the first dim's arange, not a zero scalar: a first refit cuts hundreds
+    # of strided halves into rows here, a few torch calls each
+    off = torch.arange(start, start + shape[0] * strides[0], strides[0], dtype=torch.int64) \
+        if strides[0] else torch.full((shape[0],), start, dtype=torch.int64)
+    for n, stride in zip(shape[1:], strides[1:]):
         off = off.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * stride
     return off.reshape(-1)

@@ -75,10 +75,12 @@ def strided_runs(dst: torch.Tensor, src: torch.Tensor) -> ByteRuns | None:
     size = dst.element_size()
     if not shape or row * size < MIN_RUN_BYTES or (row * size) % ALIGN or not _disjoint(shape, ds, row):
         return None
-    d = dst.data_ptr() + size * row_offsets(shape, ds)
-    s = src.data_ptr() + size * row_offsets(shape, ss)
-    if bool(((d | s) % ALIGN).any()):
+    # every row starts aligned iff both first rows do and every outer step is aligned
+    # (each start is the first plus a sum of steps): checked here, not per row
+    if (dst.data_ptr() | src.data_ptr()) % ALIGN or any(x * size % ALIGN for x in (*ds, *ss)):
         return None
+    d = row_offsets(shape, [x * size for x in ds], dst.data_ptr())
+    s = row_offsets(shape, [x * size for x in ss], src.data_ptr())
     return ByteRuns(d, s, torch.full_like(d, row * size))
 
 

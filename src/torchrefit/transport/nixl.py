@@ -83,8 +83,8 @@ def contiguous_runs(a: tuple[int, tuple, tuple], b: tuple[int, tuple, tuple], it
     outer, sa, sb, inner = dense_rows(shape, stride_a, stride_b)
     if not outer:
         return [addr_a], [addr_b], inner * itemsize
-    return ((row_offsets(outer, sa) * itemsize + addr_a).tolist(),
-            (row_offsets(outer, sb) * itemsize + addr_b).tolist(), inner * itemsize)
+    return (row_offsets(outer, [x * itemsize for x in sa], addr_a).tolist(),
+            row_offsets(outer, [x * itemsize for x in sb], addr_b).tolist(), inner * itemsize)
 
 
 def _viewed(shape: Sequence[int], stride: Sequence[int], as_shape: Sequence[int]) -> tuple[int, ...]:
