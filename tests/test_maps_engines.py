@@ -24,6 +24,7 @@ fused, stacked-expert, vocabulary-padded tensors, checked weight by weight.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ import torchrefit as tr
 from torchrefit.layout._types import Box
 from torchrefit.layout.vllm import vllm_tp_layout
 from torchrefit.maps import relocate
+from torchrefit.refitter import TRANSPORT_ENV
 from torchrefit.testing import Mesh, ModelSpec, build_toy, run_world, usable_transports
 
 transformers = pytest.importorskip("transformers")
@@ -346,14 +348,14 @@ def _run_logits(case: Case, rank: int) -> dict:
     kwargs = {"name_map": map_fn(dst.config)} if map_fn else {}
     with torch.no_grad():
         want, before = ref(TOKENS).logits, dst(TOKENS).logits
-    r = tr.Refitter(src, dst, transport=TRANSPORT, **kwargs)
+    r = tr.Refitter(src, dst, **kwargs)
     r.refit()
     with torch.no_grad():
         got = dst(TOKENS).logits
     r.verify()
     return {"differed_before": not torch.allclose(before, want),
             "max_err": float((got - want).abs().max()), "ok": torch.allclose(got, want, rtol=1e-5, atol=1e-6),
-            "remote": r.plan.bytes_sent + r.plan.bytes_received}
+            "remote": r.plan.bytes_sent + r.plan.bytes_received, "transport": r.transport_name}
 
 
 def _run_bad(case: Case, rank: int) -> dict:
@@ -361,7 +363,7 @@ def _run_bad(case: Case, rank: int) -> dict:
     dst = _hf_model(case.dst, case.spec, DST_SEED)
     before = {n: p.detach().clone() for n, p in dst.named_parameters()}
     try:
-        tr.Refitter(src, dst, transport=TRANSPORT)
+        tr.Refitter(src, dst)
     except tr.RefitError as e:
         return {"raised": f"{type(e).__name__}: {e}", "detail": e.detail,
                 "parts": (e.tensor, e.ranks, e.rule),
@@ -399,7 +401,7 @@ def _run_vllm(case: Case, rank: int) -> dict:
                         rank % 2, case.spec)
     heads = {"num_attention_heads": case.spec.heads, "num_key_value_heads": case.spec.groups}
     name_map = tr.maps.megatron_to_vllm(heads) if map_fn else tr.maps.hf_to_vllm(heads)
-    r = tr.Refitter(src, dst, name_map=name_map, transport=TRANSPORT, dst_layout=vllm_tp_layout(
+    r = tr.Refitter(src, dst, name_map=name_map, dst_layout=vllm_tp_layout(
         rank % 2, 2, num_heads=case.spec.heads, num_kv_heads=case.spec.groups))
     r.refit()
     wrong = [n for n, p in dst.named_parameters() if not torch.equal(p.detach(), want[n])]
@@ -408,13 +410,8 @@ def _run_vllm(case: Case, rank: int) -> dict:
             "names": sorted(want)}
 
 
-#: the transport of this process's world (``_world`` sets it): each usable on CPU here
-TRANSPORT = "auto"
-
-
 def _world(rank: int, world: int, cases: list[Case], transport: str = "auto") -> dict[str, dict]:
-    global TRANSPORT
-    TRANSPORT = transport
+    os.environ[TRANSPORT_ENV] = transport  # what "auto" means in every Refitter of this world
     torch.set_num_threads(1)
     out = {}
     for case in cases:
@@ -429,12 +426,13 @@ def _world(rank: int, world: int, cases: list[Case], transport: str = "auto") ->
 
 
 @pytest.fixture(scope="module", params=usable_transports(cuda=False))
-def results(request) -> list[dict[str, dict]]:
-    return run_world(_world, WORLD, CASES, request.param, timeout=420, pg_timeout=120)
+def results(request) -> tuple[str, list[dict[str, dict]]]:
+    return request.param, run_world(_world, WORLD, CASES, request.param, timeout=420, pg_timeout=120)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_refit_into_engine(case: Case, results) -> None:
+    transport, results = results
     for rank, per_rank in enumerate(results):
         got = per_rank[case.id]
         assert "error" not in got, f"rank {rank}: {got['error']}"
@@ -452,6 +450,7 @@ def test_refit_into_engine(case: Case, results) -> None:
         if case.kind == "logits":
             assert got["differed_before"], "logits equal before the refit: the test proves nothing"
             assert got["ok"], f"rank {rank}: logits differ by {got['max_err']}"
+            assert got["transport"] == transport, got["transport"]  # TORCHREFIT_TRANSPORT followed
         else:
             assert got["wrong"] == [], f"rank {rank}: {got['wrong'][:5]}"
             assert any(n.endswith("experts.w13_weight") for n in got["names"])

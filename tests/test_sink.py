@@ -26,12 +26,15 @@ weight's scale kept in its weight's bucket.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from test_maps_hf import reference, toy_globals
 from torch import nn
 
 import torchrefit as tr
+from torchrefit.refitter import TRANSPORT_ENV
 from torchrefit.testing import (
     Mesh,
     ModelSpec,
@@ -114,7 +117,7 @@ def _recorders(rank: int) -> dict:
     recorder = Recorder(BUCKET)
     engine = nn.Module() if rank >= 2 else None  # stands for the engine: holds the version
     sink = tr.load_weights_sink(recorder, _wanted(rank), bucket_bytes=BUCKET) if rank >= 2 else None
-    r = tr.Refitter(src, engine, dst_layout=sink, skip=["extra.*"], staging_bytes=STAGING, transport=TRANSPORT)
+    r = tr.Refitter(src, engine, dst_layout=sink, skip=["extra.*"], staging_bytes=STAGING)
     out: dict = {"staging": []}
     _refits(r, src, recorder, rank, (1, 2), out)
     out["over_budget"] = recorder.over_budget
@@ -129,7 +132,7 @@ def _recorders(rank: int) -> dict:
     if isinstance(r._transport, OneSidedTransport):  # fewer tables kept than buckets
         recorder = Recorder(BUCKET)
         sink = tr.load_weights_sink(recorder, _wanted(rank), bucket_bytes=BUCKET) if rank >= 2 else None
-        r = tr.Refitter(src, engine, dst_layout=sink, skip=["extra.*"], transport=TRANSPORT)
+        r = tr.Refitter(src, engine, dst_layout=sink, skip=["extra.*"])
         r._transport.keep = 1  # every rank, before the first refit: both ends forget alike
         _refits(r, src, recorder, rank, (3, 4), out)
     return out
@@ -182,7 +185,7 @@ def _transformers(rank: int) -> dict:
         wanted = [(n, tuple(t.shape), t.dtype) for n, t in model.state_dict().items()]
         sink = tr.load_weights_sink(load_weights, wanted, bucket_bytes=BUCKET if rank == 3 else 1 << 20)
     name_map = tr.maps.megatron_to_hf(num_heads=SPEC.heads, num_query_groups=SPEC.groups)
-    r = tr.Refitter(src, model, dst_layout=sink, name_map=name_map, transport=TRANSPORT)
+    r = tr.Refitter(src, model, dst_layout=sink, name_map=name_map)
     out: dict = {}
     for seed in (1, 2):
         if src is not None:
@@ -204,7 +207,7 @@ def _too_small(rank: int) -> dict:
     src = build_toy(SPEC, TRAINER, rank, 0) if rank < 2 else None
     dst = nn.Module() if rank >= 2 else None
     sink = tr.load_weights_sink(Recorder(1 << 30), _wanted(2), bucket_bytes=1024) if rank >= 2 else None
-    return attempt_refit(src, dst, dst_layout=sink, skip=["extra.*"], transport=TRANSPORT)
+    return attempt_refit(src, dst, dst_layout=sink, skip=["extra.*"])
 
 
 # FP8 into a sink: blocks of 8 x 24 make linear_proj's TP shards (12 of its 24 columns each)
@@ -235,7 +238,7 @@ def _fp8(rank: int) -> dict:
     recorder = Recorder(FP8_BUCKET)
     sink = tr.load_weights_sink(recorder, _fp8_wanted(), bucket_bytes=FP8_BUCKET) if rank >= 2 else None
     r = tr.Refitter(src, nn.Module() if rank >= 2 else None, dst_layout=sink, fp8_block=FP8_BLOCK,
-                    staging_bytes=STAGING, transport=TRANSPORT)
+                    staging_bytes=STAGING)
     out: dict = {"wrong": [], "apart": []}
     for seed in (1, 2):
         if src is not None:
@@ -266,17 +269,10 @@ def _fp8(rank: int) -> dict:
 def _world(rank: int, world: int, transport: str) -> dict:
     import transformers  # noqa: F401  (every rank pays the import before the first gather)
 
-    global TRANSPORT
-    TRANSPORT = transport
+    os.environ[TRANSPORT_ENV] = transport  # what "auto" means in every Refitter of this world
 
     return {"transport": transport, "recorders": _recorders(rank), "transformers": _transformers(rank),
             "too_small": _too_small(rank), "fp8": _fp8(rank)}
-
-
-#: the transport of this process's world (``_world`` sets it): each usable on CPU here, in
-#: turn (nixl: each bucket's program is its own table, more of them than a transport
-#: remembers by default)
-TRANSPORT = "auto"
 
 
 @pytest.fixture(scope="module", params=usable_transports(cuda=False))

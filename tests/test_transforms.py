@@ -31,6 +31,7 @@ pieces that do not follow the weight's blocks, a grid of the wrong shape raise
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ import torchrefit as tr
 from torchrefit.layout._types import Box, ModelLayout, Piece, TensorLayout
 from torchrefit.layout.vllm import vllm_tp_layout
 from torchrefit.plan.simulate import plan_world
+from torchrefit.refitter import TRANSPORT_ENV
 from torchrefit.testing import (
     Mesh,
     ModelSpec,
@@ -236,7 +238,7 @@ def _cast(case: Case, rank: int) -> dict:
     for dtype in (torch.bfloat16, torch.float32):
         spec = ModelSpec(layers=2, dtype=dtype, buffer_dtype=dtype)
         dst = build_toy(spec, Mesh(1, ranks=WORLD), rank, DST_SEED)
-        r = tr.Refitter(src, dst, cast=True, transport=TRANSPORT)
+        r = tr.Refitter(src, dst, cast=True)
         report = r.refit()
         want = {k: v.to(dtype) for k, v in expected_local(DENSE, Mesh(1, ranks=WORLD), rank, SRC_SEED).items()}
         got = dict(dst.state_dict())
@@ -326,7 +328,7 @@ def _refit(case: Case, rank: int, src, dst, name_map, want, kwargs) -> dict:
     params = dict(dst.named_parameters()) if dst is not None else {}
     before = {n: _bits(p.detach()).clone() for n, p in params.items()}
     try:
-        r = tr.Refitter(src, dst, name_map=name_map, fp8_block=case.block, transport=TRANSPORT, **kwargs)
+        r = tr.Refitter(src, dst, name_map=name_map, fp8_block=case.block, **kwargs)
     except tr.RefitError as e:
         return {"raised": f"{type(e).__name__}: {e}", "unchanged": all(
             torch.equal(_bits(p.detach()), before[n]) for n, p in params.items())}
@@ -378,14 +380,8 @@ def _verified(r: tr.Refitter) -> str:
     return "ok"
 
 
-#: the transport of this process's world (``_world`` sets it): each usable on CPU here, in
-#: turn (nixl: a push transport, converting through staging of the wire dtype)
-TRANSPORT = "auto"
-
-
 def _world(rank: int, world: int, cases: list[Case], transport: str = "auto") -> dict[str, dict]:
-    global TRANSPORT
-    TRANSPORT = transport
+    os.environ[TRANSPORT_ENV] = transport  # what "auto" means in every Refitter of this world
     torch.set_num_threads(1)
     out = {}
     for case in cases:
