@@ -135,9 +135,15 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnu
         _DTYPES[_name] = getattr(torch, _name)
 
 
+_NAMES: dict[torch.dtype, str] = {}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The short, picklable name of a dtype (``bfloat16``)."""
-    return str(dtype).removeprefix("torch.")
+    name = _NAMES.get(dtype)  # once per tensor described: a lookup, not str() and a strip
+    if name is None:
+        name = _NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def dtype_from_name(name: str) -> torch.dtype:

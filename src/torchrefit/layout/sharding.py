@@ -25,7 +25,8 @@ __all__ = ["shard_pieces", "whole_piece"]
 
 def whole_piece(shape: Sequence[int]) -> tuple[Piece, ...]:
     """The single piece of a tensor that a rank holds entirely."""
-    return _whole_piece(tuple(int(s) for s in shape))
+    # a plain tuple as is (Box.whole makes its sizes ints): 0.2 us against 1 us, per tensor
+    return _whole_piece(shape if type(shape) is tuple else tuple(int(s) for s in shape))
 
 
 @lru_cache(maxsize=4096)

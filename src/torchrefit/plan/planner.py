@@ -357,14 +357,37 @@ class Planner:
         got = self._regions.get(key)
         if got is None:
             dst_classes = tuple(self.dst.tensors[dst_name].boxes[dst_box])
-            got = []
-            for seg in self.segments(dst_name) or ():
-                part = dst_box.intersect(seg.dst_box)
-                if part is not None:
-                    got.extend(self._cover(dst_name, dst_box, dst_classes, part, seg))
-            got.sort(key=lambda r: r.dst_box.offset)
+            segs = self.segments(dst_name) or ()
+            got = self._whole_region(dst_name, dst_box, dst_classes, segs)
+            if got is None:
+                got = []
+                for seg in segs:
+                    part = dst_box.intersect(seg.dst_box)
+                    if part is not None:
+                        got.extend(self._cover(dst_name, dst_box, dst_classes, part, seg))
+                got.sort(key=lambda r: r.dst_box.offset)
             self._regions[key] = got
         return got
+
+    def _whole_region(self, dst_name: str, dst_box: Box, dst_classes: tuple[int, ...],
+                      segs: Sequence[Segment]) -> list[Region] | None:
+        """The one region of a box filled from the same box of a source tensor that one
+        set of classes holds whole-box (every TP1 tensor, every expert at expert-TP1, a
+        replicated norm): what :meth:`_cover` would find, without its search (a
+        qwen3-30b-a3b-shaped toy's 2091 regions, 8 layers: 5.8 ms against 8.3 ms on a
+        2-core CPU). None for every other case, which :meth:`_cover` then plans."""
+        if len(segs) != 1:
+            return None
+        seg = segs[0]
+        if seg.dst_box != dst_box or any(seg.src_offset) or any(dst_box.offset):
+            return None
+        boxes = self.src.tensors[seg.src_name].boxes
+        if len(boxes) != 1:
+            return None
+        (box, class_ids), = boxes.items()
+        if box != dst_box:
+            return None
+        return [Region(dst_name, dst_box, dst_classes, box, seg.src_name, box, tuple(class_ids))]
 
     def _cover(self, dst_name: str, dst_piece: Box, dst_classes: tuple[int, ...], part: Box,
                seg: Segment) -> list[Region]:
@@ -511,7 +534,6 @@ class Planner:
         for region in self.regions(t.name, piece.box):
             src_dtype = self.src.tensors[region.src_name].dtype
             dtype = self.local_dtype(t.name, src_dtype)
-            wire = self.wire_dtype(region.src_name, t.name)
             for peer, part in self.sources(region, rank):
                 local_box = part.moved(piece.box.offset, piece.local_offset)
                 if peer == rank:
@@ -519,7 +541,8 @@ class Planner:
                     local.append(LocalCopy(t.name, part, src_key, src_box, key, local_box,
                                            src_dtype, dtype))
                 else:
-                    recvs.append(Transfer(peer, t.name, part, key, local_box, wire, dtype))
+                    recvs.append(Transfer(peer, t.name, part, key, local_box,
+                                          self.wire_dtype(region.src_name, t.name), dtype))
 
     def _fill_quantized(self, rank, t: TensorLayout, key: str, piece, target: Target, by_name,
                         src_by_name, recvs, steps) -> None:
@@ -588,8 +611,11 @@ class Planner:
                     for region in self.regions(name, dst_box):
                         if region.src_name != t.name:
                             continue
+                        sent = self.destinations(region, rank)
+                        if not sent:  # every holder of it copies locally (collocated TP1 -> TP1)
+                            continue
                         wire = self.wire_dtype(t.name, name)
-                        for peer, part in self.destinations(region, rank):
+                        for peer, part in sent:
                             src_box = _box_in(t, relocate(part, region.dst_box.offset,
                                                           region.src_box.offset))
                             if target is not None and self.fp8_at_source(name, dst_box, peer):
