@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Where the qwen3 toy's first refit goes on the GPU side (issue 16's 0.2 s bound): the
+# host seconds of graph capture, its end (instantiation), the batched kernel's table and
+# run merging, per timed Refitter (first_refit_profile.py's *_s parts), as is, with
+# every CUDA kernel loaded at start (CUDA_MODULE_LOADING=EAGER: is the capture's end
+# loading kernels lazily?) and without the batched kernel; the deepseek and gpt-4b toys
+# as is for comparison; then the same Python work without the GPU (first_refit_cpu.py).
+# Written in the sixteenth session (no device lent); main at or after b558604. Results
+# and log in $OUT. One call, about 3 minutes.
+source benchmarks/_h200_run.sh
+h200_run first_refit_capture
+P="benchmarks/first_refit_profile.py"
+for case in as_is:X=1 eager:CUDA_MODULE_LOADING=EAGER unbatched:TORCHREFIT_BATCHED_COPY=0; do
+  echo "=== qwen3 toy, 8 layers, ${case#*:} ($(date +%T))"
+  env "${case#*:}" timeout 120 python3 $P --preset qwen3-30b-a3b --layers 8 \
+    --json "$R/qwen3_${case%%:*}.json" 2>&1 | grep -E "^construct_s"
+done
+for preset in "deepseek-v3-moe --layers 2" "gpt-4b"; do
+  echo "=== toy $preset, as is ($(date +%T))"
+  timeout 120 python3 $P --preset $preset --json "$R/${preset%% *}.json" 2>&1 | grep -E "^construct_s"
+done
+echo "=== the Python work alone, CPU seconds ($(date +%T))"
+timeout 120 python3 benchmarks/first_refit_cpu.py --preset qwen3-30b-a3b --layers 8 --json "$R/cpu_qwen3.json"
+echo "=== done ($(date +%T))"
