@@ -4,9 +4,10 @@
 # run merging, per timed Refitter (first_refit_profile.py's *_s parts), as is, with
 # every CUDA kernel loaded at start (CUDA_MODULE_LOADING=EAGER: is the capture's end
 # loading kernels lazily?) and without the batched kernel; the deepseek and gpt-4b toys
-# as is for comparison; then the same Python work without the GPU (first_refit_cpu.py).
+# as is for comparison; dense-0.5b and gpt-4b with every copy batched against the
+# default, twice; then the same Python work without the GPU (first_refit_cpu.py).
 # Written in the sixteenth session (no device lent); main at or after b558604. Results
-# and log in $OUT. One call, about 3 minutes.
+# and log in $OUT. One call, about 6 minutes.
 source benchmarks/_h200_run.sh
 h200_run first_refit_capture
 P="benchmarks/first_refit_profile.py"
@@ -18,6 +19,16 @@ done
 for preset in "deepseek-v3-moe --layers 2" "gpt-4b"; do
   echo "=== toy $preset, as is ($(date +%T))"
   timeout 120 python3 $P --preset $preset --json "$R/${preset%% *}.json" 2>&1 | grep -E "^construct_s"
+done
+# dense-0.5b's device time is 1.056-1.068x (its large copies are memcpy nodes: batching
+# them is "auto"'s choice only for MoE-like programs); never measured with the NVRTC
+# kernel taking every copy (--batched, TORCHREFIT_BATCHED_COPY=1): one ramp and one drain
+for i in 1 2; do
+  for mode in default batched; do
+    echo "=== dense-0.5b and gpt-4b toys, $mode ($(date +%T))"
+    timeout 150 python3 benchmarks/shape_matrix.py --no-megatron --only dense-0.5b --only gpt-4b \
+      $([ $mode = batched ] && echo --batched) --json "$R/matrix_${mode}_$i.json" 2>&1 | grep -E "torchrefit .* floor" | tail -4
+  done
 done
 echo "=== the Python work alone, CPU seconds ($(date +%T))"
 timeout 120 python3 benchmarks/first_refit_cpu.py --preset qwen3-30b-a3b --layers 8 --json "$R/cpu_qwen3.json"
