@@ -105,6 +105,31 @@ def test_wrapper_names_are_stripped() -> None:
     assert global_name("layers.0.module.w") == "layers.0.module.w"  # real names stay
 
 
+class _Marked(torch.Tensor):
+    """Stands in for DTensor where ``_holds`` is asked (no process group needed)."""
+
+
+def _marked_net(where: str) -> nn.Module:
+    net = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
+    inner = net[1][0]
+    marked = torch.zeros(2).as_subclass(_Marked)
+    if where == "parameter":
+        inner._parameters["extra"] = marked
+    elif where in ("buffer", "cache"):
+        inner.register_buffer("extra", marked, persistent=where == "buffer")
+    return net
+
+
+@pytest.mark.parametrize("where, held", [("parameter", True), ("buffer", True), ("cache", False),
+                                         ("nowhere", False)])
+def test_dtensor_detection_reads_parameters_and_persistent_buffers(where: str, held: bool) -> None:
+    from torchrefit.layout.dtensor import _holds
+
+    net = _marked_net(where)
+    assert _holds(net, _Marked) is held
+    assert _holds(dict(named_refit_tensors(net)), _Marked) is held  # a mapping model, by names
+
+
 # ------------------------------------------------------------------------- model
 class _Norm(nn.Module):
     def __init__(self) -> None:
