@@ -45,3 +45,11 @@ def test_a_class_walking_its_own_way_gets_torchs_walk() -> None:
     root = nn.Sequential(nn.Linear(2, 2), _Own())
     assert _ids(named_modules(root)) == _ids(root.named_modules())
     assert len(named_modules(root)) == 3
+
+
+def test_a_module_walking_its_own_way_gets_torchs_walk() -> None:
+    own = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    own.named_modules = lambda memo=None, prefix="", remove_duplicate=True: iter([(prefix, own)])
+    root = nn.Sequential(nn.Linear(2, 2), own)
+    assert _ids(named_modules(root)) == _ids(root.named_modules())
+    assert len(named_modules(root)) == 3  # its two children hidden, as torch's walk hides them

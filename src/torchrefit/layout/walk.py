@@ -53,23 +53,31 @@ _NAMED_MODULES = nn.Module.named_modules
 
 def _walk(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """``list(root.named_modules())`` (pre-order, each module once under its first
-    name) by a loop instead of nested generators: 2.4 ms against 6.1 ms for a
-    qwen3-shaped toy's 3,151 modules on a 2-core CPU. A tree holding a module that
-    walks its own way (its class or the module itself overrides ``named_modules``)
-    gets torch's walk of the whole tree."""
+    name) by a loop instead of nested generators, each module class asked once whether
+    it walks its own way: 1.6 ms against torch's 1.9-2.2 ms for a qwen3-shaped toy's
+    3,151 modules on a 2-core CPU (garbage collection paused, as in ``Refitter()``). A
+    tree holding a module that walks its own way (its class or the module itself
+    overrides ``named_modules``) gets torch's walk of the whole tree."""
     out: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
+    plain: set[type] = set()  # classes that walk as nn.Module does
     stack: list[tuple[str, nn.Module]] = [("", root)]
     while stack:
         prefix, module = stack.pop()
         if id(module) in seen:
             continue
-        if type(module).named_modules is not _NAMED_MODULES or "named_modules" in module.__dict__:
+        cls = type(module)
+        if cls not in plain:
+            if cls.named_modules is not _NAMED_MODULES:
+                return list(root.named_modules())
+            plain.add(cls)
+        if "named_modules" in module.__dict__:
             return list(root.named_modules())
         seen.add(id(module))
         out.append((prefix, module))
-        children = [(f"{prefix}.{name}" if prefix else name, child)
-                    for name, child in module._modules.items() if child is not None]
-        children.reverse()  # popped first-child first: the order of torch's recursion
-        stack += children
+        children = module._modules
+        if children:
+            head = prefix + "." if prefix else ""
+            # reversed: popped first-child first, the order of torch's recursion
+            stack += [(head + name, child) for name, child in reversed(children.items()) if child is not None]
     return out
