@@ -4,8 +4,11 @@ microseconds, min over repeats; nothing else runs).
 
 * ``bindings``: ``Binding.changed`` on both sides (is each described tensor still the one
   its module holds: ``dict.get`` and ``is`` per tensor);
-* ``pointers_map``: ``Program.storage_moved`` as on main (``data_ptr`` per watched tensor
-  in a ``map``, a list compared);
+* ``views``: ``Program.storage_moved`` as on main since the sixteenth session (``is_set_to``
+  per watched tensor against an alias taken when compiling: same storage, offset, sizes
+  and strides);
+* ``pointers_map``: the check it replaced (``data_ptr`` per watched tensor in a ``map``, a
+  list compared), which misses a tensor re-viewed in place;
 * ``pointers_c``: the same answer from ``torch._C._tensors_data_ptrs_at_indices_equal``
   (one C++ loop; in CUDA builds only), when present.
 
@@ -42,7 +45,8 @@ def main() -> None:
     pointers = list(program.compiled.pointers)
     out = {"preset": args.preset, "layers": args.layers, "device": str(device), "watched": len(watched),
            "bound": sum(len(b) for b in r._bindings.values()),
-           "bindings_us": best_us(r._rebind), "pointers_map_us": best_us(program.storage_moved)}
+           "bindings_us": best_us(r._rebind), "views_us": best_us(program.storage_moved),
+           "pointers_map_us": best_us(lambda: list(map(torch.Tensor.data_ptr, watched)) != pointers)}
     c_check = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
     if c_check is not None:
         every = list(range(len(watched)))

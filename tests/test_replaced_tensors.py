@@ -11,6 +11,8 @@ would show). A replacement that no longer fits (another shape) raises
 :class:`LayoutError` naming the tensor on the rank that has it, before anything is
 written there; over a group of two its peer raises :class:`TransportError` naming
 that rank within the timeout. A mapping model whose entry is replaced is rebound too.
+A tensor that keeps its storage but views it another way (``param.data =
+param.data.t()``, a narrower view) is followed, or raises where its shape changed.
 """
 
 from __future__ import annotations
@@ -121,6 +123,46 @@ def _misfit(rank: int, how: str) -> dict:
         return {"raised": str(e), "tensor": e.tensor, "written": not _untouched(others)}
 
 
+def _reviewed(rank: int) -> dict:
+    """A one-rank group, TP1 -> TP1: tensors that keep their storage but view it another
+    way (``param.data = param.data.t()``: other strides; a narrower shape), on either
+    side. Oracle: the source's tensors as they read now (the refit must follow the new
+    view: a destination equal to its source, element for element)."""
+    import torch.distributed as dist
+
+    me = dist.new_group([rank])
+    src = build_toy(SPEC, Mesh(1, ranks=1), 0, 1)
+    dst = build_toy(SPEC, Mesh(1, ranks=1), 0, 2)
+    r = tr.Refitter(src, dst, group=me)
+    r.refit()
+    square = "decoder.layers.1.self_attention.linear_proj.weight"  # (24, 24)
+
+    def differing() -> list[str]:
+        want = dict(src.named_parameters())
+        return [n for n, p in dst.named_parameters() if not torch.equal(p, want[n])]
+
+    out = {}
+    for side, model in (("dst", dst), ("src", src)):
+        with torch.no_grad():
+            for p in dst.parameters():
+                p.zero_()
+            p = model.get_parameter(square)
+            p.data = p.data.t()  # the same storage, its strides swapped
+        report = r.refit()
+        out[f"{side} transposed"] = {"differing": differing(), "compiled": report.compiled}
+    narrow = dst.get_parameter("decoder.layers.0.mlp.linear_fc1.weight")  # (96, 24)
+    with torch.no_grad():
+        for p in dst.parameters():
+            p.fill_(SENTINEL)
+        narrow.data = narrow.data[:-1]  # the same first byte, one row less
+    try:
+        r.refit()
+        out["narrowed"] = {"raised": None}
+    except tr.LayoutError as e:
+        out["narrowed"] = {"raised": str(e), "tensor": e.tensor, "written": not _untouched(list(dst.parameters()))}
+    return out
+
+
 def _mapping(rank: int) -> dict:
     """A model given as a dict of tensors, one entry replaced."""
     import torch.distributed as dist
@@ -172,6 +214,7 @@ def _peer_world(rank: int, world: int) -> dict:
     out["misfit-data"] = _misfit(rank, "data")
     out["misfit-parameter"] = _misfit(rank, "parameter")
     out["mapping"] = _mapping(rank)
+    out["reviewed"] = _reviewed(rank)
     # last: over the group of two, rank 1's destination no longer fits
     src = build_toy(SPEC, SRC, rank, 1)
     dst = build_toy(SPEC, DST, rank, 2)
@@ -225,6 +268,16 @@ def test_replaced_tensor_of_another_shape_raises_before_writing(results, how: st
 def test_mapping_model_entry_replaced(results) -> None:
     for got in results:
         assert got["mapping"] == {"equal": True, "untouched": True}, got["mapping"]
+
+
+def test_tensor_viewing_its_storage_another_way_is_followed(results) -> None:
+    for rank, got in enumerate(results):
+        got = got["reviewed"]
+        for side in ("dst", "src"):
+            assert got[f"{side} transposed"]["differing"] == [], (rank, side, got)
+        narrowed = got["narrowed"]
+        assert narrowed["raised"] and narrowed["tensor"] == "decoder.layers.0.mlp.linear_fc1.weight", (rank, got)
+        assert not narrowed["written"], f"rank {rank}: written before raising"
 
 
 def test_misfit_on_one_rank_raises_on_every_rank(results) -> None:

@@ -56,17 +56,22 @@ class RunStats:
 class Compiled:
     """Everything one compile decided: the local copies, the exchange of its protocol
     (None where the plan has no remote transfers), the destination keys that alias
-    source storage, and the tensors whose storage pointers are watched (with their
-    side, key, shape, dtype and device then)."""
+    source storage, and the tensors that are watched: each with an alias taken then
+    (same storage, offset, sizes and strides) and its side, key, shape, dtype and device."""
 
     local: LocalCopies
     rounds: Rounds | None
     one_sided: OneSidedProgram | None
     shared: tuple[str, ...]
     watched: tuple[torch.Tensor, ...]
-    pointers: list[int]
+    refs: tuple[torch.Tensor, ...]  # detached aliases of ``watched`` as compiled
     quantize: Quantizes
     metas: tuple[tuple[str, str, Meta], ...]  # side, key, what the tensor was
+
+    @property
+    def pointers(self) -> list[int]:
+        """The watched tensors' data pointers as compiled (for host-cost labs)."""
+        return [t.data_ptr() for t in self.refs]
 
     @property
     def exchanges(self) -> bool:
@@ -146,7 +151,7 @@ class Program:
         watched = tuple(t for _, _, t in used)
         metas = tuple((side, key, meta_of(t)) for side, key, t in used)
         return Compiled(local, rounds, one_sided, tuple(shared), watched,
-                        [t.data_ptr() for t in watched], quantize, metas)
+                        tuple(t.detach() for t in watched), quantize, metas)
 
     # ------------------------------------------------------------ compiled state
     @property
@@ -165,16 +170,20 @@ class Program:
 
     # -------------------------------------------------------------------- running
     def storage_moved(self) -> bool:
-        """Whether a tensor's storage moved since compiling (``param.data = ...``, an
-        engine that freed and re-allocated its weights): the compiled views still point
-        at the old storage (kept alive by them), so writing through them would be silent."""
-        # one C-level pass (map) rather than a Python loop: this runs on every refit and
-        # is most of its host time (~500 tensors for the seed's model)
-        return list(map(torch.Tensor.data_ptr, self.compiled.watched)) != self.compiled.pointers
+        """Whether a tensor's storage moved since compiling (``param.data = new``, an
+        engine that freed and re-allocated its weights), or the tensor now views the same
+        storage otherwise (``param.data = param.data.t()``: other strides, a narrower
+        shape): the compiled views still read and write the bytes as the tensor held
+        them, so a refit through them would be silently wrong."""
+        # is_set_to: same storage, offset, sizes and strides, in one call per tensor (a
+        # data pointer alone missed a tensor re-viewed in place; pointer, strides and
+        # sizes apart cost more), one C-level pass (map): this runs on every refit
+        return not all(map(torch.Tensor.is_set_to, self.compiled.watched, self.compiled.refs))
 
     def check_storage(self) -> None:
-        """Recompile where storage moved; raise :class:`LayoutError` (before any byte
-        moves on this rank) where a tensor's shape, dtype or device changed with it."""
+        """Recompile where storage moved or was re-viewed; raise :class:`LayoutError`
+        (before any byte moves on this rank) where a tensor's shape, dtype or device
+        changed with it."""
         if self.storage_moved():
             rank = self.plan.rank
             for (side, key, was), now in zip(self.compiled.metas, self.compiled.watched):

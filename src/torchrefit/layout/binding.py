@@ -12,8 +12,9 @@ model's current tensor if it has the same shape, dtype and device (the plan stay
 valid: only compiled views are rebuilt) and otherwise raises :class:`LayoutError`
 naming it.
 
-``param.data = new`` keeps the Parameter object and moves its storage: the compiled
-program notices that itself (``Program.storage_moved``) and recompiles.
+``param.data = new`` keeps the Parameter object and moves its storage, or views the
+same storage another way (``param.data = param.data.t()``): the compiled program
+notices either itself (``Program.storage_moved``) and recompiles.
 
 Not bound (only their storage is watched): tensors an adapter derived from the
 model (views, or a DTensor's local tensor that is not the DTensor's own), and whole
@@ -105,8 +106,8 @@ def check_same_meta(side: str, key: str, was: Meta, new: torch.Tensor | None, ra
     now = meta_of(new)
     if was != now:
         raise LayoutError(
-            f"{role} tensor {key!r} on rank {rank} was replaced or reallocated since the Refitter "
-            f"was built with shape, dtype, device {now} instead of {was}: the plan no longer "
+            f"{role} tensor {key!r} on rank {rank} was replaced, reallocated or re-viewed since the "
+            f"Refitter was built, with shape, dtype, device {now} instead of {was}: the plan no longer "
             "fits it; nothing was written on this rank; build a new Refitter (its peers raise "
             "TransportError naming this rank once their timeout passes)",
             ranks=(rank,), rule="tensor replaced", tensor=key)
