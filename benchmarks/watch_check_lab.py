@@ -4,11 +4,12 @@ microseconds, min over repeats; nothing else runs).
 
 * ``bindings``: ``Binding.changed`` on both sides (is each described tensor still the one
   its module holds: ``dict.get`` and ``is`` per tensor);
-* ``views``: ``Program.storage_moved`` as on main since the sixteenth session (``is_set_to``
-  per watched tensor against an alias taken when compiling: same storage, offset, sizes
-  and strides);
-* ``pointers_map``: the check it replaced (``data_ptr`` per watched tensor in a ``map``, a
-  list compared), which misses a tensor re-viewed in place;
+* ``views``: ``Program.storage_moved`` as on main since the sixteenth session: the data
+  pointers below, then ``is_set_to`` per watched tensor against an alias taken when
+  compiling (same storage, offset, sizes and strides);
+* ``pointers_map``: the data pointers alone (``data_ptr`` per watched tensor in a ``map``,
+  a list compared: the check before the sixteenth session, which missed a tensor
+  re-viewed in place);
 * ``pointers_c``: the same answer from ``torch._C._tensors_data_ptrs_at_indices_equal``
   (one C++ loop; in CUDA builds only), when present.
 

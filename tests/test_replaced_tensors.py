@@ -12,7 +12,9 @@ would show). A replacement that no longer fits (another shape) raises
 written there; over a group of two its peer raises :class:`TransportError` naming
 that rank within the timeout. A mapping model whose entry is replaced is rebound too.
 A tensor that keeps its storage but views it another way (``param.data =
-param.data.t()``, a narrower view) is followed, or raises where its shape changed.
+param.data.t()``, a narrower view) is followed, or raises where its shape changed, and
+so is one whose storage was resized to nothing and back (the same storage object at a
+new address).
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ import torch
 from torch import nn
 
 import torchrefit as tr
-from torchrefit.testing import Mesh, ModelSpec, build_toy, expected_local, run_world
+from torchrefit.testing import (
+    Mesh,
+    ModelSpec,
+    build_toy,
+    expected_local,
+    run_world,
+    usable_transports,
+)
 
 SPEC = ModelSpec(layers=2)
 SRC, DST = Mesh(2, ranks=2), Mesh(1, ranks=2)
@@ -150,6 +159,19 @@ def _reviewed(rank: int) -> dict:
             p.data = p.data.t()  # the same storage, its strides swapped
         report = r.refit()
         out[f"{side} transposed"] = {"differing": differing(), "compiled": report.compiled}
+    for side, model in (("dst", dst), ("src", src)):
+        with torch.no_grad():
+            for p in dst.parameters():
+                p.zero_()
+            p = model.get_parameter(square)
+            values, was = p.detach().clone(), p.data_ptr()
+            p.untyped_storage().resize_(0)  # as FSDP frees and re-gathers: the same storage
+            taken = torch.full((values.numel(),), SENTINEL)  # takes the freed memory, mostly
+            p.untyped_storage().resize_(values.nbytes)  # object, new memory
+            p.copy_(values)
+        report = r.refit()
+        out[f"{side} resized"] = {"differing": differing(), "compiled": report.compiled,
+                                  "moved": p.data_ptr() != was, "taken untouched": _untouched([taken])}
     narrow = dst.get_parameter("decoder.layers.0.mlp.linear_fc1.weight")  # (96, 24)
     with torch.no_grad():
         for p in dst.parameters():
@@ -160,6 +182,44 @@ def _reviewed(rank: int) -> dict:
         out["narrowed"] = {"raised": None}
     except tr.LayoutError as e:
         out["narrowed"] = {"raised": str(e), "tensor": e.tensor, "written": not _untouched(list(dst.parameters()))}
+    return out
+
+
+def _resize_in_place(model: nn.Module, fill: float | None) -> list[torch.Tensor]:
+    """Free every parameter's storage and give it new memory (the same storage object,
+    as FSDP frees and re-gathers), its values kept (``fill`` None) or set to ``fill``.
+    Returns tensors filled with SENTINEL that took the freed memory (mostly): a transfer
+    to or from the old addresses would show in them or in the values."""
+    taken = []
+    with torch.no_grad():
+        for p in model.parameters():
+            values = p.detach().clone() if fill is None else torch.full_like(p, fill)
+            p.untyped_storage().resize_(0)
+            taken.append(torch.full((values.numel(),), SENTINEL))
+            p.untyped_storage().resize_(values.nbytes)
+            p.copy_(values)
+    return taken
+
+
+def _resized_one_sided(rank: int) -> dict:
+    """Per one-sided transport usable here (nixl: registered addresses), storage resized
+    in place on the destination, then on the source, a refit after each."""
+    out = {}
+    for name in usable_transports(cuda=False, one_sided_only=True):
+        src = build_toy(SPEC, SRC, rank, 1)
+        dst = build_toy(SPEC, DST, rank, 2)
+        r = tr.Refitter(src, dst, transport=name)
+        r.refit()
+        got = {}
+        for side, model, fill in (("dst", dst, 0.0), ("src", src, None)):
+            taken = _resize_in_place(model, fill)
+            if side == "src":
+                with torch.no_grad():
+                    for p in dst.parameters():
+                        p.zero_()
+            r.refit()
+            got[side] = {"wrong": _wrong(dst, rank), "taken untouched": _untouched(taken)}
+        out[name] = got
     return out
 
 
@@ -215,6 +275,7 @@ def _peer_world(rank: int, world: int) -> dict:
     out["misfit-parameter"] = _misfit(rank, "parameter")
     out["mapping"] = _mapping(rank)
     out["reviewed"] = _reviewed(rank)
+    out["resized one-sided"] = _resized_one_sided(rank)
     # last: over the group of two, rank 1's destination no longer fits
     src = build_toy(SPEC, SRC, rank, 1)
     dst = build_toy(SPEC, DST, rank, 2)
@@ -275,9 +336,21 @@ def test_tensor_viewing_its_storage_another_way_is_followed(results) -> None:
         got = got["reviewed"]
         for side in ("dst", "src"):
             assert got[f"{side} transposed"]["differing"] == [], (rank, side, got)
+            resized = got[f"{side} resized"]
+            assert resized["moved"], f"rank {rank}: the resized storage kept its address; the case proves nothing"
+            assert resized["differing"] == [] and resized["taken untouched"], (rank, side, resized)
         narrowed = got["narrowed"]
         assert narrowed["raised"] and narrowed["tensor"] == "decoder.layers.0.mlp.linear_fc1.weight", (rank, got)
         assert not narrowed["written"], f"rank {rank}: written before raising"
+
+
+def test_storage_resized_in_place_is_followed_through_registered_memory(results) -> None:
+    if not results[0]["resized one-sided"]:
+        pytest.skip("no one-sided transport usable on CPU here (nixl-cu13 not installed)")
+    for rank, got in enumerate(results):
+        for name, sides in got["resized one-sided"].items():
+            for side, seen in sides.items():
+                assert seen == {"wrong": [], "taken untouched": True}, (rank, name, side, seen)
 
 
 def test_misfit_on_one_rank_raises_on_every_rank(results) -> None:

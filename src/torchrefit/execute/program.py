@@ -64,14 +64,10 @@ class Compiled:
     one_sided: OneSidedProgram | None
     shared: tuple[str, ...]
     watched: tuple[torch.Tensor, ...]
+    pointers: list[int]  # their data pointers as compiled
     refs: tuple[torch.Tensor, ...]  # detached aliases of ``watched`` as compiled
     quantize: Quantizes
     metas: tuple[tuple[str, str, Meta], ...]  # side, key, what the tensor was
-
-    @property
-    def pointers(self) -> list[int]:
-        """The watched tensors' data pointers as compiled (for host-cost labs)."""
-        return [t.data_ptr() for t in self.refs]
 
     @property
     def exchanges(self) -> bool:
@@ -150,7 +146,7 @@ class Program:
         used = views.used()  # after aliasing, which moves destination storage
         watched = tuple(t for _, _, t in used)
         metas = tuple((side, key, meta_of(t)) for side, key, t in used)
-        return Compiled(local, rounds, one_sided, tuple(shared), watched,
+        return Compiled(local, rounds, one_sided, tuple(shared), watched, [t.data_ptr() for t in watched],
                         tuple(t.detach() for t in watched), quantize, metas)
 
     # ------------------------------------------------------------ compiled state
@@ -171,14 +167,18 @@ class Program:
     # -------------------------------------------------------------------- running
     def storage_moved(self) -> bool:
         """Whether a tensor's storage moved since compiling (``param.data = new``, an
-        engine that freed and re-allocated its weights), or the tensor now views the same
-        storage otherwise (``param.data = param.data.t()``: other strides, a narrower
-        shape): the compiled views still read and write the bytes as the tensor held
-        them, so a refit through them would be silently wrong."""
-        # is_set_to: same storage, offset, sizes and strides, in one call per tensor (a
-        # data pointer alone missed a tensor re-viewed in place; pointer, strides and
-        # sizes apart cost more), one C-level pass (map): this runs on every refit
-        return not all(map(torch.Tensor.is_set_to, self.compiled.watched, self.compiled.refs))
+        engine that freed and re-allocated its weights, a storage resized in place and
+        back, as FSDP does), or the tensor now views the same storage otherwise
+        (``param.data = param.data.t()``: other strides, a narrower shape): the compiled
+        views (and a CUDA graph's addresses) still read and write the bytes where and as
+        the tensor held them, so a refit through them would be silently wrong."""
+        # Two C-level passes (map), on every refit: the data pointers (a storage resized
+        # in place keeps its identity, not its address), then is_set_to against an alias
+        # taken when compiling (same storage, offset, sizes and strides; strides and
+        # sizes read apart cost more)
+        c = self.compiled
+        return (list(map(torch.Tensor.data_ptr, c.watched)) != c.pointers
+                or not all(map(torch.Tensor.is_set_to, c.watched, c.refs)))
 
     def check_storage(self) -> None:
         """Recompile where storage moved or was re-viewed; raise :class:`LayoutError`
