@@ -4,7 +4,10 @@ sizes (hidden 64), TP1 -> TP1 in one process, after a first Refitter in the proc
 CPU seconds (``time.process_time``: steadier than wall time on a shared 2-core VM),
 minimum and median of ``--repeat`` runs.
 
-    python benchmarks/first_refit_cpu.py --preset qwen3-30b-a3b --layers 8 [--json OUT]
+    python benchmarks/first_refit_cpu.py --preset qwen3-30b-a3b --layers 8 [--megatron] [--json OUT]
+
+``--megatron`` builds megatron-core ``GPTModel``s of the same tiny shape on the CPU
+(megatron-core installed: it needs Python 3.12).
 
 On an H200 host the same work is ``benchmarks/first_refit_profile.py`` (at full sizes,
 with graph capture and the copy kernel on top).
@@ -25,9 +28,11 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=12)
+    ap.add_argument("--megatron", action="store_true",
+                    help="megatron-core GPTModels of the same tiny shape (megatron-core installed)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    src, dst = tiny_toy_pair(args.preset, args.layers, 29631)
+    src, dst = tiny_toy_pair(args.preset, args.layers, 29631, megatron=args.megatron)
     tr.Refitter(src, dst).refit()  # the process's first: imports and caches, not per Refitter
     construct, first = [], []
     for _ in range(args.repeat):
@@ -39,7 +44,8 @@ def main() -> None:
         first.append(time.process_time() - t1)
         r.close()
     total = [a + b for a, b in zip(construct, first)]
-    out = {"preset": args.preset, "layers": args.layers, "tensors": 2 * sum(1 for _ in src.parameters()),
+    out = {"preset": args.preset, "layers": args.layers, "megatron": args.megatron,
+           "tensors": 2 * sum(1 for _ in src.parameters()),
            **{f"{k}_{f.__name__}_s": round(f(v), 4) for k, v in
               (("construct", construct), ("first_refit", first), ("total", total))
               for f in (min, statistics.median)}}

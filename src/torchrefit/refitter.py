@@ -377,7 +377,9 @@ class Refitter:
             compiled = self._program is None
             if compiled:
                 self._program = self._compile(compare=False)
-            stats = self._program.run(check) if self._phases is None else self._run_phases(check)
+            # a program compiled just now took its tensors as they are: nothing to check yet
+            stats = (self._program.run(check and not compiled) if self._phases is None
+                     else self._run_phases(check))
         except (TransportError, LayoutError) as e:  # a peer gone, or a tensor that no longer fits
             self._failed = e
             raise

@@ -22,7 +22,9 @@ def megatron_available() -> bool:
     return True
 
 
-def build_megatron_gpt(spec: ModelSpec, tp: int = 1, pp: int = 1, seed: int = 1234):
+def build_megatron_gpt(spec: ModelSpec, tp: int = 1, pp: int = 1, seed: int = 1234, device: str = "cuda"):
+    """A megatron-core ``GPTModel`` of ``spec`` on the current GPU, or on the CPU
+    (``device="cpu"``: megatron-core's CPU initialization, for host-work benchmarks)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -31,7 +33,11 @@ def build_megatron_gpt(spec: ModelSpec, tp: int = 1, pp: int = 1, seed: int = 12
 
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    model_parallel_cuda_manual_seed(seed)
+    cpu = device == "cpu"
+    if cpu:
+        torch.manual_seed(seed)
+    else:
+        model_parallel_cuda_manual_seed(seed)
     config = TransformerConfig(
         num_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
         num_query_groups=spec.groups, ffn_hidden_size=spec.ffn, gated_linear_unit=spec.swiglu,
@@ -43,6 +49,7 @@ def build_megatron_gpt(spec: ModelSpec, tp: int = 1, pp: int = 1, seed: int = 12
         add_bias_linear=spec.bias,
         num_moe_experts=spec.experts or None,
         moe_ffn_hidden_size=spec.expert_ffn if spec.experts else None,
+        use_cpu_initialization=cpu,
     )
     model = GPTModel(
         config=config,
@@ -50,7 +57,7 @@ def build_megatron_gpt(spec: ModelSpec, tp: int = 1, pp: int = 1, seed: int = 12
         vocab_size=spec.vocab, max_sequence_length=4096,
         share_embeddings_and_output_weights=spec.tie,
     )
-    return model.cuda()
+    return model if cpu else model.cuda()
 
 
 def megatron_swap(src, dst, method: str) -> None:

@@ -147,7 +147,7 @@ class Program:
         watched = tuple(t for _, _, t in used)
         metas = tuple((side, key, meta_of(t)) for side, key, t in used)
         return Compiled(local, rounds, one_sided, tuple(shared), watched, [t.data_ptr() for t in watched],
-                        tuple(t.detach() for t in watched), quantize, metas)
+                        tuple(views.base(side, key) for side, key, _ in used), quantize, metas)
 
     # ------------------------------------------------------------ compiled state
     @property

@@ -29,10 +29,16 @@ class Views:
             raise LayoutError(f"rank {self.plan.rank}: local tensor {key!r} ({side}) is missing "
                               "from the model") from None
 
-    def view(self, side: str, key: str, box: Box) -> torch.Tensor:
+    def base(self, side: str, key: str) -> torch.Tensor:
+        """The local tensor detached (an alias: its storage, offset, sizes and strides),
+        made once per compile."""
         base = self._bases.get((side, key))
         if base is None:
             base = self._bases[(side, key)] = self.tensor(side, key).detach()
+        return base
+
+    def view(self, side: str, key: str, box: Box) -> torch.Tensor:
+        base = self.base(side, key)
         if box.ndim and (any(box.offset) or box.size != base.shape):
             return base[box.slices()]
         # the whole tensor: most boxes of a TP1 -> TP1 refit, and indexing costs ~10 us
