@@ -5,7 +5,8 @@
 # every CUDA kernel loaded at start (CUDA_MODULE_LOADING=EAGER: is the capture's end
 # loading kernels lazily?) and without the batched kernel; the deepseek and gpt-4b toys
 # as is for comparison; dense-0.5b and gpt-4b with every copy batched against the
-# default, twice; then the same Python work without the GPU (first_refit_cpu.py).
+# default, twice; watch="every"'s per-refit check on this host (watch_check_lab.py);
+# then the same Python work without the GPU (first_refit_cpu.py).
 # Written in the sixteenth session (no device lent); main at or after b558604. Results
 # and log in $OUT. One call, about 6 minutes.
 source benchmarks/_h200_run.sh
@@ -29,6 +30,11 @@ for i in 1 2; do
     timeout 150 python3 benchmarks/shape_matrix.py --no-megatron --only dense-0.5b --only gpt-4b \
       $([ $mode = batched ] && echo --batched) --json "$R/matrix_${mode}_$i.json" 2>&1 | grep -E "torchrefit .* floor" | tail -4
   done
+done
+# what watch="every" costs on this host since the view comparison joined the pointer read
+for preset in "qwen3-30b-a3b --layers 8" "gpt-4b --layers 20"; do
+  echo "=== watch check, toy $preset ($(date +%T))"
+  timeout 120 python3 benchmarks/watch_check_lab.py --preset $preset --json "$R/watch_${preset%% *}.json" 2>&1 | tail -1
 done
 echo "=== the Python work alone, CPU seconds ($(date +%T))"
 timeout 120 python3 benchmarks/first_refit_cpu.py --preset qwen3-30b-a3b --layers 8 --json "$R/cpu_qwen3.json"
