@@ -164,14 +164,11 @@ def _reviewed(rank: int) -> dict:
             for p in dst.parameters():
                 p.zero_()
             p = model.get_parameter(square)
-            values, was = p.detach().clone(), p.data_ptr()
-            p.untyped_storage().resize_(0)  # as FSDP frees and re-gathers: the same storage
-            taken = torch.full((values.numel(),), SENTINEL)  # takes the freed memory, mostly
-            p.untyped_storage().resize_(values.nbytes)  # object, new memory
-            p.copy_(values)
+            was = p.data_ptr()
+            taken = _resize_in_place([p], None)
         report = r.refit()
         out[f"{side} resized"] = {"differing": differing(), "compiled": report.compiled,
-                                  "moved": p.data_ptr() != was, "taken untouched": _untouched([taken])}
+                                  "moved": p.data_ptr() != was, "taken untouched": _untouched(taken)}
     narrow = dst.get_parameter("decoder.layers.0.mlp.linear_fc1.weight")  # (96, 24)
     with torch.no_grad():
         for p in dst.parameters():
@@ -185,14 +182,14 @@ def _reviewed(rank: int) -> dict:
     return out
 
 
-def _resize_in_place(model: nn.Module, fill: float | None) -> list[torch.Tensor]:
-    """Free every parameter's storage and give it new memory (the same storage object,
+def _resize_in_place(params, fill: float | None) -> list[torch.Tensor]:
+    """Free each parameter's storage and give it new memory (the same storage object,
     as FSDP frees and re-gathers), its values kept (``fill`` None) or set to ``fill``.
     Returns tensors filled with SENTINEL that took the freed memory (mostly): a transfer
     to or from the old addresses would show in them or in the values."""
     taken = []
     with torch.no_grad():
-        for p in model.parameters():
+        for p in params:
             values = p.detach().clone() if fill is None else torch.full_like(p, fill)
             p.untyped_storage().resize_(0)
             taken.append(torch.full((values.numel(),), SENTINEL))
@@ -212,7 +209,7 @@ def _resized_one_sided(rank: int) -> dict:
         r.refit()
         got = {}
         for side, model, fill in (("dst", dst, 0.0), ("src", src, None)):
-            taken = _resize_in_place(model, fill)
+            taken = _resize_in_place(model.parameters(), fill)
             if side == "src":
                 with torch.no_grad():
                     for p in dst.parameters():

@@ -169,11 +169,11 @@ class Refitter:
             compiled tensor still views the storage it did (same storage, offset, sizes and
             strides), and follows a replaced, moved or re-viewed tensor (see :meth:`rebind`);
             O(tensors) host time per refit (on a 2-core CPU ~65 ns per tensor for the first
-            check, ~280 ns for the second: a data pointer and a view compared). ``"manual"``: ``refit()`` checks neither; the caller
-            calls :meth:`rebind` on a rank after anything there that may replace or
-            re-allocate a described tensor of either side (an engine's sleep / wake,
-            re-wrapping modules, ``param.data = ...``, ``module.weight = Parameter(...)``),
-            before the next refit (the first one included). What "manual" gives up: a
+            check, ~280 ns for the second: a data pointer and a view compared).
+            ``"manual"``: ``refit()`` checks neither; the caller calls :meth:`rebind` on a
+            rank after anything there that may replace or re-allocate a described tensor of
+            either side (an engine's sleep / wake, re-wrapping modules, ``param.data =
+            ...``, ``module.weight = Parameter(...)``), before the next refit (the first one included). What "manual" gives up: a
             tensor replaced or moved without a ``rebind()`` after it is written
             (destination) or read (source) at its old storage, which the model no longer
             uses, and nothing says so. ``verify()`` still checks (it reads what the
