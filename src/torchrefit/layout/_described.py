@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .._identity import identity
 from ._types import ModelLayout
 from .walk import named_modules
 
@@ -57,9 +58,9 @@ def _named_parameters(modules: list[tuple[str, nn.Module]]) -> Iterator[tuple[st
     seen: set[int] = set()
     for prefix, sub in modules:
         for name, p in sub._parameters.items():
-            if p is None or id(p) in seen:
+            if p is None or (key := identity(p)) in seen:
                 continue
-            seen.add(id(p))
+            seen.add(key)
             yield (f"{prefix}.{name}" if prefix else name), p
 
 

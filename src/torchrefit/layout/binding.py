@@ -30,6 +30,7 @@ from collections.abc import Mapping, MutableMapping
 import torch
 from torch import nn
 
+from .._identity import identity
 from ..errors import LayoutError
 from .walk import named_modules
 
@@ -55,7 +56,7 @@ class Binding:
         self._local: list[bool] = []  # a DTensor held, its local tensor described
         self._held: list[torch.Tensor] = []
         for key, t in tensors.items():
-            got = where.get(id(t))
+            got = where.get(identity(t))
             if got is None:
                 continue
             self.keys.append(key)
@@ -122,14 +123,14 @@ def _local_of(t):
 
 
 def _holders(model) -> dict[int, tuple[MutableMapping, str, bool]]:
-    """id(tensor) -> (the dict holding it, its name there, whether it is a DTensor's
+    """identity(tensor) -> (the dict holding it, its name there, whether it is a DTensor's
     local tensor), for every parameter and buffer of every chunk of ``model``."""
     out: dict[int, tuple[MutableMapping, str, bool]] = {}
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     for chunk in chunks:
         if isinstance(chunk, MutableMapping):
             for name, t in chunk.items():
-                out.setdefault(id(t), (chunk, name, False))
+                out.setdefault(identity(t), (chunk, name, False))
             continue
         if not isinstance(chunk, nn.Module):
             continue
@@ -138,8 +139,8 @@ def _holders(model) -> dict[int, tuple[MutableMapping, str, bool]]:
                 for name, t in d.items():
                     if t is None:
                         continue
-                    out.setdefault(id(t), (d, name, False))
+                    out.setdefault(identity(t), (d, name, False))
                     local = getattr(t, "_local_tensor", None)
                     if local is not None:
-                        out.setdefault(id(local), (d, name, True))
+                        out.setdefault(identity(local), (d, name, True))
     return out

@@ -32,6 +32,7 @@ from itertools import chain, repeat
 import torch
 from torch import nn
 
+from .._identity import identity
 from ..errors import LayoutError
 from ._described import Described, chunk_key, named_refit_tensors, unwrap_chunks
 from ._types import ModelLayout, TensorLayout, dtype_name
@@ -104,7 +105,7 @@ def dtensor(model: nn.Module | list[nn.Module] | Mapping[str, torch.Tensor]) -> 
             key = chunk_key(i, len(chunks), qualified)
             name = global_name(qualified)
             is_buffer = not isinstance(t, nn.Parameter)
-            t = sharded.get(id(t), t)
+            t = sharded.get(identity(t), t)
             if cls is not None and isinstance(t, cls):
                 layout, local = _describe_one(name, t, is_buffer)
             else:
@@ -179,7 +180,7 @@ def _fsdp_sharded(modules: tuple[nn.Module, ...]) -> dict[int, torch.Tensor]:
             info, sharded = getattr(fp, "_module_info", None), getattr(fp, "sharded_param", None)
             held = getattr(info.module, info.param_name, None) if info is not None else None
             if held is not None and sharded is not None:
-                out[id(held)] = sharded
+                out[identity(held)] = sharded
     return out
 
 

@@ -59,12 +59,13 @@ def _walk(root: nn.Module) -> list[tuple[str, nn.Module]]:
     tree holding a module that walks its own way (its class or the module itself
     overrides ``named_modules``) gets torch's walk of the whole tree."""
     out: list[tuple[str, nn.Module]] = []
-    seen: set[int] = set()
+    # the modules themselves, as torch's walk keeps them (not id(): see _identity)
+    seen: set[nn.Module] = set()
     plain: set[type] = set()  # classes that walk as nn.Module does
     stack: list[tuple[str, nn.Module]] = [("", root)]
     while stack:
         prefix, module = stack.pop()
-        if id(module) in seen:
+        if module in seen:
             continue
         cls = type(module)
         if cls not in plain:
@@ -73,7 +74,7 @@ def _walk(root: nn.Module) -> list[tuple[str, nn.Module]]:
             plain.add(cls)
         if "named_modules" in module.__dict__:
             return list(root.named_modules())
-        seen.add(id(module))
+        seen.add(module)
         out.append((prefix, module))
         children = module._modules
         if children:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .._gc_pause import gc_paused
+from .._identity import identity
 from ..errors import PlanError
 from ..layout._types import Box
 from .roster import decode_roster
@@ -85,9 +86,9 @@ class RoleIndex:
         self.names[cid] = [e[0] for e in roster.entries]
         for name, shape, dtype, is_buffer, boxes in roster.entries:
             shape = tuple(shape)  # (the same object where it is one already)
-            got = converted.get(id(boxes))
+            got = converted.get(identity(boxes))
             if got is None:
-                got = converted[id(boxes)] = self._as_boxes(boxes)
+                got = converted[identity(boxes)] = self._as_boxes(boxes)
             info = tensors.get(name)
             if info is None:  # the first class holding it (every expert of a wide EP)
                 tensors[name] = TensorInfo(name, shape, dtype, is_buffer, rank,
