@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._function_modes import caller_modes
 from ..errors import LayoutError
 from ._described import Described
 from ._types import ModelLayout, TensorLayout, dtype_name
@@ -116,7 +117,8 @@ class LoadWeightsSink:
         pairs = [(self.by_global[n], described.tensors[self.by_global[n]])
                  for n in names if n in self.by_global]
         if pairs:
-            self.load_weights(pairs)
+            with caller_modes():  # the engine's code, with the caller's default device
+                self.load_weights(pairs)
         return len(pairs)
 
 

@@ -61,6 +61,9 @@ _HEADER, _TABLE, _DONE = 31, 32, 33  # gloo tags of the control messages
 #: Refitter with load_weights buckets raises it to hold each bucket's, ``keep_tables``)
 _KEEP = 4
 _FIXED = 128  # bytes of a header or token message (an interprocess event handle is 64)
+# control messages live in host memory whatever the caller's default device: gloo carries
+# them and ctypes reads them by address
+_HOST = torch.device("cpu")
 
 #: what a target tells an initiator once per compiled program: the transport's
 #: description of its registered tensors, and per transfer (plan order) the index of
@@ -400,13 +403,13 @@ class OneSidedTransport(Transport):
         if fixed:
             if len(data) > _FIXED - 8:
                 raise TransportError(f"{self.name}: a {len(data)}-byte control message exceeds {_FIXED - 8}")
-            buf = torch.zeros(_FIXED, dtype=torch.uint8)
+            buf = torch.zeros(_FIXED, dtype=torch.uint8, device=_HOST)
             buf[:8] = torch.frombuffer(bytearray(struct.pack("<q", len(data))), dtype=torch.uint8)
             if data:
                 buf[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             self._post_send(peer, buf, tag)
             return
-        self._post_send(peer, torch.tensor([len(data)], dtype=torch.int64), tag)
+        self._post_send(peer, torch.tensor([len(data)], dtype=torch.int64, device=_HOST), tag)
         if data:
             self._post_send(peer, torch.frombuffer(bytearray(data), dtype=torch.uint8), tag)
 
@@ -423,15 +426,15 @@ class OneSidedTransport(Transport):
 
     def _recv(self, peer: int, tag: int, fixed: bool = True) -> bytes:
         if fixed:
-            buf = torch.empty(_FIXED, dtype=torch.uint8)
+            buf = torch.empty(_FIXED, dtype=torch.uint8, device=_HOST)
             self._recv_into(peer, buf, tag)
             (n,) = struct.unpack_from("<q", ctypes.string_at(buf.data_ptr(), 8))
             return ctypes.string_at(buf.data_ptr() + 8, n)
-        size = torch.empty(1, dtype=torch.int64)
+        size = torch.empty(1, dtype=torch.int64, device=_HOST)
         self._recv_into(peer, size, tag)
         if not int(size):
             return b""
-        body = torch.empty(int(size), dtype=torch.uint8)
+        body = torch.empty(int(size), dtype=torch.uint8, device=_HOST)
         self._recv_into(peer, body, tag)
         return ctypes.string_at(body.data_ptr(), int(size))
 
