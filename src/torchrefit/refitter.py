@@ -22,8 +22,8 @@ from time import perf_counter
 import torch
 import torch.distributed as dist
 
+from ._caller_state import caller_state, outside_inference, set_aside
 from ._collectives import all_gather_pickled, all_gather_rosters
-from ._function_modes import caller_modes, modes_set_aside
 from ._gc_pause import gc_paused
 from .connect import Connection
 from .errors import LayoutError, PlanError, RefitError, TransportError, VerificationError
@@ -185,7 +185,8 @@ class Refitter:
     records of every rank, then each distinct roster once).
     """
 
-    @modes_set_aside
+    @set_aside
+    @outside_inference
     @gc_paused
     def __init__(
         self,
@@ -357,7 +358,7 @@ class Refitter:
         return torch.device("cpu")
 
     # ----------------------------------------------------------------- refitting
-    @modes_set_aside
+    @set_aside
     def refit(self, version: int | None = None) -> RefitReport:
         """Move the source's current weights into the destination. Collective over the group.
 
@@ -388,7 +389,7 @@ class Refitter:
             raise
         self._transport.watch()  # NCCL: abort and raise next time if this refit never completes
         if self._dst is not None and self._dst.after_refit is not None:
-            with caller_modes():
+            with caller_state():
                 self._dst.after_refit()  # e.g. FSDP2 drops unsharded copies of the old weights
         self.version = version
         stamp_version([c for ref in self._dst_chunks if (c := ref()) is not None], version)
@@ -406,7 +407,7 @@ class Refitter:
                    report.bytes_sent, report.bytes_received)
         return report
 
-    @modes_set_aside
+    @set_aside
     def rebind(self) -> None:
         """Follow tensors replaced or re-allocated since the last refit, now. This rank
         only (no collective); call it between refits, on each rank where the models
@@ -539,7 +540,8 @@ class Refitter:
             return self._gloo
         return t
 
-    @modes_set_aside
+    @set_aside
+    @outside_inference
     def verify(self) -> None:
         """Check that every destination replica holds the source's values. Collective.
 
@@ -594,7 +596,7 @@ class Refitter:
             raise TransportError(f"an earlier refit failed, the group is unusable for refits: "
                                  f"{self._failed}")
 
-    @modes_set_aside
+    @set_aside
     def close(self) -> None:
         """Release compiled programs and staging memory. Not collective, except with
         ``transport="nvshmem"``: NVSHMEM frees its symmetric inbox collectively, so

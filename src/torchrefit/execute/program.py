@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._caller_state import outside_inference
 from .._gc_pause import gc_paused
 from ..errors import LayoutError
 from ..layout._types import Box
@@ -116,6 +117,7 @@ class Program:
         self.compiled = self._compile()
 
     # ----------------------------------------------------------------- compiling
+    @outside_inference  # what it keeps must stay writable outside inference mode
     @gc_paused
     def _compile(self) -> Compiled:
         views = Views(self.plan, self.src_tensors, self.dst_tensors)

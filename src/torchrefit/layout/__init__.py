@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from .._function_modes import caller_modes
+from .._caller_state import caller_state
 from ..errors import LayoutError
 from ._described import Described, named_refit_tensors
 from ._types import Box, ModelLayout, Piece, TensorLayout
@@ -75,7 +75,7 @@ def describe(model, layout: LayoutArg = None) -> Described | None:
     if str(getattr(layout, "__module__", "")).startswith("torchrefit."):
         described = layout(model)  # torchrefit's own adapters (named, Explicit, vLLM, sink)
     else:
-        with caller_modes():  # a caller's adapter runs with the caller's torch modes
+        with caller_state():  # a caller's adapter runs with the caller's torch modes
             described = layout(model)
     if not isinstance(described, Described):
         raise LayoutError(f"layout adapter {layout!r} returned {type(described).__name__}, not Described")

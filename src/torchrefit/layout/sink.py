@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._function_modes import caller_modes
+from .._caller_state import caller_state
 from ..errors import LayoutError
 from ._described import Described
 from ._types import ModelLayout, TensorLayout, dtype_name
@@ -117,7 +117,7 @@ class LoadWeightsSink:
         pairs = [(self.by_global[n], described.tensors[self.by_global[n]])
                  for n in names if n in self.by_global]
         if pairs:
-            with caller_modes():  # the engine's code, with the caller's default device
+            with caller_state():  # the engine's code, with the caller's default device
                 self.load_weights(pairs)
         return len(pairs)
 

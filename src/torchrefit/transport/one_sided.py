@@ -44,6 +44,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+from .._caller_state import outside_inference
 from .._collectives import all_gather_pickled
 from ..errors import TransportError
 from ..layout._types import Box
@@ -287,6 +288,7 @@ class OneSidedTransport(Transport):
         if boxed or (token == WORD and peer in self._boxed):  # a stream word orders even the first
             self._post_word(self._box, header_word(peer), seq, follows, token)
 
+    @outside_inference  # a peer's table is opened here, on the first refit after it changed
     def recv_header(self, peer: int) -> tuple[int, bytes, tuple]:
         """Initiator: ``peer``'s generation, ready token and remote regions."""
         seq = self._count("header in", peer)
