@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -65,14 +66,31 @@ def _named_parameters(modules: list[tuple[str, nn.Module]]) -> Iterator[tuple[st
 
 
 def unwrap_chunks(model) -> list:
-    """Model chunks (virtual pipeline stages) with DDP/Float16 wrappers removed."""
+    """Model chunks (virtual pipeline stages) with their wrappers removed: DDP and
+    Float16 modules (``.module``) and ``torch.compile``'s (``_orig_mod``), so that a
+    compiled model is described by the names of the model it compiles."""
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     out = []
     for chunk in chunks:
-        while hasattr(chunk, "module") and isinstance(chunk.module, nn.Module):
-            chunk = chunk.module
+        while (inner := _wrapped(chunk)) is not None:
+            chunk = inner
         out.append(chunk)
     return out
+
+
+def _wrapped(chunk) -> nn.Module | None:
+    compiled = _compiled_type()
+    if compiled is not None and isinstance(chunk, compiled):
+        return chunk._orig_mod
+    inner = getattr(chunk, "module", None)
+    return inner if isinstance(inner, nn.Module) else None
+
+
+def _compiled_type() -> type | None:
+    """``torch.compile``'s module wrapper, where torch's compiler was imported (no
+    compiled module exists before; importing it only to check would cost seconds)."""
+    frame = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(frame, "OptimizedModule", None)
 
 
 def chunk_key(index: int, count: int, name: str) -> str:
