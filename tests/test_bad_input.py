@@ -3,7 +3,8 @@
 Covers a destination tensor with no source, sizes that do not divide, a dtype
 mismatch with no cast, duplicate names, ranks that disagree about a model's
 structure, a layout that fails on one rank only, a bad rank offset, transports
-(nccl, ipc) that cannot serve the tensors, and ``skip=`` letting named tensors go without a
+(nccl, ipc) that cannot serve the tensors, a model left on the meta device on one rank
+(a copy out of or into it would move nothing, silently), and ``skip=`` letting named tensors go without a
 source. Each case runs on 4 real processes; each rank reports what it raised and
 whether its destination changed.
 """
@@ -77,6 +78,12 @@ def _nccl_on_cpu(rank):
         build_toy(DENSE, Mesh(1, ranks=4), rank, 2), {"transport": "nccl"}
 
 
+def _meta_source(rank):
+    # rank 3's trainer was never materialized: a copy out of it would read nothing
+    src = build_toy(DENSE, Mesh(2, ranks=4), rank, 1)
+    return (src.to("meta") if rank == 3 else src), build_toy(DENSE, Mesh(1, ranks=4), rank, 2), {}
+
+
 def _ipc_on_cpu(rank):
     return build_toy(DENSE, Mesh(2, ranks=4), rank, 1), \
         build_toy(DENSE, Mesh(1, ranks=4), rank, 2), {"transport": "ipc"}
@@ -103,6 +110,7 @@ CASES = {
     "bad-offset": (_offset, tr.PlanError, "below its rank offset 2"),
     "nccl-on-cpu": (_nccl_on_cpu, tr.TransportError, "needs CUDA tensors"),
     "ipc-on-cpu": (_ipc_on_cpu, tr.TransportError, "transport 'ipc' needs CUDA tensors"),
+    "meta-tensor": (_meta_source, tr.LayoutError, "on rank 3 is on the meta device"),
     "shape-mismatch": (_replicated_shape, tr.PlanError, "global shapes differ"),
 }
 

@@ -275,7 +275,9 @@ class Refitter:
     # ---------------------------------------------------------------- construction
     def _describe(self, src_model, dst_model, src_layout, dst_layout):
         try:
-            return describe(src_model, src_layout), describe(dst_model, dst_layout), None
+            src, dst = describe(src_model, src_layout), describe(dst_model, dst_layout)
+            _check_devices(src, dst, self.rank)
+            return src, dst, None
         except Exception as e:  # any failure must reach every rank, not hang them
             return None, None, _failure(e)
 
@@ -650,6 +652,25 @@ def _resolved(layout: LayoutArg, kind: str) -> LayoutArg:
     """``layout`` as ``describe`` takes it, with None replaced by the adapter ``kind``
     names where :func:`layout_kind` detected one (it detects as ``describe`` does)."""
     return kind if layout is None and kind in NAMED_LAYOUTS else layout
+
+
+def _check_devices(src: Described | None, dst: Described | None, rank: int) -> None:
+    """Raise :class:`LayoutError` where a rank's described tensors are not on one device
+    that holds data: a meta tensor has no storage (a copy into it writes nothing, and
+    says nothing), and one rank's copies run on one device."""
+    first: dict[torch.device, tuple[str, str]] = {}  # device -> (side, key) of its first tensor
+    for side, d in (("source", src), ("destination", dst)):
+        for key, t in (d.tensors.items() if d is not None else ()):
+            first.setdefault(t.device, (side, key))
+    meta = first.get(torch.device("meta"))
+    if meta is not None:
+        raise LayoutError(f"{meta[0]} tensor {meta[1]!r} on rank {rank} is on the meta device (no storage "
+                          "to read or write): materialize the model first (model.to_empty(device=...) and "
+                          "load it)", ranks=(rank,), rule="device", tensor=meta[1])
+    if len(first) > 1:
+        where = "; ".join(f"{side} tensor {key!r} on {dev}" for dev, (side, key) in first.items())
+        raise LayoutError(f"rank {rank}: the models' tensors on this rank live on several devices ({where}); "
+                          "torchrefit runs one rank's copies on one device", ranks=(rank,), rule="device")
 
 
 def _raise_layout_errors(infos: list[_RankInfo]) -> None:
