@@ -5,8 +5,8 @@ in the process runs on it. filelock 4 adds one on Python >= 3.12, and megatron-c
 imports filelock: in such a process an ``id()`` cost 0.27 us instead of 0.03 us (2-core
 CPU), and one Refitter and two refits of a qwen3-shaped megatron-core pair (8 layers)
 made 33,950 of them (module walks, parameter and holder memos, roster decoding;
-``benchmarks/audit_events.py``), now 12. A tensor's
-own ``__hash__`` is ``id(self)`` in Python, so keying a dict by the tensor pays the same.
+``benchmarks/audit_events.py``), now 12. A tensor's own ``__hash__`` is ``id(self)``
+in Python, so keying a dict by the tensor pays the same.
 
 ``object.__hash__`` is the object's address rotated by four bits (CPython), so it is as
 unique among live objects as ``id()``; it raises no event (0.05-0.06 us with or without
