@@ -17,14 +17,17 @@ messages both), with the models built first and then, on every rank:
   mode, and the sink still receives the source's values (the oracle: ``global_value``);
 * ``torch.inference_mode()`` around construction, the first refit and ``verify()``, then
   refits and ``verify()`` outside it, then inside again, and the other way round, for
-  every transport: what
-  torchrefit keeps (staging, attached peer tables) was made as inference tensors, which
-  a later refit outside inference mode could not write ("Inplace update to inference
-  tensor outside InferenceMode").
+  every transport: what torchrefit keeps (staging, attached peer tables) was made as
+  inference tensors, which a later refit outside inference mode could not write
+  ("Inplace update to inference tensor outside InferenceMode");
+* ``torch.use_deterministic_algorithms(True)`` around construction, refits and
+  ``verify()`` (reproducible RL runs set it; an op without a deterministic
+  implementation would raise), for every transport.
 
-On a GPU (marked ``gpu``): the default-device and inference-mode cases again with both
-models on GPU 0, for every transport usable on CUDA tensors here (ipc twice: taking
-turns and with one delegate copying for both).
+On a GPU (marked ``gpu``): the default-device, inference-mode and deterministic cases
+again with both models on GPU 0 (where the batched copy kernel builds its tables), for
+every transport usable on CUDA tensors here (ipc twice: taking turns and with one
+delegate copying for both).
 """
 
 from __future__ import annotations
@@ -88,6 +91,20 @@ def _on_meta(rank: int, transport: str, device: str = "cpu") -> list[str]:
         r.close()
     finally:
         torch.set_default_device(None)
+    return _wrong(dst, rank)
+
+
+def _deterministic(rank: int, transport: str, device: str = "cpu") -> list[str]:
+    """``torch.use_deterministic_algorithms(True)``, as reproducible RL runs set it: an op
+    torchrefit ran without a deterministic implementation would raise."""
+    src, dst = _pair(rank, device)
+    torch.use_deterministic_algorithms(True)
+    try:
+        r = tr.Refitter(src, dst, transport=transport, timeout=30)
+        _all_calls(r)
+        r.close()
+    finally:
+        torch.use_deterministic_algorithms(False)
     return _wrong(dst, rank)
 
 
@@ -156,7 +173,8 @@ def _callbacks(rank: int) -> dict:
 def _world(rank: int, world: int, transports: list[str]) -> dict:
     return {"meta": {t: _on_meta(rank, t) for t in transports}, "counted": _counted(rank),
             "callbacks": _callbacks(rank),
-            "inference": {(t, first): _inference(rank, t, first) for t in transports for first in (True, False)}}
+            "inference": {(t, first): _inference(rank, t, first) for t in transports for first in (True, False)},
+            "deterministic": {t: _deterministic(rank, t) for t in transports}}
 
 
 def test_caller_function_modes() -> None:
@@ -174,6 +192,8 @@ def test_caller_function_modes() -> None:
         assert cb["outside"] == [("load_weights", 1, "meta", False)], (rank, cb)
         for (transport, first), wrong in out["inference"].items():
             assert not wrong, f"rank {rank}, {transport}, inference mode first {first}: wrong {wrong[:5]}"
+        for transport, wrong in out["deterministic"].items():
+            assert not wrong, f"rank {rank}, {transport}, deterministic algorithms: wrong {wrong[:5]}"
 
 
 def _gpu_world(rank: int, world: int, transport: str) -> dict:
@@ -181,7 +201,7 @@ def _gpu_world(rank: int, world: int, transport: str) -> dict:
     transport, _, order = transport.partition(":")
     os.environ[DELEGATE_ENV] = "1" if order == "delegate" else "0"
     torch.cuda.set_device(0)
-    return {"meta": _on_meta(rank, transport, "cuda"),
+    return {"meta": _on_meta(rank, transport, "cuda"), "deterministic": _deterministic(rank, transport, "cuda"),
             **{f"inference first {first}": _inference(rank, transport, first, "cuda") for first in (True, False)}}
 
 

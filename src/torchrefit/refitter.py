@@ -155,7 +155,9 @@ class Refitter:
             only orders streams for it. The caller must not write into such
             destination tensors (that writes the trainer's weights), must not train
             while the engine reads them (the engine would see weights change mid
-            rollout), and must not free or offload either side separately.
+            rollout), and must not free or offload either side separately. An engine
+            whose forward replays CUDA graphs captured before the first refit (vLLM,
+            SGLang) keeps reading its old storage: it would run on stale weights.
             ``refit()`` reports them in ``shared_tensors``.
         timeout: seconds a refit, ``verify()`` or this constructor waits for a peer
             (default 300) before raising :class:`TransportError` naming it (a peer that
