@@ -20,11 +20,15 @@ messages both), with the models built first and then, on every rank:
   every transport: what torchrefit keeps (staging, attached peer tables) was made as
   inference tensors, which a later refit outside inference mode could not write
   ("Inplace update to inference tensor outside InferenceMode");
+* an engine built inside inference mode (inference-tensor weights, which only inference
+  mode may write), built into a Refitter and refitted inside it: copies into it, and
+  capturing them in a CUDA graph while compiling, run in the caller's mode;
 * ``torch.use_deterministic_algorithms(True)`` around construction, refits and
   ``verify()`` (reproducible RL runs set it; an op without a deterministic
   implementation would raise), for every transport.
 
-On a GPU (marked ``gpu``): the default-device, inference-mode and deterministic cases
+On a GPU (marked ``gpu``): the default-device, inference-mode, inference-engine and
+deterministic cases
 again with both models on GPU 0 (where the batched copy kernel builds its tables), for
 every transport usable on CUDA tensors here (ipc twice: taking turns and with one
 delegate copying for both).
@@ -33,6 +37,7 @@ delegate copying for both).
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -92,6 +97,22 @@ def _on_meta(rank: int, transport: str, device: str = "cpu") -> list[str]:
     finally:
         torch.set_default_device(None)
     return _wrong(dst, rank)
+
+
+def _inference_engine(rank: int, transport: str, device: str = "cpu") -> list[str]:
+    """An engine built inside inference mode (its weights are inference tensors, which
+    only inference mode may write), refitted inside it: its copies, and capturing them in
+    a CUDA graph while compiling, must run in the caller's mode (a failed capture warns
+    and falls back to eager copies: that warning fails the case too)."""
+    src = build_toy(SPEC, SRC, rank, seed=1).to(device)
+    with torch.inference_mode():
+        dst = build_toy(SPEC, DST, rank, seed=2).to(device)
+    with warnings.catch_warnings(record=True) as caught, torch.inference_mode():
+        warnings.simplefilter("always")
+        r = tr.Refitter(src, dst, transport=transport, timeout=30)
+        _all_calls(r)
+        r.close()
+    return _wrong(dst, rank) + [str(w.message) for w in caught if "capture" in str(w.message)]
 
 
 def _deterministic(rank: int, transport: str, device: str = "cpu") -> list[str]:
@@ -174,7 +195,8 @@ def _world(rank: int, world: int, transports: list[str]) -> dict:
     return {"meta": {t: _on_meta(rank, t) for t in transports}, "counted": _counted(rank),
             "callbacks": _callbacks(rank),
             "inference": {(t, first): _inference(rank, t, first) for t in transports for first in (True, False)},
-            "deterministic": {t: _deterministic(rank, t) for t in transports}}
+            "deterministic": {t: _deterministic(rank, t) for t in transports},
+            "inference engine": {t: _inference_engine(rank, t) for t in transports}}
 
 
 def test_caller_function_modes() -> None:
@@ -192,8 +214,9 @@ def test_caller_function_modes() -> None:
         assert cb["outside"] == [("load_weights", 1, "meta", False)], (rank, cb)
         for (transport, first), wrong in out["inference"].items():
             assert not wrong, f"rank {rank}, {transport}, inference mode first {first}: wrong {wrong[:5]}"
-        for transport, wrong in out["deterministic"].items():
-            assert not wrong, f"rank {rank}, {transport}, deterministic algorithms: wrong {wrong[:5]}"
+        for case in ("deterministic", "inference engine"):
+            for transport, wrong in out[case].items():
+                assert not wrong, f"rank {rank}, {transport}, {case}: wrong {wrong[:5]}"
 
 
 def _gpu_world(rank: int, world: int, transport: str) -> dict:
@@ -202,6 +225,7 @@ def _gpu_world(rank: int, world: int, transport: str) -> dict:
     os.environ[DELEGATE_ENV] = "1" if order == "delegate" else "0"
     torch.cuda.set_device(0)
     return {"meta": _on_meta(rank, transport, "cuda"), "deterministic": _deterministic(rank, transport, "cuda"),
+            "inference engine": _inference_engine(rank, transport, "cuda"),
             **{f"inference first {first}": _inference(rank, transport, first, "cuda") for first in (True, False)}}
 
 

@@ -28,7 +28,10 @@ buffers, and its next refit outside raised ("Inplace update to inference tensor
 outside InferenceMode"). So what builds tensors torchrefit keeps (construction,
 compiling, attaching a peer's table, ``verify``) runs outside inference mode
 (:func:`outside_inference`): normal tensors, writable in either mode. Copies into the
-model's own tensors run in the caller's mode, as the caller's model requires.
+model's own tensors run in the caller's mode, as the caller's model requires, and so
+does capturing them in a CUDA graph while compiling (:func:`caller_inference`): an
+engine built inside inference mode holds inference tensors, which only inference mode
+may write.
 
 **Callbacks.** The caller's own code that torchrefit calls (a custom layout adapter,
 a ``load_weights`` sink, FSDP2's reshard after a refit) runs with the caller's
@@ -45,7 +48,7 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
-__all__ = ["set_aside", "caller_state", "outside_inference"]
+__all__ = ["set_aside", "caller_state", "outside_inference", "caller_inference"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -66,6 +69,7 @@ class _Aside(threading.local):
 
 
 _aside = _Aside()
+_outside = threading.local()  # .left: outside_inference calls on this thread that left it
 
 
 def _pop_all() -> list:
@@ -129,7 +133,24 @@ def outside_inference(fn: Callable[P, R]) -> Callable[P, R]:
     def outside(*args: P.args, **kwargs: P.kwargs) -> R:
         if not torch.is_inference_mode_enabled():
             return fn(*args, **kwargs)
-        with torch.inference_mode(False), torch.no_grad():
-            return fn(*args, **kwargs)
+        _outside.left = getattr(_outside, "left", 0) + 1
+        try:
+            with torch.inference_mode(False), torch.no_grad():
+                return fn(*args, **kwargs)
+        finally:
+            _outside.left -= 1
 
     return outside
+
+
+@contextmanager
+def caller_inference() -> Iterator[None]:
+    """Inside :func:`outside_inference`, the caller's inference mode again for the block:
+    for work that writes the model's own tensors while compiling (capturing the copies
+    in a CUDA graph runs them once), which may be inference tensors that only inference
+    mode may write (an engine built inside it)."""
+    if getattr(_outside, "left", 0) and not torch.is_inference_mode_enabled():
+        with torch.inference_mode():
+            yield
+    else:
+        yield

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from .._caller_state import caller_inference
 from . import kernel_copies
 from .batched import (
     Batch,
@@ -217,7 +218,8 @@ def _capture(copies: LocalCopies, side: SideStreams) -> torch.cuda.CUDAGraph | N
     capture = torch.cuda.Stream(device=side.device)
     capture.wait_stream(torch.cuda.current_stream(side.device))
     try:
-        with torch.no_grad(), torch.cuda.stream(capture):
+        # capturing runs the copies once: in the caller's inference mode, as a refit would
+        with caller_inference(), torch.no_grad(), torch.cuda.stream(capture):
             graph.capture_begin(capture_error_mode="thread_local")
             try:
                 with side.session():  # captured as the graph's fork and join
