@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -87,15 +88,33 @@ def _all_calls(r: tr.Refitter) -> None:
     r.rebind()
 
 
-def _on_meta(rank: int, transport: str, device: str = "cpu") -> list[str]:
-    src, dst = _pair(rank, device)
+@contextmanager
+def _meta_default():
     torch.set_default_device("meta")
     try:
+        yield
+    finally:
+        torch.set_default_device(None)
+
+
+@contextmanager
+def _deterministic_algorithms():
+    """As reproducible RL runs set it: an op torchrefit ran without a deterministic
+    implementation would raise."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def _refitted_under(state, rank: int, transport: str, device: str = "cpu") -> list[str]:
+    """Build, refit twice, verify and rebind inside ``state()``; what the engine got wrong."""
+    src, dst = _pair(rank, device)
+    with state():
         r = tr.Refitter(src, dst, transport=transport, timeout=30)
         _all_calls(r)
         r.close()
-    finally:
-        torch.set_default_device(None)
     return _wrong(dst, rank)
 
 
@@ -113,20 +132,6 @@ def _inference_engine(rank: int, transport: str, device: str = "cpu") -> list[st
         _all_calls(r)
         r.close()
     return _wrong(dst, rank) + [str(w.message) for w in caught if "capture" in str(w.message)]
-
-
-def _deterministic(rank: int, transport: str, device: str = "cpu") -> list[str]:
-    """``torch.use_deterministic_algorithms(True)``, as reproducible RL runs set it: an op
-    torchrefit ran without a deterministic implementation would raise."""
-    src, dst = _pair(rank, device)
-    torch.use_deterministic_algorithms(True)
-    try:
-        r = tr.Refitter(src, dst, transport=transport, timeout=30)
-        _all_calls(r)
-        r.close()
-    finally:
-        torch.use_deterministic_algorithms(False)
-    return _wrong(dst, rank)
 
 
 def _counted(rank: int) -> tuple[int, list[str]]:
@@ -192,10 +197,10 @@ def _callbacks(rank: int) -> dict:
 
 
 def _world(rank: int, world: int, transports: list[str]) -> dict:
-    return {"meta": {t: _on_meta(rank, t) for t in transports}, "counted": _counted(rank),
+    return {"meta": {t: _refitted_under(_meta_default, rank, t) for t in transports}, "counted": _counted(rank),
             "callbacks": _callbacks(rank),
             "inference": {(t, first): _inference(rank, t, first) for t in transports for first in (True, False)},
-            "deterministic": {t: _deterministic(rank, t) for t in transports},
+            "deterministic": {t: _refitted_under(_deterministic_algorithms, rank, t) for t in transports},
             "inference engine": {t: _inference_engine(rank, t) for t in transports}}
 
 
@@ -224,7 +229,8 @@ def _gpu_world(rank: int, world: int, transport: str) -> dict:
     transport, _, order = transport.partition(":")
     os.environ[DELEGATE_ENV] = "1" if order == "delegate" else "0"
     torch.cuda.set_device(0)
-    return {"meta": _on_meta(rank, transport, "cuda"), "deterministic": _deterministic(rank, transport, "cuda"),
+    return {"meta": _refitted_under(_meta_default, rank, transport, "cuda"),
+            "deterministic": _refitted_under(_deterministic_algorithms, rank, transport, "cuda"),
             "inference engine": _inference_engine(rank, transport, "cuda"),
             **{f"inference first {first}": _inference(rank, transport, first, "cuda") for first in (True, False)}}
 
