@@ -176,11 +176,11 @@ class Refitter:
             ``"manual"``: ``refit()`` checks neither; the caller calls :meth:`rebind` on a
             rank after anything there that may replace or re-allocate a described tensor of
             either side (an engine's sleep / wake, re-wrapping modules, ``param.data =
-            ...``, ``module.weight = Parameter(...)``), before the next refit (the first one included). What "manual" gives up: a
-            tensor replaced or moved without a ``rebind()`` after it is written
-            (destination) or read (source) at its old storage, which the model no longer
-            uses, and nothing says so. ``verify()`` still checks (it reads what the
-            model holds now).
+            ...``, ``module.weight = Parameter(...)``), before the next refit (the first
+            one included). What "manual" gives up: a tensor replaced or moved without a
+            ``rebind()`` after it is written (destination) or read (source) at its old
+            storage, which the model no longer uses, and nothing says so. ``verify()``
+            still checks (it reads what the model holds now).
 
     After construction, ``plan`` is this rank's :class:`RankPlan` and ``metadata`` the
     bytes this rank received gathering the others' metadata (:class:`Gathered`:
@@ -247,6 +247,7 @@ class Refitter:
             raise ValueError(f"watch must be one of {WATCH_MODES}, not {watch!r}")
         self.watch = watch
         self._unbound: LayoutError | None = None  # what the last rebind() raised, if it did
+        self._held_device: torch.device | None = None  # where this rank's described tensors live
         with shared_walks():  # describing and binding each model walk its modules once
             self._kinds = (layout_kind(src_model, src_layout), layout_kind(dst_model, dst_layout))
             # the detected kind, not None: a detection reads every tensor of the model
@@ -278,17 +279,15 @@ class Refitter:
     def _describe(self, src_model, dst_model, src_layout, dst_layout):
         try:
             src, dst = describe(src_model, src_layout), describe(dst_model, dst_layout)
-            _check_devices(src, dst, self.rank)
+            self._held_device = _held_device(src, dst, self.rank)
             return src, dst, None
         except Exception as e:  # any failure must reach every rank, not hang them
             return None, None, _failure(e)
 
     def _gather_infos(self, src: Described | None, dst: Described | None, error: tuple[str, str] | None,
                       staging_bytes: int) -> list[_RankInfo]:
-        device = ""
-        tensors = [*(src.tensors.values() if src else ()), *(dst.tensors.values() if dst else ())]
-        if tensors:
-            device = "cuda" if all(t.is_cuda for t in tensors) else "cpu"
+        held = self._held_device
+        device = "" if held is None else ("cuda" if held.type == "cuda" else "cpu")
         try:
             enc_src = encode_roster(src.layout) if src is not None else None
             enc_dst = encode_roster(dst.layout) if dst is not None else None
@@ -353,10 +352,8 @@ class Refitter:
         return transport
 
     def _device(self) -> torch.device:
-        for d in (self._src, self._dst):
-            if d is not None:
-                for t in d.tensors.values():
-                    return t.device
+        if self._held_device is not None:
+            return self._held_device
         if self._transport_cls.needs_cuda:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
@@ -656,10 +653,11 @@ def _resolved(layout: LayoutArg, kind: str) -> LayoutArg:
     return kind if layout is None and kind in NAMED_LAYOUTS else layout
 
 
-def _check_devices(src: Described | None, dst: Described | None, rank: int) -> None:
-    """Raise :class:`LayoutError` where a rank's described tensors are not on one device
-    that holds data: a meta tensor has no storage (a copy into it writes nothing, and
-    says nothing), and one rank's copies run on one device."""
+def _held_device(src: Described | None, dst: Described | None, rank: int) -> torch.device | None:
+    """The one device this rank's described tensors live on (None: it holds none). Raises
+    :class:`LayoutError` where they are not on one device that holds data: a meta tensor
+    has no storage (a copy into it writes nothing, and says nothing), and one rank's
+    copies run on one device."""
     first: dict[torch.device, tuple[str, str]] = {}  # device -> (side, key) of its first tensor
     for side, d in (("source", src), ("destination", dst)):
         for key, t in (d.tensors.items() if d is not None else ()):
@@ -673,6 +671,7 @@ def _check_devices(src: Described | None, dst: Described | None, rank: int) -> N
         where = "; ".join(f"{side} tensor {key!r} on {dev}" for dev, (side, key) in first.items())
         raise LayoutError(f"rank {rank}: the models' tensors on this rank live on several devices ({where}); "
                           "torchrefit runs one rank's copies on one device", ranks=(rank,), rule="device")
+    return next(iter(first), None)
 
 
 def _raise_layout_errors(infos: list[_RankInfo]) -> None:
