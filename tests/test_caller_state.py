@@ -135,12 +135,9 @@ def _inference_engine(rank: int, transport: str, device: str = "cpu") -> list[st
 
 
 def _counted(rank: int) -> tuple[int, list[str]]:
-    src, dst = _pair(rank, "cpu")
-    with Counting() as mode:
-        r = tr.Refitter(src, dst, timeout=30)
-        _all_calls(r)
-        r.close()
-    return mode.calls, _wrong(dst, rank)
+    mode = Counting()
+    wrong = _refitted_under(lambda: mode, rank, "auto")
+    return mode.calls, wrong
 
 
 def _where() -> tuple[int, str, bool]:

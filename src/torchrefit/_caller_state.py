@@ -69,7 +69,6 @@ class _Aside(threading.local):
 
 
 _aside = _Aside()
-_outside = threading.local()  # .left: outside_inference calls on this thread that left it
 
 
 def _pop_all() -> list:
@@ -133,23 +132,19 @@ def outside_inference(fn: Callable[P, R]) -> Callable[P, R]:
     def outside(*args: P.args, **kwargs: P.kwargs) -> R:
         if not torch.is_inference_mode_enabled():
             return fn(*args, **kwargs)
-        _outside.left = getattr(_outside, "left", 0) + 1
-        try:
-            with torch.inference_mode(False), torch.no_grad():
-                return fn(*args, **kwargs)
-        finally:
-            _outside.left -= 1
+        with torch.inference_mode(False), torch.no_grad():
+            return fn(*args, **kwargs)
 
     return outside
 
 
 @contextmanager
 def caller_inference() -> Iterator[None]:
-    """Inside :func:`outside_inference`, the caller's inference mode again for the block:
-    for work that writes the model's own tensors while compiling (capturing the copies
-    in a CUDA graph runs them once), which may be inference tensors that only inference
-    mode may write (an engine built inside it)."""
-    if getattr(_outside, "left", 0) and not torch.is_inference_mode_enabled():
+    """Within :func:`set_aside`, the caller's inference mode again for the block, where
+    :func:`outside_inference` left it: for work that writes the model's own tensors while
+    compiling (capturing the copies in a CUDA graph runs them once), which may be
+    inference tensors that only inference mode may write (an engine built inside it)."""
+    if _aside.depth and _aside.inference and not torch.is_inference_mode_enabled():
         with torch.inference_mode():
             yield
     else:

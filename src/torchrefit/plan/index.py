@@ -86,9 +86,9 @@ class RoleIndex:
         self.names[cid] = [e[0] for e in roster.entries]
         for name, shape, dtype, is_buffer, boxes in roster.entries:
             shape = tuple(shape)  # (the same object where it is one already)
-            got = converted.get(identity(boxes))
+            got = converted.get(key := identity(boxes))
             if got is None:
-                got = converted[identity(boxes)] = self._as_boxes(boxes)
+                got = converted[key] = self._as_boxes(boxes)
             info = tensors.get(name)
             if info is None:  # the first class holding it (every expert of a wide EP)
                 tensors[name] = TensorInfo(name, shape, dtype, is_buffer, rank,
