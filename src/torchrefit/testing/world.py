@@ -34,6 +34,11 @@ def _child(fn, rank, world, init, backend, pg_timeout, args, out) -> None:
     try:
         dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
+        if backend == "gloo":
+            # gloo's full mesh can complete on one rank before another: a rank that
+            # returns at once (a test's absent peer) and closes its group would break
+            # a slower rank's connecting ("Connection closed by peer")
+            dist.barrier()
         result = fn(rank, world, *args)
         out.put((rank, True, result))
     except BaseException:
