@@ -12,8 +12,10 @@ DDP keeps them): one copy moves everything, the result matches the oracle, and
 
 from __future__ import annotations
 
+import ctypes
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -184,3 +186,68 @@ def test_allocations_asked_once_each(monkeypatch: pytest.MonkeyPatch) -> None:
     _apply(merged)
     assert torch.equal(dst_flat, torch.cat([src_a, src_b]))
     assert len(asked) == 3  # dst_flat, src_a, src_b: one each
+
+
+def _storages_back_to_back(buf: np.ndarray, sizes: list[int]) -> list[torch.Tensor]:
+    """Tensors with storages of their own, back to back in ``buf``'s memory (as the
+    caching allocator carves them out of one segment)."""
+    out, at = [], 0
+    for n in sizes:
+        out.append(torch.from_numpy(buf[at: at + n]))
+        at += n
+    return out
+
+
+def _driver_of(monkeypatch, runs, pieces: dict[int, tuple[int, int]], reserved: tuple[int, int] | None) -> None:
+    """A fake driver over CPU memory: ``pieces`` maps addresses to mapped ranges (the
+    2/20 MB pieces of an expandable segment), ``reserved`` the range they were
+    reserved in (None: each piece is a cudaMalloc allocation of its own)."""
+    def mapped(ptr: int):
+        return next(((lo, hi) for lo, hi in pieces.values() if lo <= ptr < hi), None)
+
+    def host_bytes(t: torch.Tensor, nbytes: int, alloc: tuple[int, int]) -> torch.Tensor:
+        # byte_view's check, then host memory where it would wrap device addresses
+        ptr = t.data_ptr()
+        if not (alloc[0] <= ptr and ptr + nbytes <= alloc[1]):
+            raise AssertionError(f"byte view {ptr:#x}+{nbytes} outside its allocation")
+        return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+
+    monkeypatch.setattr(runs, "_device_range", lambda t: runs._driver_range(t.data_ptr()))
+    monkeypatch.setattr(runs, "_mapped_range", mapped)
+    monkeypatch.setattr(runs, "_reserved_range", lambda ptr: reserved)
+    monkeypatch.setattr(runs, "byte_view", host_bytes)
+
+
+@pytest.mark.parametrize("reserved", [True, False])
+def test_tensors_across_mapped_pieces(monkeypatch: pytest.MonkeyPatch, reserved: bool) -> None:
+    """Expandable segments: a tensor may span two mapped pieces of one reserved range.
+    Its allocation is the reserved range, so back-to-back tensors merge across pieces;
+    where the driver gives only the piece (no reserved range), a tensor that spans two
+    takes its own storage as its allocation (never a span outside it) and merges with
+    nothing. Every byte arrives either way (the oracle: the source buffer itself)."""
+    from torchrefit.execute import runs
+
+    sizes = [100, 300, 50, 250, 300]  # the second and fourth tensors span a piece boundary
+    src_buf = np.random.default_rng(3).standard_normal(sum(sizes)).astype(np.float32)
+    dst_buf = np.full(sum(sizes), np.nan, dtype=np.float32)
+    bounds = {}
+    for name, buf in (("src", src_buf), ("dst", dst_buf)):
+        base = buf.ctypes.data
+        bounds[name] = (base, base + buf.nbytes)
+        for k, lo in enumerate(range(base, base + buf.nbytes, 256 * 4)):  # pieces of 256 floats
+            bounds[f"{name}{k}"] = (lo, min(lo + 256 * 4, base + buf.nbytes))
+    pieces = {k: v for k, v in bounds.items() if k not in ("src", "dst")}
+    whole = {"src": bounds["src"], "dst": bounds["dst"]}
+    _driver_of(monkeypatch, runs, pieces, None)
+    if reserved:  # each side's pieces lie in one reserved range
+        monkeypatch.setattr(runs, "_reserved_range", lambda ptr: next(
+            (lo, hi) for lo, hi in whole.values() if lo <= ptr < hi))
+    src, dst = _storages_back_to_back(src_buf, sizes), _storages_back_to_back(dst_buf, sizes)
+    merged = merge_local([(d, s, f"t{i}") for i, (d, s) in enumerate(zip(dst, src))])
+    if reserved:
+        assert [m[2] for m in merged] == ["t0 .. t4 (5 tensors in one copy)"]
+    else:  # t0 alone in the first piece with t1 spanning into the second: nothing merges
+        assert [m[2] for m in merged] == [f"t{i}" for i in range(5)]
+    for d, s, _ in merged:
+        d.copy_(s)
+    assert np.array_equal(dst_buf, src_buf)

@@ -10,9 +10,15 @@ allocation, are then one copy of their bytes.
 
 :func:`merge_runs` is the pure rule (integers in, runs of indices out), so the
 CPU suite can test it exhaustively; :func:`allocation_of` says which allocation an
-address lies in (the CUDA driver's ``cuMemGetAddressRange``, or the tensor's own
-storage where that is not available); :func:`byte_view` is the merged copy's
-operand. Called by ``execute.program.Program`` while compiling, on every rank.
+address lies in (the CUDA driver's, or the tensor's own storage where that is not
+available); :func:`byte_view` is the merged copy's operand. Called by
+``execute.program.Program`` while compiling, on every rank.
+
+With ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` the caching allocator
+reserves one address range per segment and maps it in 2 or 20 MB pieces, and a tensor
+may span two pieces: the driver's mapped range (``cuMemGetAddressRange``) is then one
+piece, so the allocation is the reserved range the pieces lie in. A merged copy still
+only touches bytes of the live tensors it joins, back to back, all of them mapped.
 """
 
 from __future__ import annotations
@@ -141,14 +147,32 @@ class _Allocations:
 
 def allocation_of(t: torch.Tensor) -> tuple[int, int]:
     """The device allocation holding ``t`` as (first byte, one past the last): for CUDA
-    tensors the driver's (the caching allocator carves many tensors out of one), else
-    ``t``'s storage."""
-    if t.is_cuda:
-        got = _driver_range(t.data_ptr())
-        if got is not None:
-            return got
+    tensors the driver's (the caching allocator carves many tensors out of one; with
+    expandable segments, the reserved range of the segment), else ``t``'s storage,
+    which is also the answer wherever the driver's range does not hold all of it."""
     s = t.untyped_storage()
-    return s.data_ptr(), s.data_ptr() + s.nbytes()
+    own = (s.data_ptr(), s.data_ptr() + s.nbytes())
+    got = _device_range(t)
+    if got is not None and got[0] <= own[0] and own[1] <= got[1]:
+        return got
+    return own
+
+
+def _device_range(t: torch.Tensor) -> tuple[int, int] | None:
+    return _driver_range(t.data_ptr()) if t.is_cuda else None
+
+
+def _driver_range(ptr: int) -> tuple[int, int] | None:
+    """The allocation the driver says ``ptr`` lies in: the range reserved for virtual
+    memory mappings (``cuMemAddressReserve``; expandable segments) where the pointer is
+    in one, else the mapped range (a ``cudaMalloc`` allocation); None without a driver."""
+    mapped = _mapped_range(ptr)
+    if mapped is None:
+        return None
+    reserved = _reserved_range(ptr)
+    if reserved is not None and reserved[0] <= mapped[0] and mapped[1] <= reserved[1]:
+        return reserved
+    return mapped
 
 
 def byte_view(t: torch.Tensor, nbytes: int, alloc: tuple[int, int]) -> torch.Tensor:
@@ -175,18 +199,36 @@ class _CudaBytes:
 
 
 @lru_cache(maxsize=1)
-def _get_range():
+def _driver():
     name = ctypes.util.find_library("cuda") or "libcuda.so.1"
     try:
-        fn = ctypes.CDLL(name).cuMemGetAddressRange_v2
-    except (OSError, AttributeError):
+        return ctypes.CDLL(name)
+    except OSError:
         return None
-    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
-    fn.restype = ctypes.c_int
+
+
+@lru_cache(maxsize=1)
+def _get_range():
+    lib = _driver()
+    fn = getattr(lib, "cuMemGetAddressRange_v2", None) if lib is not None else None
+    if fn is not None:
+        fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+        fn.restype = ctypes.c_int
     return fn
 
 
-def _driver_range(ptr: int) -> tuple[int, int] | None:
+@lru_cache(maxsize=1)
+def _get_attributes():
+    lib = _driver()
+    fn = getattr(lib, "cuPointerGetAttributes", None) if lib is not None else None
+    if fn is not None:
+        fn.argtypes = [ctypes.c_uint, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_void_p),
+                       ctypes.c_uint64]
+        fn.restype = ctypes.c_int
+    return fn
+
+
+def _mapped_range(ptr: int) -> tuple[int, int] | None:
     fn = _get_range()
     if fn is None:
         return None
@@ -194,3 +236,26 @@ def _driver_range(ptr: int) -> tuple[int, int] | None:
     if fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)) != 0:
         return None
     return base.value, base.value + size.value
+
+
+# CUpointer_attribute (cuda.h): 1 where cudaIpcGetMemHandle works (cudaMalloc memory);
+# the start and size of the address range a virtual memory mapping was reserved in
+_LEGACY_IPC, _RANGE_START, _RANGE_SIZE = 10, 11, 12
+
+
+def _reserved_range(ptr: int) -> tuple[int, int] | None:
+    """The reserved range of a pointer into virtual memory mappings (not ``cudaMalloc``
+    memory: that stays the mapped range, as it always was); None otherwise. One driver
+    call for the three attributes (each zeroed: a flag is written in fewer bytes)."""
+    fn = _get_attributes()
+    if fn is None:
+        return None
+    attrs = (ctypes.c_int * 3)(_LEGACY_IPC, _RANGE_START, _RANGE_SIZE)
+    values = (ctypes.c_uint64 * 3)()
+    slots = (ctypes.c_void_p * 3)(*(ctypes.addressof(values) + 8 * i for i in range(3)))
+    if fn(3, attrs, slots, ctypes.c_uint64(ptr)) != 0:
+        return None
+    legacy, start, size = values
+    if legacy or not size:
+        return None
+    return start, start + size
