@@ -24,12 +24,13 @@ only touches bytes of the live tensors it joins, back to back, all of them mappe
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from bisect import bisect_right
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+
+from .._cuda_driver import driver_function
 
 __all__ = ["Span", "merge_runs", "merge_local", "allocation_of", "byte_view"]
 
@@ -199,33 +200,22 @@ class _CudaBytes:
 
 
 @lru_cache(maxsize=1)
-def _driver():
-    name = ctypes.util.find_library("cuda") or "libcuda.so.1"
-    try:
-        return ctypes.CDLL(name)
-    except OSError:
-        return None
-
-
-@lru_cache(maxsize=1)
 def _get_range():
-    lib = _driver()
-    fn = getattr(lib, "cuMemGetAddressRange_v2", None) if lib is not None else None
-    if fn is not None:
-        fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
-        fn.restype = ctypes.c_int
-    return fn
+    return _optional("cuMemGetAddressRange", [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                                              ctypes.c_uint64])
 
 
 @lru_cache(maxsize=1)
 def _get_attributes():
-    lib = _driver()
-    fn = getattr(lib, "cuPointerGetAttributes", None) if lib is not None else None
-    if fn is not None:
-        fn.argtypes = [ctypes.c_uint, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_void_p),
-                       ctypes.c_uint64]
-        fn.restype = ctypes.c_int
-    return fn
+    return _optional("cuPointerGetAttributes", [ctypes.c_uint, ctypes.POINTER(ctypes.c_int),
+                                                ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint64])
+
+
+def _optional(name: str, argtypes: list):
+    try:
+        return driver_function(name, argtypes)
+    except RuntimeError:  # no driver here: the storage is the allocation
+        return None
 
 
 def _mapped_range(ptr: int) -> tuple[int, int] | None:
