@@ -91,10 +91,14 @@ def export_segments(tensors: Sequence[torch.Tensor]) -> tuple[tuple[Segment, ...
     """Export ``tensors`` per allocation segment: one IPC handle per segment they occupy.
 
     Segments come from the caching allocator's snapshot; a tensor outside every
-    listed segment (memory the allocator does not own) is exported on its own.
+    listed segment (memory the allocator does not own) is exported on its own. Under
+    ``expandable_segments:True`` torch shares a storage as the mapped pieces that hold
+    it, not as its segment: such a handle opens those pieces only, so it is used for
+    the tensors of that storage's pieces alone (never grown to the segment's other
+    tensors, which would open unmapped addresses), found by its handle, not the snapshot.
     """
     starts, sizes = _segments()
-    by_base: dict[int, int] = {}
+    by_base: dict[object, int] = {}  # segment base, or (pieces' handle, their base)
     segments: list[list] = []  # [share fields, base address, end address]
     out = []
     for t in tensors:
@@ -103,11 +107,12 @@ def export_segments(tensors: Sequence[torch.Tensor]) -> tuple[tuple[Segment, ...
         base = starts[i] if i >= 0 and ptr < starts[i] + sizes[i] else None
         index = by_base.get(base) if base is not None else None
         if index is None:
-            share = t.untyped_storage()._share_cuda_()
+            share = _share(t.untyped_storage())
             base = t.untyped_storage().data_ptr() - share[3]
-            index = by_base.get(base)
+            key = (share[1], base) if _pieces(share) else base
+            index = by_base.get(key)
             if index is None:
-                index = by_base[base] = len(segments)
+                index = by_base[key] = len(segments)
                 segments.append([share, base, end])
         seg = segments[index]
         seg[2] = max(seg[2], end)
@@ -116,6 +121,24 @@ def export_segments(tensors: Sequence[torch.Tensor]) -> tuple[tuple[Segment, ...
     exported = tuple(Segment(tuple(share[:2]) + (end - base, 0) + tuple(share[4:]), end - base)
                      for share, base, end in segments)
     return exported, tuple(out)
+
+
+def _open_hint(segment: Segment) -> str:
+    if not _pieces(segment.share):
+        return ""
+    return (" (memory of expandable_segments:True: torch opens it through pidfd_getfd, which needs "
+            "Linux >= 5.6 and ptrace access to the peer's process; allocate the weights with "
+            "expandable_segments:False, or use transport='nccl')")
+
+
+def _share(storage: torch.UntypedStorage) -> tuple:
+    return storage._share_cuda_()
+
+
+def _pieces(share: tuple) -> bool:
+    """Whether torch shared the storage as an expandable segment's pieces: its handle is
+    a version byte, then ``b"e"`` (``b"c"``: a cudaMalloc allocation's IPC handle)."""
+    return share[1][1:2] == b"e"
 
 
 def _segments() -> tuple[list[int], list[int]]:
@@ -170,16 +193,20 @@ class IpcTransport(OneSidedTransport):
 
     def attach(self, peer: int, table: Table) -> tuple:
         (segments, exported), regions = table
-        storages = [self._open(s) for s in segments]
+        storages = [self._open(peer, s) for s in segments]
         tensors = [torch.empty(0, dtype=dtype_from_name(e.dtype), device=self.device).set_(
             storages[e.segment], e.offset // dtype_from_name(e.dtype).itemsize, e.shape, e.stride)
             for e in exported]
         return tuple(tensors[i][box.slices()] for i, box in regions)
 
-    def _open(self, segment: Segment) -> torch.UntypedStorage:
+    def _open(self, peer: int, segment: Segment) -> torch.UntypedStorage:
         storage = self._opened.get(segment.handle)
         if storage is None or storage.nbytes() < segment.nbytes:
-            storage = torch.UntypedStorage._new_shared_cuda(*segment.share)
+            try:
+                storage = torch.UntypedStorage._new_shared_cuda(*segment.share)
+            except RuntimeError as e:
+                raise TransportError(f"ipc: rank {self.rank} cannot open {segment.nbytes} bytes of rank "
+                                     f"{peer}'s GPU memory{_open_hint(segment)}: {e}") from e
             self._opened[segment.handle] = storage
         return storage
 
