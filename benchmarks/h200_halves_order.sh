@@ -2,7 +2,10 @@
 # The order of the batched kernel's tiles, and a delegate's own local copies in its members'
 # batch: benchmarks/patches/halves_order.patch (written in the fifteenth session, not yet
 # measured, so not on main's src) applied to this copy of the tree (new) against main's src
-# as it came (base). Nothing to carry. One call:
+# as it came (base). Nothing to carry.
+# Run in the eighteenth session on an H100 (BENCHMARKS.md, "Eighteenth session"): no win
+# in the floor ratio and a slower first refit; the patch stays off main.
+# One call:
 # 1. benchmarks/halves_order_lab.py twice (both TP halves of the seed's row-parallel
 #    weights: shard by shard, by destination, two launches; independent of src/);
 # 2. ipc collocated TP2 -> TP1 (delegate), base then new, 2 processes twice, 4 processes once;

@@ -11,7 +11,11 @@ microseconds, min over repeats; nothing else runs).
   a list compared: the check before the sixteenth session, which missed a tensor
   re-viewed in place);
 * ``pointers_c``: the same answer from ``torch._C._tensors_data_ptrs_at_indices_equal``
-  (one C++ loop; in CUDA builds only), when present.
+  (one C++ loop; in CUDA builds only), when present;
+* ``pointers_strides_numel``: a candidate for ``views`` (eighteenth session: ``is_set_to``
+  was 612 ns a tensor on an H100 host, the pointers 153): the pointers, then ``stride()``
+  and ``numel()`` per tensor against lists taken when compiling. With the pointer
+  unchanged these catch a transposed or re-strided view and a narrower one.
 
     python benchmarks/watch_check_lab.py --preset qwen3-30b-a3b --layers 8 [--json OUT]
 """
@@ -53,6 +57,10 @@ def main() -> None:
         every = list(range(len(watched)))
         assert c_check(watched, pointers, every)
         out["pointers_c_us"] = best_us(lambda: c_check(watched, pointers, every))
+    strides, numels = list(map(torch.Tensor.stride, watched)), list(map(torch.Tensor.numel, watched))
+    out["pointers_strides_numel_us"] = best_us(
+        lambda: list(map(torch.Tensor.data_ptr, watched)) != pointers
+        or list(map(torch.Tensor.stride, watched)) != strides or list(map(torch.Tensor.numel, watched)) != numels)
     out["manual_refit_host_us"] = best_us(lambda: program.run(False), number=20)
     report_and_leave(out, args.json)
 
