@@ -59,13 +59,8 @@ def test_merged_expert_runs_exact() -> None:
 
 @pytest.mark.parametrize("transport", ["ipc", "ipc:delegate"])
 def test_one_sided_two_processes(transport: str) -> None:
-    from test_gpu_one_sided import _world
+    from test_gpu_one_sided import _world, assert_exact_cases
 
     from torchrefit.testing import run_world
 
-    results = run_world(_world, 2, transport, backend="gloo", timeout=240)
-    for rank, cases in enumerate(results):
-        for name, got in cases.items():
-            assert got["differed"] and got["exact"], f"rank {rank} {name}: {got}"
-            assert got["moved_exact"], f"rank {rank} {name}: storage moves not followed"
-            assert got["verify_caught"], f"rank {rank} {name}: verify missed a corruption"
+    assert_exact_cases(run_world(_world, 2, transport, backend="gloo", timeout=240), transport)
