@@ -28,8 +28,14 @@ def _pieces(rank: int, world: int) -> dict:
     mapped = [runs._mapped_range(t.data_ptr()) for t in ts]
     reserved = [runs._reserved_range(t.data_ptr()) for t in ts]
     held = [runs.allocation_of(t) for t in ts]
+    # cudaMalloc'd memory (the setting switched off for new segments) keeps the driver's
+    # mapped range, as before expandable segments were known
+    torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    plain = torch.empty(30 << 20, dtype=torch.uint8, device="cuda")
     return {"pieces": len(set(mapped)), "reserved": len(set(reserved)), "none": reserved.count(None),
-            "held": all(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi for t, (lo, hi) in zip(ts, held))}
+            "held": all(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi for t, (lo, hi) in zip(ts, held)),
+            "plain_reserved": runs._reserved_range(plain.data_ptr()),
+            "plain_same": runs.allocation_of(plain) == runs._mapped_range(plain.data_ptr())}
 
 
 @pytest.fixture(autouse=True)
@@ -45,6 +51,7 @@ def test_memory_is_pieces_of_one_reserved_range() -> None:
     (got,) = run_world(_pieces, 1, backend="gloo", timeout=120)
     assert got["pieces"] >= 3 and got["none"] == 0 and got["reserved"] == 1, got
     assert got["held"], got
+    assert got["plain_reserved"] is None and got["plain_same"], got
 
 
 def test_merged_expert_runs_exact() -> None:
