@@ -150,13 +150,14 @@ def allocation_of(t: torch.Tensor) -> tuple[int, int]:
     """The device allocation holding ``t`` as (first byte, one past the last): for CUDA
     tensors the driver's (the caching allocator carves many tensors out of one; with
     expandable segments, the reserved range of the segment), else ``t``'s storage,
-    which is also the answer wherever the driver's range does not hold all of it."""
-    s = t.untyped_storage()
-    own = (s.data_ptr(), s.data_ptr() + s.nbytes())
+    which is also the answer wherever the driver's range does not hold all of ``t``
+    (a piece of a segment, where the reserved range is not known)."""
     got = _device_range(t)
-    if got is not None and got[0] <= own[0] and own[1] <= got[1]:
+    ptr = t.data_ptr()
+    if got is not None and got[0] <= ptr and ptr + t.nbytes <= got[1]:
         return got
-    return own
+    s = t.untyped_storage()
+    return s.data_ptr(), s.data_ptr() + s.nbytes()
 
 
 def _device_range(t: torch.Tensor) -> tuple[int, int] | None:
