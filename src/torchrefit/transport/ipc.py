@@ -128,7 +128,7 @@ def _open_hint(segment: Segment) -> str:
         return ""
     return (" (memory of expandable_segments:True: torch opens it through pidfd_getfd, which needs "
             "Linux >= 5.6 and ptrace access to the peer's process; allocate the weights with "
-            "expandable_segments:False, or use transport='nccl')")
+            "expandable_segments:False (torch.cuda.memory._set_allocator_settings), or pick another transport)")
 
 
 def _share(storage: torch.UntypedStorage) -> tuple:
