@@ -198,12 +198,12 @@ def _storages_back_to_back(buf: np.ndarray, sizes: list[int]) -> list[torch.Tens
     return out
 
 
-def _driver_of(monkeypatch, runs, pieces: dict[int, tuple[int, int]], reserved: tuple[int, int] | None) -> None:
-    """A fake driver over CPU memory: ``pieces`` maps addresses to mapped ranges (the
-    2/20 MB pieces of an expandable segment), ``reserved`` the range they were
-    reserved in (None: each piece is a cudaMalloc allocation of its own)."""
-    def mapped(ptr: int):
-        return next(((lo, hi) for lo, hi in pieces.values() if lo <= ptr < hi), None)
+def _driver_of(monkeypatch, runs, pieces: list[tuple[int, int]], reserved: list[tuple[int, int]]) -> None:
+    """A fake driver over CPU memory: ``pieces`` are the mapped ranges (the 2/20 MB
+    pieces of an expandable segment), ``reserved`` the ranges they were reserved in
+    (empty: the driver knows none, as for pieces that are cudaMalloc allocations)."""
+    def within(ranges: list[tuple[int, int]]):
+        return lambda ptr: next(((lo, hi) for lo, hi in ranges if lo <= ptr < hi), None)
 
     def host_bytes(t: torch.Tensor, nbytes: int, alloc: tuple[int, int]) -> torch.Tensor:
         # byte_view's check, then host memory where it would wrap device addresses
@@ -213,8 +213,8 @@ def _driver_of(monkeypatch, runs, pieces: dict[int, tuple[int, int]], reserved: 
         return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
 
     monkeypatch.setattr(runs, "_device_range", lambda t: runs._driver_range(t.data_ptr()))
-    monkeypatch.setattr(runs, "_mapped_range", mapped)
-    monkeypatch.setattr(runs, "_reserved_range", lambda ptr: reserved)
+    monkeypatch.setattr(runs, "_mapped_range", within(pieces))
+    monkeypatch.setattr(runs, "_reserved_range", within(reserved))
     monkeypatch.setattr(runs, "byte_view", host_bytes)
 
 
@@ -227,21 +227,12 @@ def test_tensors_across_mapped_pieces(monkeypatch: pytest.MonkeyPatch, reserved:
     nothing. Every byte arrives either way (the oracle: the source buffer itself)."""
     from torchrefit.execute import runs
 
-    sizes = [100, 300, 50, 250, 300]  # the second and fourth tensors span a piece boundary
+    sizes = [100, 300, 50, 250, 300]  # pieces of 256 floats: t1, t3 and t4 span two
     src_buf = np.random.default_rng(3).standard_normal(sum(sizes)).astype(np.float32)
     dst_buf = np.full(sum(sizes), np.nan, dtype=np.float32)
-    bounds = {}
-    for name, buf in (("src", src_buf), ("dst", dst_buf)):
-        base = buf.ctypes.data
-        bounds[name] = (base, base + buf.nbytes)
-        for k, lo in enumerate(range(base, base + buf.nbytes, 256 * 4)):  # pieces of 256 floats
-            bounds[f"{name}{k}"] = (lo, min(lo + 256 * 4, base + buf.nbytes))
-    pieces = {k: v for k, v in bounds.items() if k not in ("src", "dst")}
-    whole = {"src": bounds["src"], "dst": bounds["dst"]}
-    _driver_of(monkeypatch, runs, pieces, None)
-    if reserved:  # each side's pieces lie in one reserved range
-        monkeypatch.setattr(runs, "_reserved_range", lambda ptr: next(
-            (lo, hi) for lo, hi in whole.values() if lo <= ptr < hi))
+    whole = [(b.ctypes.data, b.ctypes.data + b.nbytes) for b in (src_buf, dst_buf)]
+    pieces = [(lo, min(lo + 256 * 4, end)) for start, end in whole for lo in range(start, end, 256 * 4)]
+    _driver_of(monkeypatch, runs, pieces, whole if reserved else [])
     src, dst = _storages_back_to_back(src_buf, sizes), _storages_back_to_back(dst_buf, sizes)
     merged = merge_local([(d, s, f"t{i}") for i, (d, s) in enumerate(zip(dst, src))])
     if reserved:
