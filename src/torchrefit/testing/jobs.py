@@ -12,6 +12,7 @@ is killed: a test can fail, but never hang.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import queue
 import socket
@@ -22,24 +23,33 @@ import torch.multiprocessing as mp
 
 from .world import WorldError, _child
 
-__all__ = ["run_jobs", "free_port"]
+__all__ = ["run_jobs", "free_port", "free_ports"]
 
 
 def free_port() -> int:
     """A TCP port nothing listens on now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports nothing listens on now: all bound at once, so the OS
+    cannot hand the same one out twice (one picked and closed, then picked again for
+    another store, failed CI's jobs test with EADDRINUSE)."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def _job_child(rank, fn, world, init, pg_timeout, args, out) -> None:
     _child(fn, rank, world, init, "gloo", pg_timeout, args, out)
 
 
-def _start(fn, nprocs: int, port: int, args: tuple, pg_timeout: float):
+def _start(fn, nprocs: int, port: int, init_port: int, args: tuple, pg_timeout: float):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    init = f"tcp://127.0.0.1:{free_port()}"  # this job's own master port
+    init = f"tcp://127.0.0.1:{init_port}"  # this job's own master port
     procs = mp.start_processes(_job_child, args=(fn, nprocs, init, pg_timeout, (port, *args), out),
                                nprocs=nprocs, join=False, daemon=True, start_method="spawn")
     return procs, out
@@ -55,9 +65,9 @@ def run_jobs(
     pg_timeout: float = 60.0,
 ) -> tuple[list[Any], list[Any]]:
     """Run both jobs to completion; their results by rank (see the module docstring)."""
-    port = free_port()
-    jobs = {"trainer": _start(trainer_fn, trainers, port, args, pg_timeout),
-            "engine": _start(engine_fn, engines, port, args, pg_timeout)}
+    port, trainer_init, engine_init = free_ports(3)
+    jobs = {"trainer": _start(trainer_fn, trainers, port, trainer_init, args, pg_timeout),
+            "engine": _start(engine_fn, engines, port, engine_init, args, pg_timeout)}
     sizes = {"trainer": trainers, "engine": engines}
     results: dict[str, dict[int, tuple[bool, Any]]] = {"trainer": {}, "engine": {}}
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
