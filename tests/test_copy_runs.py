@@ -188,7 +188,7 @@ def test_allocations_asked_once_each(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(asked) == 3  # dst_flat, src_a, src_b: one each
 
 
-def _storages_back_to_back(buf: np.ndarray, sizes: list[int]) -> list[torch.Tensor]:
+def storages_back_to_back(buf: np.ndarray, sizes: list[int]) -> list[torch.Tensor]:
     """Tensors with storages of their own, back to back in ``buf``'s memory (as the
     caching allocator carves them out of one segment)."""
     out, at = [], 0
@@ -233,7 +233,7 @@ def test_tensors_across_mapped_pieces(monkeypatch: pytest.MonkeyPatch, reserved:
     whole = [(b.ctypes.data, b.ctypes.data + b.nbytes) for b in (src_buf, dst_buf)]
     pieces = [(lo, min(lo + 256 * 4, end)) for start, end in whole for lo in range(start, end, 256 * 4)]
     _driver_of(monkeypatch, runs, pieces, whole if reserved else [])
-    src, dst = _storages_back_to_back(src_buf, sizes), _storages_back_to_back(dst_buf, sizes)
+    src, dst = storages_back_to_back(src_buf, sizes), storages_back_to_back(dst_buf, sizes)
     merged = merge_local([(d, s, f"t{i}") for i, (d, s) in enumerate(zip(dst, src))])
     if reserved:
         assert [m[2] for m in merged] == ["t0 .. t4 (5 tensors in one copy)"]

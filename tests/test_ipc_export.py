@@ -15,18 +15,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_copy_runs import storages_back_to_back
 
 from torchrefit.transport import ipc
 
 PIECE = 256 * 4  # bytes of one mapped piece in the fake segment
-
-
-def _tensors(buf: np.ndarray, sizes: list[int]) -> list[torch.Tensor]:
-    out, at = [], 0
-    for n in sizes:
-        out.append(torch.from_numpy(buf[at: at + n]))
-        at += n
-    return out
 
 
 def _fake_torch(monkeypatch: pytest.MonkeyPatch, buf: np.ndarray, expandable: bool) -> dict[bytes, tuple]:
@@ -55,7 +48,7 @@ def test_segments_open_only_what_their_handle_shares(monkeypatch: pytest.MonkeyP
     buf = np.zeros(1000, dtype=np.float32)
     # pieces of 256 floats: t0 in the first, t1 spanning the first two, t2 and t3 in
     # the second, t4 from the second to the fourth; t5 a view of t3's storage
-    tensors = _tensors(buf, [100, 300, 60, 50, 490])
+    tensors = storages_back_to_back(buf, [100, 300, 60, 50, 490])
     tensors.append(tensors[3][10:20])
     shared = _fake_torch(monkeypatch, buf, expandable)
     segments, exported = ipc.export_segments(tensors)

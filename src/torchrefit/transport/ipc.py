@@ -107,8 +107,9 @@ def export_segments(tensors: Sequence[torch.Tensor]) -> tuple[tuple[Segment, ...
         base = starts[i] if i >= 0 and ptr < starts[i] + sizes[i] else None
         index = by_base.get(base) if base is not None else None
         if index is None:
-            share = _share(t.untyped_storage())
-            base = t.untyped_storage().data_ptr() - share[3]
+            storage = t.untyped_storage()
+            share = _share(storage)
+            base = storage.data_ptr() - share[3]
             key = (share[1], base) if _pieces(share) else base
             index = by_base.get(key)
             if index is None:
