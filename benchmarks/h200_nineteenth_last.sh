@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Nineteenth session, last call: the two GPU tests whose counts assumed cudaMalloc's layout
-# (fixed in a26d691) under expandable segments again, then where ipc's collocated first
-# refit goes (one_sided_first_refit.py --collocated: the delegate's profile). $OUT; ~2.5 min.
+# (fixed in a26d691) under expandable segments again; where ipc's collocated first refit
+# goes (one_sided_first_refit.py --collocated: the delegate's profile, 2 processes); then the
+# 4-process collocated bench as is and with benchmarks/patches/ipc_no_event_sync.patch
+# (handles shared without torch's interprocess event: is opening them what costs?). $OUT; ~3 min.
 source benchmarks/_h200_run.sh
 h200_run nineteenth_last
 echo "=== 1. fixed GPU tests with expandable segments ($(date +%T))"
@@ -11,5 +13,13 @@ PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 100 python3 -m pytest -
 echo "=== 2. ipc collocated TP2 -> TP1 first refit, profiled ($(date +%T))"
 timeout 90 python3 benchmarks/one_sided_first_refit.py --transport ipc --collocated > "$R/first_refit_profile.log" 2>&1
 grep -E "^rank|cumtime" "$R/first_refit_profile.log" | head -8
-grep -E "ipc|open|capture|export|compile|plan|Refitter|refit" "$R/first_refit_profile.log" | head -40 | cut -c1-160
+grep -E "ipc|open|shared|capture|export|compile|attach|Refitter|refit" "$R/first_refit_profile.log" | head -40 | cut -c1-160
+NEW=$(mktemp -d)
+cp -r src benchmarks "$NEW"/
+(cd "$NEW" && (git apply benchmarks/patches/ipc_no_event_sync.patch 2>/dev/null || patch -p1 < benchmarks/patches/ipc_no_event_sync.patch)) || exit 1
+python3 -m compileall -q "$NEW/src" >/dev/null
+B="python3 -m torchrefit bench --model gpt-4b --variant graph --warmup 3 --iters 20 --transport ipc --src tp2 --dst tp1 --nproc 4"
+echo "=== 3. ipc collocated 4 procs: as is, no event sync ($(date +%T))"
+timeout 60 $B --label "colloc4 as_is" --json "$R/colloc4_as_is.json" 2>&1 | tail -1
+PYTHONPATH=$NEW/src timeout 60 $B --label "colloc4 no_event_sync" --json "$R/colloc4_no_event_sync.json" 2>&1 | tail -1
 echo "=== done ($(date +%T))"
