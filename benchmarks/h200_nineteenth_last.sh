@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Nineteenth session, last call: the two GPU tests whose counts assumed cudaMalloc's layout
 # (fixed in a26d691) under expandable segments again; where ipc's collocated first refit
-# goes (one_sided_first_refit.py --collocated: the delegate's profile, 2 processes); then the
+# goes (one_sided_first_refit.py --collocated --nproc 4: each rank's profile); then the
 # 4-process collocated bench as is and with benchmarks/patches/ipc_no_event_sync.patch
 # (handles shared without torch's interprocess event: is opening them what costs?). $OUT; ~3 min.
 source benchmarks/_h200_run.sh
@@ -10,10 +10,9 @@ echo "=== 1. fixed GPU tests with expandable segments ($(date +%T))"
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 100 python3 -m pytest -q -p no:cacheprovider --tb=line -rf \
   --timeout 90 "tests/test_gpu_refit.py::test_graph_path_with_large_copies_as_kernels_or_not" \
   "tests/test_gpu_one_sided.py::test_one_sided_two_processes_one_gpu[ipc]" 2>&1 | grep -E "Error|^FAILED|passed|failed" | tail -6
-echo "=== 2. ipc collocated TP2 -> TP1 first refit, profiled ($(date +%T))"
-timeout 90 python3 benchmarks/one_sided_first_refit.py --transport ipc --collocated > "$R/first_refit_profile.log" 2>&1
-grep -E "^rank|cumtime" "$R/first_refit_profile.log" | head -8
-grep -E "ipc|open|shared|capture|export|compile|attach|Refitter|refit" "$R/first_refit_profile.log" | head -40 | cut -c1-160
+echo "=== 2. ipc collocated TP2 -> TP1 first refit, 4 processes, profiled ($(date +%T))"
+timeout 90 python3 benchmarks/one_sided_first_refit.py --transport ipc --collocated --nproc 4 > "$R/first_refit_profile.log" 2>&1
+grep -E "^rank" "$R/first_refit_profile.log" | cut -c1-200
 NEW=$(mktemp -d)
 cp -r src benchmarks "$NEW"/
 (cd "$NEW" && (git apply benchmarks/patches/ipc_no_event_sync.patch 2>/dev/null || patch -p1 < benchmarks/patches/ipc_no_event_sync.patch)) || exit 1

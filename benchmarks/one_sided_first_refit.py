@@ -9,7 +9,7 @@ refit (wall time; when its host returned; when the peer's header arrived, after
 which the copies can start; device time between events around it), (b) the replay of its compiled copies out of the sender's memory alone (ipc),
 and (c) the same bytes copied locally by one flat copy (the floor's kernel).
 
-    python benchmarks/one_sided_first_refit.py --transport ipc [--layers 20] [--collocated]
+    python benchmarks/one_sided_first_refit.py --transport ipc [--layers 20] [--collocated [--nproc 4]]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _device_ms(fn, iters: int = 20) -> float:
 
 
 def _rank(rank: int, world: int, transport: str, layers: int, collocated: bool) -> str:
-    src, dst = one_gpu_toy_pair(rank, layers, collocated)
+    src, dst = one_gpu_toy_pair(rank, layers, collocated, world)
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
@@ -102,8 +102,11 @@ def main() -> None:
     p.add_argument("--transport", default="ipc")
     p.add_argument("--layers", type=int, default=20)
     p.add_argument("--collocated", action="store_true")
+    p.add_argument("--nproc", type=int, default=2, help="processes (collocated only: TP2 x DP over them)")
     args = p.parse_args()
-    for text in run_world(_rank, 2, args.transport, args.layers, args.collocated, backend="gloo", timeout=600):
+    if args.nproc != 2 and not args.collocated:
+        p.error("--nproc other than 2 needs --collocated")
+    for text in run_world(_rank, args.nproc, args.transport, args.layers, args.collocated, backend="gloo", timeout=600):
         print(text)
 
 

@@ -54,15 +54,16 @@ def report_and_leave(out: dict, path: str | None) -> None:
     dist.destroy_process_group()
 
 
-def one_gpu_toy_pair(rank: int, layers: int | None, collocated: bool = False) -> tuple:
+def one_gpu_toy_pair(rank: int, layers: int | None, collocated: bool = False, world: int = 2) -> tuple:
     """The seed's toy model (``layers`` to shrink it) as source and destination of a
     non-collocated TP1 -> TP1 refit between two processes sharing GPU 0 (rank 0 holds
     the source, rank 1 the destination), or with ``collocated`` of a collocated TP2 ->
-    TP1 refit (each rank a source half and a whole destination); returns once both
-    ranks built theirs. Called by the one-sided transport diagnostics on both ranks."""
+    TP1 refit over ``world`` processes (each rank a source half and a whole
+    destination); returns once every rank built its models. Called by the one-sided
+    transport diagnostics on every rank."""
     torch.cuda.set_device(0)
     spec = spec_from_preset("gpt-4b", layers=layers)
-    meshes = ((Mesh(2, ranks=2), Mesh(1, ranks=2)) if collocated
+    meshes = ((Mesh(2, ranks=world), Mesh(1, ranks=world)) if collocated
               else (Mesh(1, ranks=1), Mesh(1, ranks=1, offset=1)))
     src, dst = (build_toy(spec, mesh, rank, seed, device="cuda", random_init=True)
                 for mesh, seed in zip(meshes, (1, 2)))
