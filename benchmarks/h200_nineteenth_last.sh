@@ -3,7 +3,8 @@
 # (fixed in a26d691) under expandable segments again; where ipc's collocated first refit
 # goes (one_sided_first_refit.py --collocated --nproc 4: each rank's profile); then the
 # 4-process collocated bench as is and with benchmarks/patches/ipc_no_event_sync.patch
-# (handles shared without torch's interprocess event: is opening them what costs?). $OUT; ~3 min.
+# (handles shared without torch's interprocess event: is opening them what costs?), unless
+# NO_BENCH=1. $OUT; ~3 min (2 with NO_BENCH=1).
 source benchmarks/_h200_run.sh
 h200_run nineteenth_last
 echo "=== 1. fixed GPU tests with expandable segments ($(date +%T))"
@@ -13,6 +14,7 @@ PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 100 python3 -m pytest -
 echo "=== 2. ipc collocated TP2 -> TP1 first refit, 4 processes, profiled ($(date +%T))"
 timeout 90 python3 benchmarks/one_sided_first_refit.py --transport ipc --collocated --nproc 4 > "$R/first_refit_profile.log" 2>&1
 grep -E "^rank" "$R/first_refit_profile.log" | cut -c1-200
+[ "${NO_BENCH:-0}" = 1 ] && { echo "=== done, no bench (NO_BENCH=1) ($(date +%T))"; exit 0; }
 NEW=$(mktemp -d)
 cp -r src benchmarks "$NEW"/
 (cd "$NEW" && (git apply benchmarks/patches/ipc_no_event_sync.patch 2>/dev/null || patch -p1 < benchmarks/patches/ipc_no_event_sync.patch)) || exit 1
