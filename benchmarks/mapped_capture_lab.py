@@ -20,26 +20,34 @@ import torch.distributed as dist
 from torchrefit.testing import run_world
 
 
-def _captured(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> dict:
+def timed_capture(op) -> dict:
+    """Seconds to queue ``op`` into a new CUDA graph (capture), to end the capture
+    (instantiation), and for its first and second replay, each synchronised. Also
+    ``lazy_loading_probe.py``'s graph case."""
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     torch.cuda.synchronize()
     stream.wait_stream(torch.cuda.current_stream())
+    marks = []
     with torch.cuda.stream(stream):
-        t0 = time.perf_counter()
+        marks.append(time.perf_counter())
         graph.capture_begin()
-        for d, s in zip(dsts, srcs):
-            d.copy_(s)
-        t1 = time.perf_counter()
+        op()
+        marks.append(time.perf_counter())
         graph.capture_end()
-        t2 = time.perf_counter()
-    graph.replay()
-    torch.cuda.synchronize()
-    t3 = time.perf_counter()
-    graph.replay()
-    torch.cuda.synchronize()
-    t4 = time.perf_counter()
-    return {"queue_ms": round((t1 - t0) * 1e3, 3), "capture_end_ms": round((t2 - t1) * 1e3, 3),
-            "first_replay_ms": round((t3 - t2) * 1e3, 3), "second_replay_ms": round((t4 - t3) * 1e3, 3)}
+        marks.append(time.perf_counter())
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        marks.append(time.perf_counter())
+    names = ("capture_s", "capture_end_s", "first_replay_s", "second_replay_s")
+    return {k: b - a for k, a, b in zip(names, marks, marks[1:])}
+
+
+def _captured(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> dict:
+    got = timed_capture(lambda: [d.copy_(s) for d, s in zip(dsts, srcs)])
+    names = {"capture_s": "queue_ms", "capture_end_s": "capture_end_ms", "first_replay_s": "first_replay_ms",
+             "second_replay_s": "second_replay_ms"}
+    return {names[k]: round(v * 1e3, 3) for k, v in got.items()}
 
 
 def _rank(rank: int, world: int, n: int, mib: int) -> dict:
