@@ -47,7 +47,7 @@ def _weights(layers: int, hidden: int, ffn: int) -> list[tuple[torch.Tensor, tor
 
 def _by_destination(runs: ByteRuns) -> ByteRuns:
     order = torch.argsort(runs.dst, stable=True)
-    return ByteRuns(runs.dst[order], runs.src[order], runs.nbytes[order])
+    return ByteRuns(*(c[order] for c in runs.columns()))
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ from torchrefit.execute.batched import (
     plan_tiles,
     strided_runs,
 )
+from torchrefit.execute.copy_kernel import ByteRuns
 
 WORD = 4  # the buffers below are int32
 
@@ -138,6 +139,11 @@ STRIDED = {
 }
 
 
+#: runs per case: one per index of the outer dims but the last (whose rows a pitch steps)
+RUNS = {"into the second half": 1, "out of the first half": 1, "both strided, float32": 1,
+        "3-d expert block, unit dim": 4, "rows of a row block": 1}
+
+
 @pytest.mark.parametrize("case", sorted(STRIDED))
 def test_strided_runs_copy_what_copy_does(case: str) -> None:
     torch.manual_seed(0)
@@ -147,8 +153,8 @@ def test_strided_runs_copy_what_copy_does(case: str) -> None:
     dst_w, src_w = STRIDED[case](want)
     dst_w.copy_(src_w)  # the oracle: torch's own strided copy
     runs = strided_runs(dst, src)
-    assert runs is not None and len(runs) > 1
-    assert int(runs.nbytes.sum()) == dst.nbytes and int(runs.nbytes.min()) >= MIN_RUN_BYTES
+    assert runs is not None and len(runs) == RUNS[case] and int(runs.rows.min()) > 1
+    assert runs.total() == dst.nbytes and int(runs.nbytes.min()) >= MIN_RUN_BYTES
     words = buf.view(torch.int32)
     _apply(plan_tiles(runs), words, buf.data_ptr())
     assert torch.equal(buf, want)
@@ -184,7 +190,7 @@ def test_compile_batch_takes_the_runs_it_is_given(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(batched, "copy_kernel", lambda device: Fake())
     b = torch.zeros(1 << 20, dtype=torch.uint8)
-    strided = STRIDED["into the second half"](b)
+    strided = STRIDED["3-d expert block, unit dim"](b)  # 4 runs: the first alone is less
     dense = (_views(b, torch.bfloat16, 3 << 18, (4096,)), _views(b, torch.bfloat16, 7 << 17, (4096,)))
     copies = [(*dense, "dense"), (*strided, "strided")]
     rows = strided_runs(*strided)
@@ -192,7 +198,30 @@ def test_compile_batch_takes_the_runs_it_is_given(monkeypatch: pytest.MonkeyPatc
     want = plan_tiles(batched.ByteRuns.cat([batched.byte_runs(*dense), rows]), 4096)
     assert torch.equal(batched.compile_batch(copies, cpu).table, want)
     assert torch.equal(batched.compile_batch(copies, cpu, [None, rows]).table, want)
-    first_row = batched.ByteRuns(rows.dst[:1], rows.src[:1], rows.nbytes[:1])
+    first_row = rows.head(1)
     given = batched.compile_batch(copies, cpu, [None, first_row])  # used as given, not cut again
     assert given.runs == 2 and torch.equal(given.table, plan_tiles(batched.ByteRuns.cat(
         [batched.byte_runs(*dense), first_row]), 4096))
+
+
+@pytest.mark.parametrize("tile", [64, 4096])
+@pytest.mark.parametrize("seed", range(3))
+def test_pitched_runs_tile_as_their_rows(tile: int, seed: int) -> None:
+    """A run of rows at a pitch tiles exactly as its rows listed one by one, in order:
+    the oracle is each row written out as its own one-row run."""
+    rng = random.Random(seed)
+    runs, rows = [], []
+    for _ in range(12):
+        d, s, n, k = (rng.randrange(0, 1 << 30, 16), rng.randrange(0, 1 << 30, 16),
+                      16 * rng.randrange(1, 700), rng.randrange(1, 9))
+        dp, sp = 16 * rng.randrange(0, 900), 16 * rng.randrange(0, 900)
+        runs.append((d, s, n, k, dp, sp))
+        rows += [(d + i * dp, s + i * sp, n) for i in range(k)]
+    pitched = ByteRuns(*(torch.tensor(c, dtype=torch.int64) for c in zip(*runs)))
+    assert pitched.total() == sum(n for _, _, n in rows)
+    assert torch.equal(plan_tiles(pitched, tile), plan_tiles(rows, tile))
+    assert torch.equal(plan_tiles(ByteRuns.cat([ByteRuns.of(rows[:3]), pitched]), tile),
+                       plan_tiles(rows[:3] + rows, tile))
+    bad = ByteRuns(*(torch.tensor([c], dtype=torch.int64) for c in (0, 0, 16, 2, 8, 0)))
+    with pytest.raises(ValueError, match="pitches 0 -> 8"):
+        plan_tiles(bad)

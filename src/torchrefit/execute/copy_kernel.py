@@ -69,8 +69,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) copy_tiles(const long long
     }
 }
 
-// The tile table from the run table (row r: source, destination, 16-byte words, first
-// tile), one thread per tile: once per compile, so the host uploads runs, not tiles.
+// The tile table from the run table (row r: source, destination, 16-byte words per row,
+// first tile, rows, source pitch, destination pitch in bytes), one thread per tile: once
+// per compile, so the host uploads one row per copy (a strided one's rows as a pitch),
+// not one per tile or per row.
 extern "C" __global__ void expand_tiles(const long long* __restrict__ runs, int count, long long tiles,
                                         long long* __restrict__ table) {
     const long long t = blockIdx.x * (long long)blockDim.x + threadIdx.x;
@@ -78,12 +80,16 @@ extern "C" __global__ void expand_tiles(const long long* __restrict__ runs, int 
     int lo = 0, hi = count - 1;  // the last run whose first tile is at or before t
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
-        if (runs[4 * mid + 3] <= t) lo = mid; else hi = mid - 1;
+        if (runs[7 * mid + 3] <= t) lo = mid; else hi = mid - 1;
     }
-    const long long start = (t - runs[4 * lo + 3]) * (THREADS * UNROLL);  // vectors into the run
-    const long long left = runs[4 * lo + 2] - start;
-    table[3 * t] = runs[4 * lo] + 16 * start;
-    table[3 * t + 1] = runs[4 * lo + 1] + 16 * start;
+    const long long* r = runs + 7 * lo;
+    const long long per_row = (r[2] + THREADS * UNROLL - 1) / (THREADS * UNROLL);  // tiles per row
+    const long long k = t - r[3];
+    const long long row = k / per_row;
+    const long long start = (k - row * per_row) * (THREADS * UNROLL);  // vectors into the row
+    const long long left = r[2] - start;
+    table[3 * t] = r[0] + row * r[5] + 16 * start;
+    table[3 * t + 1] = r[1] + row * r[6] + 16 * start;
     table[3 * t + 2] = left < THREADS * UNROLL ? left : THREADS * UNROLL;
 }
 """
@@ -91,13 +97,18 @@ extern "C" __global__ void expand_tiles(const long long* __restrict__ runs, int 
 
 @dataclass(frozen=True)
 class ByteRuns:
-    """Byte runs to copy, as int64 columns: destination address, source address, bytes
-    (one element per run). What a batch copies, however many runs each tensor is (one
-    for a dense copy, one per row for a strided one)."""
+    """Byte runs to copy, as int64 columns, one element per run: destination address,
+    source address, bytes per row, and the run's rows with each side's pitch (bytes from
+    one row's start to the next). A dense copy is one run of one row; a strided copy
+    (a TP half into ``full[:, :half]``) one run whose rows are its rows, however many
+    (``rows`` None: one row each, no pitch)."""
 
     dst: torch.Tensor
     src: torch.Tensor
     nbytes: torch.Tensor
+    rows: torch.Tensor | None = None
+    dst_pitch: torch.Tensor | None = None
+    src_pitch: torch.Tensor | None = None
 
     @staticmethod
     def of(copies: Sequence[tuple[int, int, int]]) -> ByteRuns:
@@ -109,7 +120,24 @@ class ByteRuns:
     def cat(parts: Sequence[ByteRuns]) -> ByteRuns:
         if not parts:
             return ByteRuns.of([])
-        return ByteRuns(*(torch.cat(cols) for cols in zip(*((p.dst, p.src, p.nbytes) for p in parts))))
+        if all(p.rows is None for p in parts):
+            return ByteRuns(*(torch.cat(cols) for cols in zip(*((p.dst, p.src, p.nbytes) for p in parts))))
+        return ByteRuns(*(torch.cat(cols) for cols in zip(*(p.columns() for p in parts))))
+
+    def columns(self) -> tuple[torch.Tensor, ...]:
+        """Every column, the rows and pitches filled in where None (one row, no pitch)."""
+        if self.rows is not None:
+            return self.dst, self.src, self.nbytes, self.rows, self.dst_pitch, self.src_pitch
+        zero = torch.zeros_like(self.nbytes)
+        return self.dst, self.src, self.nbytes, torch.ones_like(self.nbytes), zero, zero
+
+    def head(self, n: int) -> ByteRuns:
+        """The first ``n`` runs."""
+        return ByteRuns(*(c[:n] for c in self.columns()))
+
+    def total(self) -> int:
+        """Bytes the runs copy."""
+        return int(self.nbytes.sum()) if self.rows is None else int((self.nbytes * self.rows).sum())
 
     def __len__(self) -> int:
         return self.dst.numel()
@@ -118,38 +146,42 @@ class ByteRuns:
 def plan_runs(copies: Sequence[tuple[int, int, int]] | ByteRuns,
               tile_bytes: int = TILE_BYTES) -> tuple[torch.Tensor, int]:
     """The run table of ``copies`` (:class:`ByteRuns`, or (destination address, source
-    address, bytes) triples), each a multiple of ``VECTOR``: one int64 row (source,
-    destination, 16-byte words, first tile) per run, and the number of tiles of
-    ``tile_bytes``. Pure; vectorized (a strided copy is one run per row: 10^5 runs)."""
+    address, bytes) triples), each row, address and pitch a multiple of ``VECTOR``: one
+    int64 row (source, destination, 16-byte words per row, first tile, rows, source
+    pitch, destination pitch) per run, and the number of tiles of ``tile_bytes`` (each
+    row its own tiles). Pure; vectorized, O(runs): a strided copy is one run."""
     if tile_bytes % VECTOR:
         raise ValueError(f"tile of {tile_bytes} bytes is not a multiple of {VECTOR}")
     runs = copies if isinstance(copies, ByteRuns) else ByteRuns.of(copies)
-    dst, src, n = runs.dst, runs.src, runs.nbytes
-    bad = ((n <= 0) | ((dst | src | n) % VECTOR != 0)).nonzero()
+    dst, src, n, rows, dp, sp = runs.columns()
+    bad = ((n <= 0) | (rows <= 0) | ((dst | src | n | dp | sp) % VECTOR != 0)).nonzero()
     if len(bad):
         i = int(bad[0])
-        raise ValueError(f"copy {int(src[i]):#x} -> {int(dst[i]):#x} of {int(n[i])} bytes is not "
-                         f"{VECTOR}-byte aligned")
-    tiles = (n + tile_bytes - 1) // tile_bytes
+        raise ValueError(f"copy {int(src[i]):#x} -> {int(dst[i]):#x} of {int(rows[i])} x {int(n[i])} bytes "
+                         f"(pitches {int(sp[i])} -> {int(dp[i])}) is not {VECTOR}-byte aligned")
+    tiles = (n + tile_bytes - 1) // tile_bytes * rows
     first = torch.cumsum(tiles, 0) - tiles
-    return torch.stack([src, dst, n // VECTOR, first], dim=1), int(tiles.sum())
+    return torch.stack([src, dst, n // VECTOR, first, rows, sp, dp], dim=1), int(tiles.sum())
 
 
 def plan_tiles(copies: Sequence[tuple[int, int, int]] | ByteRuns, tile_bytes: int = TILE_BYTES) -> torch.Tensor:
     """The tile table of ``copies`` (as for :func:`plan_runs`): one int64 row (source,
-    destination, 16-byte words) per tile of ``tile_bytes``, each run's tiles in order,
-    its last one the remainder. Pure, on the CPU: the reference for the table
-    :meth:`CopyKernel.tiles` builds on the device (a qwen3-shaped preset's 9.7 GB are
-    2.4 million tiles, 57 MB: the device builds them from one row per run rather than
-    the host building and uploading them on the first refit)."""
+    destination, 16-byte words) per tile of ``tile_bytes``, each run's rows in order and
+    each row's tiles in order, its last one the remainder. Pure, on the CPU: the
+    reference for the table :meth:`CopyKernel.tiles` builds on the device (a
+    qwen3-shaped preset's 9.7 GB are 2.4 million tiles, 57 MB: the device builds them
+    from one row per run rather than the host building and uploading them on the first
+    refit)."""
     runs, total = plan_runs(copies, tile_bytes)
     if not total:
         return torch.zeros((0, 3), dtype=torch.int64)
-    src, dst, words, first = runs.unbind(1)
-    tiles = (words * VECTOR + tile_bytes - 1) // tile_bytes
-    owner = torch.repeat_interleave(torch.arange(len(runs)), tiles)
-    start = (torch.arange(total) - first[owner]) * (tile_bytes // VECTOR)  # vectors into its run
-    return torch.stack([src[owner] + VECTOR * start, dst[owner] + VECTOR * start,
+    src, dst, words, first, rows, sp, dp = runs.unbind(1)
+    per_row = (words * VECTOR + tile_bytes - 1) // tile_bytes
+    owner = torch.repeat_interleave(torch.arange(len(runs)), per_row * rows)
+    k = torch.arange(total) - first[owner]
+    row = k // per_row[owner]
+    start = (k - row * per_row[owner]) * (tile_bytes // VECTOR)  # vectors into its row
+    return torch.stack([src[owner] + row * sp[owner] + VECTOR * start, dst[owner] + row * dp[owner] + VECTOR * start,
                         torch.clamp(words[owner] - start, max=tile_bytes // VECTOR)], dim=1)
 
 
