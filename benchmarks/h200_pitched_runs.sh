@@ -1,35 +1,41 @@
 #!/usr/bin/env bash
-# For the next session with a GPU (written in the nineteenth, not yet run): the branch
-# pitched-runs as benchmarks/patches/pitched_runs.patch (a strided copy planned as one run
-# of rows at a pitch, cut into tiles on the device; see BENCHMARKS.md, "Nineteenth
-# session", for the 4-process first refit it targets) on a copy of src, against main's src:
+# For the next session with a GPU (written in the nineteenth, not yet run): pitched runs
+# (merged in e521b0b: a strided copy planned as one run of rows at a pitch, cut into tiles
+# on the device; see BENCHMARKS.md, "Nineteenth session", for the 4-process first refit it
+# targets) on main's src ("new") against the same src with benchmarks/patches/pitched_runs.patch
+# reverted ("base", one run per row as before):
 # 1. GPU tests of the batched kernel, the refit, the one-sided transports and stale reads
-#    on the patched tree (the expand kernel's table must equal plan_tiles' exactly);
+#    on main (the expand kernel's table must equal plan_tiles' exactly);
 # 2. ipc collocated TP2 -> TP1, 4 and 2 processes, base and new alternating;
-# 3. the 4-process delegate's first refit profiled on the new tree;
+# 3. the 4-process delegate's first refit profiled on main;
 # 4. capture_end with as many imported allocations as the delegate opens (498 of 20 MiB):
 #    is it what makes instantiating its graphs cost 0.1 s each?
 # Nothing to carry. Results and log in $OUT. About 7 minutes.
 source benchmarks/_h200_run.sh
 h200_run pitched_runs
+BASE=$(mktemp -d)
+cp -r src benchmarks "$BASE"/
+(cd "$BASE" && (git apply -R benchmarks/patches/pitched_runs.patch 2>/dev/null || patch -R -p1 < benchmarks/patches/pitched_runs.patch)) || exit 1
+grep -q dst_pitch "$BASE/src/torchrefit/execute/copy_kernel.py" && exit 1
+python3 -m compileall -q "$BASE/src" >/dev/null
 NEW=$(mktemp -d)
-cp -r src benchmarks "$NEW"/
-(cd "$NEW" && (git apply benchmarks/patches/pitched_runs.patch 2>/dev/null || patch -p1 < benchmarks/patches/pitched_runs.patch)) || exit 1
-grep -q dst_pitch "$NEW/src/torchrefit/execute/copy_kernel.py" || exit 1
-python3 -m compileall -q "$NEW/src" >/dev/null
-echo "=== 1. GPU tests, new ($(date +%T))"
+cp -r src "$NEW"/
+echo "=== 1. GPU tests, main ($(date +%T))"
 PYTHONPATH=$NEW/src timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_gpu_batched.py \
   tests/test_gpu_refit.py tests/test_gpu_one_sided.py tests/test_gpu_stale_read.py --timeout 120 2>&1 \
   | grep -E "Error|^FAILED|passed|failed" | cut -c1-300 | tail -10
 B="python3 -m torchrefit bench --model gpt-4b --variant graph --warmup 3 --iters 20 --transport ipc --src tp2 --dst tp1"
 echo "=== 2. ipc collocated, base / new ($(date +%T))"
+for P in "$BASE/src" "$NEW/src"; do  # each tree's kernel compiled into the disk cache first: no first refit pays NVRTC
+  PYTHONPATH=$P python3 -c "import torch; from torchrefit.execute.copy_kernel import copy_kernel; copy_kernel(torch.device('cuda'))"
+done
 for n in 4 2; do
   for tree in base new; do
-    P=$PWD/src; [ $tree = new ] && P=$NEW/src
+    P=$NEW/src; [ $tree = base ] && P=$BASE/src
     PYTHONPATH=$P timeout 60 $B --nproc $n --label "colloc$n $tree" --json "$R/colloc${n}_$tree.json" 2>&1 | tail -1
   done
 done
-echo "=== 3. the 4-process delegate's first refit, new, profiled ($(date +%T))"
+echo "=== 3. the 4-process delegate's first refit, main, profiled ($(date +%T))"
 PYTHONPATH=$NEW/src timeout 60 python3 benchmarks/one_sided_first_refit.py --transport ipc --collocated --nproc 4 \
   > "$R/first_refit_profile4_new.log" 2>&1
 grep -E "^rank 0|capture_end|compile_batch|plan_runs|strided_runs|attach" "$R/first_refit_profile4_new.log" | head -12 | cut -c1-170
