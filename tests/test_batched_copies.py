@@ -225,3 +225,26 @@ def test_pitched_runs_tile_as_their_rows(tile: int, seed: int) -> None:
     bad = ByteRuns(*(torch.tensor([c], dtype=torch.int64) for c in (0, 0, 16, 2, 8, 0)))
     with pytest.raises(ValueError, match="pitches 0 -> 8"):
         plan_tiles(bad)
+
+
+@pytest.mark.parametrize("case", sorted(STRIDED))
+def test_strided_tiles_are_the_rows_tiles(case: str) -> None:
+    """A strided copy's pitched runs give the tile table its rows listed one by one gave
+    before pitches (what the copy kernel replays is unchanged): the oracle lists every
+    row by walking the tensors' own indices."""
+    buf = torch.zeros(1 << 20, dtype=torch.uint8)
+    dst, src = STRIDED[case](buf)
+    size, row = dst.element_size(), dst.shape[-1]
+    if case == "rows of a row block":  # two inner dims dense on both sides: one row of both
+        row *= dst.shape[-2]
+    rows = [(dst[i].data_ptr(), src[i].data_ptr(), row * size) for i in _outer(dst.shape, row)]
+    assert torch.equal(plan_tiles(strided_runs(dst, src)), plan_tiles(rows))
+
+
+def _outer(shape: torch.Size, row: int) -> list[tuple[int, ...]]:
+    """Row-major indices of the dims outside the last ``row`` elements."""
+    inner, k = 1, len(shape)
+    while inner < row:
+        k -= 1
+        inner *= shape[k]
+    return [tuple(ix) for ix in torch.cartesian_prod(*(torch.arange(n) for n in shape[:k])).reshape(-1, k).tolist()]
