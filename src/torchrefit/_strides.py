@@ -1,5 +1,5 @@
 """Rows two equally shaped strided regions have contiguous in common: what both the
-batched copy kernel (``execute.batched.strided_runs``, one run per row) and NIXL's
+batched copy kernel (``execute.batched.strided_runs``: runs of rows at a pitch) and NIXL's
 descriptors (``transport.nixl.contiguous_runs``, one descriptor per row) are cut into."""
 
 from __future__ import annotations
