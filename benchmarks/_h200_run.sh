@@ -26,3 +26,15 @@ h200_with_nixl() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/nixl/*.whl
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 }
+
+# `DIR=$(h200_patched_tree PATCH [-R]) || exit 1`: a copy of src/ and benchmarks/ in a new
+# folder with PATCH applied (-R: reverted) and compiled; prints the folder. Fails where
+# the patch does not apply, leaving the checkout as it is.
+h200_patched_tree() {
+  local patch=$1 reverse=${2:-} dir
+  dir=$(mktemp -d)
+  cp -r src benchmarks "$dir"/
+  (cd "$dir" && (git apply $reverse "$patch" 2>/dev/null || patch $reverse -p1 < "$patch")) >&2 || return 1
+  python3 -m compileall -q "$dir/src" >/dev/null
+  echo "$dir"
+}

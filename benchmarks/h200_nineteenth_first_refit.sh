@@ -15,11 +15,8 @@ for case in as_is:X=1 batched:TORCHREFIT_BATCHED_COPY=1 eager:CUDA_MODULE_LOADIN
   env "${case#*:}" timeout 100 $B --label "colloc4 ${case%%:*}" --json "$R/colloc4_${case%%:*}.json" 2>&1 | tail -1
 done
 echo "=== 2b. the same with small copies batched too (benchmarks/patches/small_batched.patch) ($(date +%T))"
-NEW=$(mktemp -d)
-cp -r src benchmarks "$NEW"/
-(cd "$NEW" && (git apply benchmarks/patches/small_batched.patch 2>/dev/null || patch -p1 < benchmarks/patches/small_batched.patch)) || exit 1
+NEW=$(h200_patched_tree benchmarks/patches/small_batched.patch) || exit 1
 grep -q TORCHREFIT_SMALL_BATCHED "$NEW/src/torchrefit/execute/local.py" || exit 1
-python3 -m compileall -q "$NEW/src" >/dev/null
 for n in 4 2; do
   TORCHREFIT_SMALL_BATCHED=1 PYTHONPATH=$NEW/src timeout 100 ${B/--nproc 4/--nproc $n} --label "colloc$n small_batched" \
     --json "$R/colloc${n}_small_batched.json" 2>&1 | tail -1

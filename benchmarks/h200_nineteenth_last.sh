@@ -15,10 +15,7 @@ echo "=== 2. ipc collocated TP2 -> TP1 first refit, 4 processes, profiled ($(dat
 timeout 90 python3 benchmarks/one_sided_first_refit.py --transport ipc --collocated --nproc 4 > "$R/first_refit_profile.log" 2>&1
 grep -E "^rank" "$R/first_refit_profile.log" | cut -c1-200
 [ "${NO_BENCH:-0}" = 1 ] && { echo "=== done, no bench (NO_BENCH=1) ($(date +%T))"; exit 0; }
-NEW=$(mktemp -d)
-cp -r src benchmarks "$NEW"/
-(cd "$NEW" && (git apply benchmarks/patches/ipc_no_event_sync.patch 2>/dev/null || patch -p1 < benchmarks/patches/ipc_no_event_sync.patch)) || exit 1
-python3 -m compileall -q "$NEW/src" >/dev/null
+NEW=$(h200_patched_tree benchmarks/patches/ipc_no_event_sync.patch) || exit 1
 B="python3 -m torchrefit bench --model gpt-4b --variant graph --warmup 3 --iters 20 --transport ipc --src tp2 --dst tp1 --nproc 4"
 echo "=== 3. ipc collocated 4 procs: as is, no event sync ($(date +%T))"
 timeout 60 $B --label "colloc4 as_is" --json "$R/colloc4_as_is.json" 2>&1 | tail -1

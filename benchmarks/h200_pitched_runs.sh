@@ -13,30 +13,26 @@
 # Nothing to carry. Results and log in $OUT. About 7 minutes.
 source benchmarks/_h200_run.sh
 h200_run pitched_runs
-BASE=$(mktemp -d)
-cp -r src benchmarks "$BASE"/
-(cd "$BASE" && (git apply -R benchmarks/patches/pitched_runs.patch 2>/dev/null || patch -R -p1 < benchmarks/patches/pitched_runs.patch)) || exit 1
+BASE=$(h200_patched_tree benchmarks/patches/pitched_runs.patch -R) || exit 1
 grep -q dst_pitch "$BASE/src/torchrefit/execute/copy_kernel.py" && exit 1
-python3 -m compileall -q "$BASE/src" >/dev/null
-NEW=$(mktemp -d)
-cp -r src "$NEW"/
+NEW=$PWD/src
 echo "=== 1. GPU tests, main ($(date +%T))"
-PYTHONPATH=$NEW/src timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_gpu_batched.py \
+PYTHONPATH=$NEW timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_gpu_batched.py \
   tests/test_gpu_refit.py tests/test_gpu_one_sided.py tests/test_gpu_stale_read.py --timeout 120 2>&1 \
   | grep -E "Error|^FAILED|passed|failed" | cut -c1-300 | tail -10
 B="python3 -m torchrefit bench --model gpt-4b --variant graph --warmup 3 --iters 20 --transport ipc --src tp2 --dst tp1"
 echo "=== 2. ipc collocated, base / new ($(date +%T))"
-for P in "$BASE/src" "$NEW/src"; do  # each tree's kernel compiled into the disk cache first: no first refit pays NVRTC
+for P in "$BASE/src" "$NEW"; do  # each tree's kernel compiled into the disk cache first: no first refit pays NVRTC
   PYTHONPATH=$P python3 -c "import torch; from torchrefit.execute.copy_kernel import copy_kernel; copy_kernel(torch.device('cuda'))"
 done
 for n in 4 2; do
   for tree in base new; do
-    P=$NEW/src; [ $tree = base ] && P=$BASE/src
+    P=$NEW; [ $tree = base ] && P=$BASE/src
     PYTHONPATH=$P timeout 60 $B --nproc $n --label "colloc$n $tree" --json "$R/colloc${n}_$tree.json" 2>&1 | tail -1
   done
 done
 echo "=== 3. the 4-process delegate's first refit, main, profiled ($(date +%T))"
-PYTHONPATH=$NEW/src timeout 60 python3 benchmarks/one_sided_first_refit.py --transport ipc --collocated --nproc 4 \
+PYTHONPATH=$NEW timeout 60 python3 benchmarks/one_sided_first_refit.py --transport ipc --collocated --nproc 4 \
   > "$R/first_refit_profile4_new.log" 2>&1
 grep -E "^rank 0|capture_end|compile_batch|plan_runs|strided_runs|attach" "$R/first_refit_profile4_new.log" | head -12 | cut -c1-170
 echo "=== 4. capture_end over 498 imported allocations ($(date +%T))"

@@ -91,12 +91,12 @@ def _rank(rank: int, world: int, transport: str, layers: int, collocated: bool) 
         try:
             flat = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
         except torch.OutOfMemoryError:  # a delegate of 4 processes on an 80 GB GPU
-            flat = None
             lines.append(f"rank {rank}: {nbytes / 1e9:.2f} GB pulled; no room for the flat copy")
-    if pulls is not None and pulls.graph is not None and flat is not None:
-        lines.append(f"rank {rank}: {nbytes / 1e9:.2f} GB; mapped-copies graph replay {_device_ms(pulls.graph.replay):.3f} ms, "
-                     f"one flat local copy {_device_ms(lambda: flat[1].copy_(flat[0])):.3f} ms, "
-                     f"{len(pulls.big)} large + {sum(len(g.dst) for g in pulls.small)} small copies")
+        else:
+            lines.append(f"rank {rank}: {nbytes / 1e9:.2f} GB; mapped-copies graph replay "
+                         f"{_device_ms(pulls.graph.replay):.3f} ms, "
+                         f"one flat local copy {_device_ms(lambda: flat[1].copy_(flat[0])):.3f} ms, "
+                         f"{len(pulls.big)} large + {sum(len(g.dst) for g in pulls.small)} small copies")
     dist.barrier()
     r.close()
     return "\n".join(lines) + "\n" + "\n".join(out.getvalue().splitlines()[:52])
