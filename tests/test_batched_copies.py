@@ -234,17 +234,8 @@ def test_strided_tiles_are_the_rows_tiles(case: str) -> None:
     row by walking the tensors' own indices."""
     buf = torch.zeros(1 << 20, dtype=torch.uint8)
     dst, src = STRIDED[case](buf)
-    size, row = dst.element_size(), dst.shape[-1]
-    if case == "rows of a row block":  # two inner dims dense on both sides: one row of both
-        row *= dst.shape[-2]
-    rows = [(dst[i].data_ptr(), src[i].data_ptr(), row * size) for i in _outer(dst.shape, row)]
+    inner = 2 if case == "rows of a row block" else 1  # dims of a row: dense on both sides
+    row = dst[(0,) * (dst.dim() - inner)].nbytes
+    outer = torch.cartesian_prod(*(torch.arange(n) for n in dst.shape[:-inner])).reshape(-1, dst.dim() - inner)
+    rows = [(dst[tuple(i)].data_ptr(), src[tuple(i)].data_ptr(), row) for i in outer.tolist()]
     assert torch.equal(plan_tiles(strided_runs(dst, src)), plan_tiles(rows))
-
-
-def _outer(shape: torch.Size, row: int) -> list[tuple[int, ...]]:
-    """Row-major indices of the dims outside the last ``row`` elements."""
-    inner, k = 1, len(shape)
-    while inner < row:
-        k -= 1
-        inner *= shape[k]
-    return [tuple(ix) for ix in torch.cartesian_prod(*(torch.arange(n) for n in shape[:k])).reshape(-1, k).tolist()]
