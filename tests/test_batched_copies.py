@@ -19,7 +19,7 @@ import random
 import pytest
 import torch
 
-from torchrefit.execute import batched
+from torchrefit.execute import batched, kernel_copies
 from torchrefit.execute.batched import (
     ALIGN,
     MIN_RUN_BYTES,
@@ -104,6 +104,9 @@ def test_when_a_program_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     dense = [100 * MB] * 300  # large ones: memcpy nodes are at the floor
     monkeypatch.delenv(batched.BATCH_ENV, raising=False)
     assert batch_from(moe, MB) == MB and batch_from(dense, MB) is None and batch_from(moe[:10], MB) is None
+    least = batched.BATCH_MIN_COPIES  # fewer than per-copy kernels ask for (a 0.5 B dense model's 97)
+    assert least < kernel_copies.KERNEL_MIN_COPIES
+    assert batch_from(moe[:least], MB) == MB and batch_from(moe[:least - 1], MB) is None
     monkeypatch.setenv(batched.BATCH_ENV, "1")
     assert batch_from(dense, MB) == 0 and batch_from([], MB) == 0
     monkeypatch.setenv(batched.BATCH_ENV, "0")

@@ -130,7 +130,9 @@ def test_strided_copies_batch_by_default(graph: bool, monkeypatch: pytest.Monkey
     assert set(local.batch.names) == {"into0", "into1", "into2", "into3", "out of", "both"}
     assert {c.name for c in local.big} == {"short rows", "dense"}
     runs = ByteRuns.cat([byte_runs(d, s) for d, s in zip(local.batch.dst, local.batch.src)])
-    assert local.batch.runs == len(runs) > 5 * 1024
+    # pitched runs: each 2-D strided copy is one run, its rows the kernel's to tile
+    assert local.batch.runs == len(runs) == 6
+    assert int(runs.rows.sum()) == 4 * 1024 + 2048 + 512
     assert torch.equal(local.batch.table.cpu(), plan_tiles(runs, local.batch.kernel.tile_bytes))
     assert not _exact(copies)
     local.run_on_caller(side)

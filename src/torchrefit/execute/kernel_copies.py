@@ -24,6 +24,9 @@ floor, memcpy nodes against all kernels:
 - Fewer or larger copies stay memcpy, faster there: DeepSeek-V3-shaped 28 and 56 MiB
   experts 1.019x against 1.040x, a 0.5 B dense model's copies (97 planned) 1.036-1.059x
   against 1.048-1.069x, the seed model's and llama-8b's 32-1002 MiB copies ~1.00x.
+  Batched in one launch, though, that 0.5 B model's copies took 1.019x against
+  1.063-1.065x as memcpy nodes (twentieth session): the batch asks for fewer copies
+  (``batched.BATCH_MIN_COPIES``) than these per-copy kernels do.
 
 The bounds sit between those measurements (qwen3's mid copies at most 12 MiB, DeepSeek's
 at least 28 MiB; the dense presets have at most 130 large copies); the rule in this form
@@ -74,11 +77,11 @@ KERNEL_MIN_COPIES = 256
 ALL = 1 << 62
 
 
-def mostly_mid_sized(sizes: Sequence[int]) -> bool:
+def mostly_mid_sized(sizes: Sequence[int], least: int = KERNEL_MIN_COPIES) -> bool:
     """Whether a program whose large copies, as planned (before runs merge), have
-    ``sizes`` bytes is made of many mid-sized copies: at least ``KERNEL_MIN_COPIES`` of
-    them, with at least half their bytes in copies below ``MID_COPY_BYTES``. Pure."""
-    if len(sizes) < KERNEL_MIN_COPIES:
+    ``sizes`` bytes is made of many mid-sized copies: at least ``least`` of them, with
+    at least half their bytes in copies below ``MID_COPY_BYTES``. Pure."""
+    if len(sizes) < least:
         return False
     mid = sum(n for n in sizes if n < MID_COPY_BYTES)
     return 2 * mid >= sum(sizes)
