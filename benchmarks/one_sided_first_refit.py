@@ -6,7 +6,8 @@ TP1 collocated, where ipc's rank 0 copies for both, ``transport.delegates``). Ea
 construction plus the first refit with cProfile and prints its top functions; the
 receiver then times, with CUDA events and the device idle before each, (a) a whole
 refit (wall time; when its host returned; when the peer's header arrived, after
-which the copies can start; device time between events around it), (b) the replay of its compiled copies out of the sender's memory alone (ipc),
+which the copies can start; device time between events around it; on the host clock the
+processes share, when each rank left the barrier, sent and saw a header), (b) the replay of its compiled copies out of the sender's memory alone (ipc),
 and (c) the same bytes copied locally by one flat copy (the floor's kernel).
 
     python benchmarks/one_sided_first_refit.py --transport ipc [--layers 20] [--collocated [--nproc 4]]
@@ -65,13 +66,26 @@ def _rank(rank: int, world: int, transport: str, layers: int, collocated: bool) 
         marks.append(time.perf_counter())
         return got
 
+    post_header = transport.post_header
+    posts: list[float] = []
+
+    def timed_post(*args):  # when this rank (a target) sent its header: its host part of the refit so far
+        post_header(*args)
+        posts.append(time.perf_counter())
+
     transport.recv_header = timed_header
+    transport.post_header = timed_post
+    # per iteration, on the host clock every process shares (perf_counter: CLOCK_MONOTONIC):
+    # when this rank left the barrier, sent its first header, saw its first peer's header
+    clock: dict[str, list[float]] = {"start": [], "posted": [], "seen": []}
     for _ in range(20):
         torch.cuda.synchronize()
         dist.barrier()
         marks.clear()
+        posts.clear()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t = time.perf_counter()
+        clock["start"].append(t)
         a.record()
         r.refit()
         launched.append((time.perf_counter() - t) * 1e3)
@@ -81,6 +95,8 @@ def _rank(rank: int, world: int, transport: str, layers: int, collocated: bool) 
         device.append(a.elapsed_time(b))
         if marks:
             header.append((marks[0] - t) * 1e3)
+        clock["posted"].append(posts[0] if posts else float("nan"))
+        clock["seen"].append(marks[0] if marks else float("nan"))
     med = lambda xs: sorted(xs)[len(xs) // 2] if xs else float("nan")  # noqa: E731
     lines.append(f"rank {rank}: refit wall ms median {med(whole):.3f}; host returned after {med(launched):.3f}, "
                  f"header arrived after {med(header):.3f}; device start-to-end {med(device):.3f}")
@@ -99,7 +115,25 @@ def _rank(rank: int, world: int, transport: str, layers: int, collocated: bool) 
                          f"{len(pulls.big)} large + {sum(len(g.dst) for g in pulls.small)} small copies")
     dist.barrier()
     r.close()
-    return "\n".join(lines) + "\n" + "\n".join(out.getvalue().splitlines()[:52])
+    return "\n".join(lines) + "\n" + "\n".join(out.getvalue().splitlines()[:52]), clock
+
+
+def _skew(clocks: list[dict]) -> str:
+    """Per rank, medians over iterations (ms after the first rank left the barrier) of
+    when it left the barrier, sent its first header and saw its first peer's header:
+    how much of a receiver's wait for a header is the barrier's skew, how much the
+    sender's host work before its header."""
+    def med(xs):
+        xs = sorted(x for x in xs if x == x)
+        return xs[len(xs) // 2] if xs else float("nan")
+
+    first = [min(c["start"][i] for c in clocks) for i in range(len(clocks[0]["start"]))]
+    rows = []
+    for rank, c in enumerate(clocks):
+        rel = {k: med([(v - f) * 1e3 for v, f in zip(c[k], first)]) for k in c}
+        rows.append(f"rank {rank}: left the barrier {rel['start']:.3f}, sent a header {rel['posted']:.3f}, "
+                    f"saw a header {rel['seen']:.3f} ms after the first rank left it")
+    return "\n".join(rows)
 
 
 def main() -> None:
@@ -111,8 +145,10 @@ def main() -> None:
     args = p.parse_args()
     if args.nproc != 2 and not args.collocated:
         p.error("--nproc other than 2 needs --collocated")
-    for text in run_world(_rank, args.nproc, args.transport, args.layers, args.collocated, backend="gloo", timeout=600):
+    results = run_world(_rank, args.nproc, args.transport, args.layers, args.collocated, backend="gloo", timeout=600)
+    for text, _ in results:
         print(text)
+    print(_skew([clock for _, clock in results]))
 
 
 if __name__ == "__main__":
