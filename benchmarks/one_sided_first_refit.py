@@ -10,7 +10,7 @@ which the copies can start; device time between events around it; on the host cl
 processes share, when each rank left the barrier, sent and saw a header), (b) the replay of its compiled copies out of the sender's memory alone (ipc),
 and (c) the same bytes copied locally by one flat copy (the floor's kernel).
 
-    python benchmarks/one_sided_first_refit.py --transport ipc [--layers 20] [--collocated [--nproc 4]]
+    python benchmarks/one_sided_first_refit.py --transport ipc [--layers 20] [--collocated [--nproc 4]] [--warm-profile]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _device_ms(fn, iters: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _rank(rank: int, world: int, transport: str, layers: int, collocated: bool) -> str:
+def _rank(rank: int, world: int, transport: str, layers: int, collocated: bool, warm_profile: bool) -> tuple:
     src, dst = one_gpu_toy_pair(rank, layers, collocated, world)
     prof = cProfile.Profile()
     t0 = time.perf_counter()
@@ -97,6 +97,17 @@ def _rank(rank: int, world: int, transport: str, layers: int, collocated: bool) 
             header.append((marks[0] - t) * 1e3)
         clock["posted"].append(posts[0] if posts else float("nan"))
         clock["seen"].append(marks[0] if marks else float("nan"))
+    if warm_profile:  # the host's work of warm refits alone (the device idle and ranks aligned before each)
+        warm = cProfile.Profile()
+        for _ in range(50):
+            torch.cuda.synchronize()
+            dist.barrier()
+            warm.enable()
+            r.refit()
+            warm.disable()
+        text = io.StringIO()
+        pstats.Stats(warm, stream=text).sort_stats("tottime").print_stats(22)
+        lines.append(f"rank {rank}: 50 warm refits, by own time\n" + "\n".join(text.getvalue().splitlines()[4:34]))
     med = lambda xs: sorted(xs)[len(xs) // 2] if xs else float("nan")  # noqa: E731
     lines.append(f"rank {rank}: refit wall ms median {med(whole):.3f}; host returned after {med(launched):.3f}, "
                  f"header arrived after {med(header):.3f}; device start-to-end {med(device):.3f}")
@@ -142,10 +153,12 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=20)
     p.add_argument("--collocated", action="store_true")
     p.add_argument("--nproc", type=int, default=2, help="processes (collocated only: TP2 x DP over them)")
+    p.add_argument("--warm-profile", action="store_true", help="also profile 50 warm refits per rank")
     args = p.parse_args()
     if args.nproc != 2 and not args.collocated:
         p.error("--nproc other than 2 needs --collocated")
-    results = run_world(_rank, args.nproc, args.transport, args.layers, args.collocated, backend="gloo", timeout=600)
+    results = run_world(_rank, args.nproc, args.transport, args.layers, args.collocated, args.warm_profile,
+                        backend="gloo", timeout=600)
     for text, _ in results:
         print(text)
     print(_skew([clock for _, clock in results]))
