@@ -5,9 +5,10 @@ and plain ones where a program is made of many mid-sized copies (both by default
 merge, at least half of their bytes in copies below ``MID_COPY_BYTES``:
 :func:`mostly_mid_sized`) moves its plain large copies in one batched launch where it
 can, from ``batched.BATCH_MIN_COPIES`` of them (``execute.batched``, 1.011-1.015x on the
-device for the qwen3-shaped preset on an H200); where the batched kernel cannot be
-built, a program of at least ``KERNEL_MIN_COPIES`` such copies runs them as elementwise
-kernels instead of memcpy nodes; other programs keep memcpy nodes (:func:`sm_copy_below`). The figures
+device for the qwen3-shaped preset on an H200); in a program of at least
+``KERNEL_MIN_COPIES`` such copies, the large plain copies the batch does not take (all of
+them where the batched kernel cannot be built) run as elementwise kernels instead of
+memcpy nodes; other programs keep memcpy nodes (:func:`sm_copy_below`). The figures
 below are from before the batched kernel, with every plain large copy per copy:
 Measured on one H200 (``benchmarks/mid_copy_lab.py``, ``benchmarks/h200_mid_check.sh``;
 BENCHMARKS.md "Mid-sized copies"), device time of the program's graph over the copy
