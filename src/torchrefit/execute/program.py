@@ -197,7 +197,10 @@ class Program:
         :meth:`check_storage` (O(tensors) host time): the caller calls it itself when
         storage may have moved (``Refitter(watch="manual")`` and ``Refitter.rebind``)."""
         # Before any copy, never after: a caller may re-use the old storage (an engine
-        # that swaps weight buffers), so even one replay into it would corrupt.
+        # that swaps weight buffers), so even one replay into it would corrupt. Nor in
+        # stages overlapping the copies (check a part, replay its copies, check the
+        # next): a tensor that no longer fits, found in a later stage, would raise after
+        # earlier stages wrote, leaving a torn model (DESIGN.md invariant 2).
         if check:
             self.check_storage()
         c = self.compiled
