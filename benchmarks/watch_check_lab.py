@@ -16,6 +16,11 @@ microseconds, min over repeats; nothing else runs).
   was 612 ns a tensor on an H100 host, the pointers 153): the pointers, then ``stride()``
   and ``numel()`` per tensor against lists taken when compiling. With the pointer
   unchanged these catch a transposed or re-strided view and a narrower one.
+* ``native_views`` and ``native_bindings``: the same two answers from the optional C++
+  loops (``torchrefit._native_watch``), where ``torchrefit native build`` built them;
+  ``bindings`` and ``views`` above are then the Python forms, timed with it off.
+* ``every_refit_host_us``: a whole refit's host time with ``watch="every"`` as it runs
+  (native where built).
 
     python benchmarks/watch_check_lab.py --preset qwen3-30b-a3b --layers 8 [--json OUT]
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import timeit
+from dataclasses import replace
 
 import torch
 
@@ -46,6 +52,15 @@ def main() -> None:
     r = tr.Refitter(src, dst)
     r.refit()
     program = r._program
+    fast_views, fast_bindings = program.compiled.native, [b._fast() for b in r._bindings.values()]
+    if fast_views is not None:
+        out_native = {"native_views_us": best_us(fast_views.unchanged),
+                      "native_bindings_us": best_us(lambda: [f.unchanged() for f in fast_bindings if f])}
+    else:
+        out_native = {"native": "not built (torchrefit native build)"}
+    program.compiled = replace(program.compiled, native=None)  # the Python forms below
+    for b in r._bindings.values():
+        b._native_ok = False
     watched = list(program.compiled.watched)
     pointers = list(program.compiled.pointers)
     out = {"preset": args.preset, "layers": args.layers, "device": str(device), "watched": len(watched),
@@ -62,6 +77,10 @@ def main() -> None:
         lambda: list(map(torch.Tensor.data_ptr, watched)) != pointers
         or list(map(torch.Tensor.stride, watched)) != strides or list(map(torch.Tensor.numel, watched)) != numels)
     out["manual_refit_host_us"] = best_us(lambda: program.run(False), number=20)
+    out.update(out_native)
+    every = tr.Refitter(src, dst)  # a fresh one: native where built
+    every.refit()
+    out["every_refit_host_us"] = best_us(every.refit, number=20)
     report_and_leave(out, args.json)
 
 

@@ -1,4 +1,4 @@
-"""The ``torchrefit`` command line: ``demo``, ``bench`` and ``plan``."""
+"""The ``torchrefit`` command line: ``demo``, ``bench``, ``plan`` and ``native``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     from . import demo
     demo.add_parser(sub)
-    for name in ("bench", "plan"):
+    for name in ("bench", "plan", "native"):
         try:
             module = __import__(f"torchrefit.cli.{name}", fromlist=["add_parser"])
         except ImportError:

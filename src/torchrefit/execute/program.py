@@ -29,6 +29,7 @@ import torch
 
 from .._caller_state import outside_inference
 from .._gc_pause import gc_paused
+from .._native_watch import views_check
 from ..errors import LayoutError
 from ..layout._types import Box
 from ..layout.binding import Meta, check_same_meta, meta_of
@@ -69,6 +70,7 @@ class Compiled:
     refs: tuple[torch.Tensor, ...]  # detached aliases of ``watched`` as compiled
     quantize: Quantizes
     metas: tuple[tuple[str, str, Meta], ...]  # side, key, what the tensor was
+    native: object | None = None  # ``_native_watch.views_check`` of watched and refs, where built
 
     @property
     def exchanges(self) -> bool:
@@ -148,8 +150,9 @@ class Program:
         used = views.used()  # after aliasing, which moves destination storage
         watched = tuple(t for _, _, t in used)
         metas = tuple((side, key, meta_of(t)) for side, key, t in used)
+        refs = tuple(views.base(side, key) for side, key, _ in used)
         return Compiled(local, rounds, one_sided, tuple(shared), watched, [t.data_ptr() for t in watched],
-                        tuple(views.base(side, key) for side, key, _ in used), quantize, metas)
+                        refs, quantize, metas, views_check(watched, refs))
 
     # ------------------------------------------------------------ compiled state
     @property
@@ -179,6 +182,8 @@ class Program:
         # taken when compiling (same storage, offset, sizes and strides; strides and
         # sizes read apart cost more)
         c = self.compiled
+        if c.native is not None and c.native.unchanged():  # the same answer in one C++ loop
+            return False
         return (list(map(torch.Tensor.data_ptr, c.watched)) != c.pointers
                 or not all(map(torch.Tensor.is_set_to, c.watched, c.refs)))
 

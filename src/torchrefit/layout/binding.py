@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .._identity import identity
+from .._native_watch import holders_check
 from ..errors import LayoutError
 from .walk import named_modules
 
@@ -69,6 +70,10 @@ class Binding:
         # keeps the per-refit check in C (half the host time of a Python helper per
         # tensor: qwen3-30b-a3b, 8 layers, holds 4218 tensors); mapping models may not be
         self._get = dict.get if all(type(d) is dict for d in self._dicts) else _get
+        # the same check as one C++ loop where it was built (``_native_watch``): plain
+        # dicts holding the described tensors themselves only; None: not made yet
+        self._native_ok = self._get is dict.get and not self._any_local
+        self._native = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -77,6 +82,9 @@ class Binding:
         """Keys whose holder now holds another tensor (None: it holds nothing), with it.
         Called before every refit: C-level passes (no Python frame per tensor) where
         nothing changed."""
+        fast = self._fast()
+        if fast is not None and fast.unchanged():
+            return {}
         now = list(map(self._get, self._dicts, self._names))
         if self._any_local:
             now = [_local_of(t) if local else t for t, local in zip(now, self._local)]
@@ -93,7 +101,16 @@ class Binding:
             check_same_meta(self.side, key, meta_of(tensors[key]), new, rank)
             out[key] = new
         self._held = [out[k] for k in self.keys]
+        self._native = None  # it holds the old tensors
         return out
+
+    def _fast(self):
+        """The native check of these holders, made once per held set; None without it."""
+        if not self._native_ok:
+            return None
+        if self._native is None:
+            self._native = holders_check(self._dicts, self._names, self._held) or False
+        return self._native or None
 
 
 def check_same_meta(side: str, key: str, was: Meta, new: torch.Tensor | None, rank: int) -> None:

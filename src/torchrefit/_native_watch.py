@@ -1,0 +1,227 @@
+"""``watch="every"``'s per-refit checks as one C++ loop each, where the user built it.
+
+Before every refit a rank checks that each tensor it was described with is still the
+one its module holds (``layout.binding.Binding.changed``) and that each compiled view
+still has its storage, offset, sizes, strides and address
+(``execute.program.Program.storage_moved``). In Python that is one C call per tensor
+and check: on an H200's host the qwen3-shaped toy's 2091 tensors a side took 2.1 ms per
+refit (BENCHMARKS.md "Twentieth session"), 40% over its 5.2 ms copy floor. Here the same
+two answers come from one call each, a loop over handles taken when compiling.
+
+It is optional and never built implicitly (a compiler running inside a trainer would
+take a core for half a minute): ``torchrefit native build`` (or :func:`build`) compiles
+it once per environment, with the C++ compiler and torch's headers, into the cache directory
+(``execute.kernel_cache``'s root, ``.../torchrefit/native``), filed under a hash of the
+source, torch's and Python's versions; :func:`module` imports it when it is there and
+returns None otherwise, or with ``TORCHREFIT_NATIVE_WATCH=0``. Without it the Python
+checks run, as before.
+
+Each native answer is a fast path only: True means nothing changed (the same conditions
+as ``Tensor.is_set_to`` plus the address, and the same identity as the Python binding
+check); False sends the caller to the Python check, which finds what changed and
+raises or recompiles as before. So a wrong "changed" costs time, never a byte.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import platform
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+__all__ = ["NATIVE_ENV", "SOURCE", "build", "built_path", "module", "views_check", "holders_check"]
+
+NATIVE_ENV = "TORCHREFIT_NATIVE_WATCH"
+_NAME = "torchrefit_native_watch"
+_log = logging.getLogger("torchrefit")
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <vector>
+
+// Compiled views of a program: unchanged() is true iff every tensor still has the
+// storage, offset, sizes and strides of its alias taken when compiling
+// (Tensor.is_set_to) and its data at the address it had then (a storage resized in
+// place keeps its identity, not its address).
+struct Views {
+  std::vector<at::Tensor> watched, refs;
+  std::vector<intptr_t> addresses;
+  std::vector<char> readable;  // its storage could be read when compiling
+
+  static intptr_t address(const c10::TensorImpl* t) {
+    return reinterpret_cast<intptr_t>(t->storage().data()) + t->storage_offset() * t->itemsize();
+  }
+
+  Views(std::vector<at::Tensor> w, std::vector<at::Tensor> r) : watched(std::move(w)), refs(std::move(r)) {
+    TORCH_CHECK(watched.size() == refs.size(), "torchrefit: watched and refs differ in length");
+    for (const auto& t : watched) {
+      const auto* impl = t.unsafeGetTensorImpl();
+      intptr_t at = 0;
+      bool ok = false;
+      try {
+        if (impl->has_storage()) {
+          at = address(impl);
+          ok = true;
+        }
+      } catch (const std::exception&) {  // a tensor whose storage cannot be read: never "unchanged"
+      }
+      addresses.push_back(at);
+      readable.push_back(ok);
+    }
+  }
+
+  bool unchanged() const {
+    try {
+      for (size_t i = 0; i < watched.size(); ++i) {
+        const auto* a = watched[i].unsafeGetTensorImpl();
+        const auto* b = refs[i].unsafeGetTensorImpl();
+        if (!readable[i] || !a->has_storage() || !b->has_storage()) return false;
+        if (a->storage().unsafeGetStorageImpl() != b->storage().unsafeGetStorageImpl()
+            || a->storage_offset() != b->storage_offset()
+            || a->sizes() != b->sizes() || a->strides() != b->strides()
+            || address(a) != addresses[i]) return false;
+      }
+    } catch (const std::exception&) {  // the Python check decides (and raises, if it must)
+      return false;
+    }
+    return true;
+  }
+};
+
+// A model's holders of its described tensors: unchanged() is true iff every dict still
+// maps its name to the very object held (module._parameters / _buffers are dicts).
+struct Holders {
+  std::vector<pybind11::object> dicts, names, held;
+
+  Holders(std::vector<pybind11::object> d, std::vector<pybind11::object> n, std::vector<pybind11::object> h)
+      : dicts(std::move(d)), names(std::move(n)), held(std::move(h)) {
+    TORCH_CHECK(dicts.size() == names.size() && names.size() == held.size(),
+                "torchrefit: holders differ in length");
+    for (const auto& d : dicts) TORCH_CHECK(PyDict_CheckExact(d.ptr()), "torchrefit: a holder is not a dict");
+  }
+
+  bool unchanged() const {
+    for (size_t i = 0; i < dicts.size(); ++i) {
+      PyObject* now = PyDict_GetItemWithError(dicts[i].ptr(), names[i].ptr());  // borrowed
+      if (now != held[i].ptr()) {
+        PyErr_Clear();
+        return false;
+      }
+    }
+    return true;
+  }
+};
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<Views>(m, "Views")
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>>())
+      .def("unchanged", &Views::unchanged);
+  pybind11::class_<Holders>(m, "Holders")
+      .def(pybind11::init<std::vector<pybind11::object>, std::vector<pybind11::object>,
+                          std::vector<pybind11::object>>())
+      .def("unchanged", &Holders::unchanged);
+}
+"""
+
+_loaded: dict[Path, ModuleType | None] = {}
+
+
+def built_path() -> Path | None:
+    """Where this environment's build lives (a folder keyed by the source and the torch
+    and Python it was built for), or None where the cache is off."""
+    from .execute.kernel_cache import cache_dir  # here: execute imports this module's users
+
+    root = cache_dir()
+    return None if root is None else root.parent / "native" / f"watch-{_key()}"
+
+
+@functools.cache
+def _key() -> str:
+    made_of = (SOURCE, torch.__version__, str(torch.version.git_version), sys.version, platform.machine())
+    return hashlib.sha256("\n".join(made_of).encode()).hexdigest()[:24]
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the module for this environment and return the built file: one call of
+    the C++ compiler (``$CXX``, else ``c++``) with torch's headers and libraries, as
+    torch's ``cpp_extension`` would call it, without needing ninja; tens of seconds.
+    The file is written aside and renamed into place, so ranks building at once never
+    import half of one."""
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    where = built_path()
+    if where is None:
+        raise RuntimeError("the kernel cache is off (TORCHREFIT_KERNEL_CACHE=0): nowhere to build into")
+    where.mkdir(parents=True, exist_ok=True)
+    source = where / "main.cpp"
+    source.write_text(SOURCE)
+    out = _library(where)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+    command = [os.environ.get("CXX", "c++"), "-O2", "-fPIC", "-shared", "-std=c++17",
+               f"-DTORCH_EXTENSION_NAME={_NAME}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+               f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+               *(f"-isystem{p}" for p in (*include_paths(), sysconfig.get_paths()["include"])),
+               str(source), "-o", str(tmp),
+               *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python"]
+    if verbose:
+        print(" ".join(command))
+    done = subprocess.run(command, capture_output=not verbose, text=True)
+    if done.returncode:
+        tail = (done.stderr or "").strip().splitlines()[-12:]
+        raise RuntimeError(f"{command[0]} exited with {done.returncode}:\n" + "\n".join(tail))
+    os.replace(tmp, out)
+    _loaded.pop(where, None)
+    return out
+
+
+def _library(where: Path) -> Path:
+    return where / f"{_NAME}.so"
+
+
+def module() -> ModuleType | None:
+    """The built module, imported once per process; None where it was not built for this
+    environment, cannot be imported, or ``TORCHREFIT_NATIVE_WATCH=0``."""
+    if os.environ.get(NATIVE_ENV, "").strip() == "0":
+        return None
+    where = built_path()
+    if where is None:
+        return None
+    if where not in _loaded:
+        _loaded[where] = _import(_library(where))
+    return _loaded[where]
+
+
+def _import(path: Path) -> ModuleType | None:
+    if not path.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(_NAME, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    except Exception as e:  # noqa: BLE001 (a broken build: the Python checks run instead)
+        _log.warning("torchrefit: the native watch check at %s could not be loaded (%s); "
+                     "using the Python checks", path, e)
+        return None
+    return mod
+
+
+def views_check(watched: tuple[torch.Tensor, ...], refs: tuple[torch.Tensor, ...]):
+    """A native ``unchanged()`` over compiled views, or None without the module."""
+    mod = module()
+    return None if mod is None else mod.Views(list(watched), list(refs))
+
+
+def holders_check(dicts: list, names: list[str], held: list):
+    """A native ``unchanged()`` over a binding's holders (all plain dicts), or None."""
+    mod = module()
+    return None if mod is None else mod.Holders(dicts, names, held)

@@ -1,0 +1,35 @@
+"""``torchrefit native build|status``: the optional C++ form of ``watch="every"``'s
+per-refit checks (``torchrefit._native_watch``), built once per environment."""
+
+from __future__ import annotations
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("native", help="build or show the optional C++ per-refit checks",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("action", choices=("build", "status"),
+                   help="build: compile it for this torch and Python (a C++ compiler and ninja "
+                        "needed); status: whether it is built and will be used")
+    p.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    p.set_defaults(run=_run)
+
+
+def _run(args) -> int:
+    from torchrefit import _native_watch as native
+
+    if args.action == "build":
+        try:
+            path = native.build(verbose=args.verbose)
+        except Exception as e:  # noqa: BLE001 (no compiler, no ninja, read-only cache: say so)
+            print(f"torchrefit native: the build failed ({type(e).__name__}: {e}); "
+                  "refits use the Python checks")
+            return 1
+        print(f"torchrefit native: built {path}")
+    where = native.built_path()
+    used = native.module() is not None
+    print(f"torchrefit native: {'used' if used else 'not used'} "
+          f"({where if where is not None else 'the kernel cache is off'}"
+          f"{'' if used or where is None else ': not built there, or ' + native.NATIVE_ENV + '=0'})")
+    return 0 if used or args.action == "status" else 1

@@ -1,0 +1,202 @@
+"""The optional C++ form of ``watch="every"``'s per-refit checks (``torchrefit._native_watch``).
+
+Built once here into a temporary cache (skipped where no C++ compiler builds it). Its
+two answers must be "unchanged" exactly when the Python checks' are, for every way a
+tensor or its holder changes (the Python expressions are the oracle, computed apart);
+and a Refitter that has it must use it and still refit exactly after each change
+(oracle: the source model's tensors, read directly).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import torchrefit as tr
+from torchrefit import _native_watch as native
+from torchrefit.layout.binding import Binding
+from torchrefit.testing import run_world
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> str:
+    cache = str(tmp_path_factory.mktemp("native") / "kernels")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("TORCHREFIT_KERNEL_CACHE", cache)
+    patch.delenv(native.NATIVE_ENV, raising=False)
+    try:
+        native.build()
+    except Exception as e:  # noqa: BLE001 (no compiler or ninja here)
+        patch.undo()
+        pytest.skip(f"the native watch check could not be built here: {type(e).__name__}: {e}")
+    assert native.module() is not None
+    yield cache
+    patch.undo()
+
+
+def _params(n: int = 4) -> list[nn.Parameter]:
+    """``n`` 8 x 8 weights and an empty one (no bytes, still "unchanged" when it is)."""
+    return [*(nn.Parameter(torch.randn(8, 8)) for _ in range(n)), nn.Parameter(torch.empty(0, 8))]
+
+
+def _python_unchanged(watched: list[torch.Tensor], refs: list[torch.Tensor], pointers: list[int]) -> bool:
+    return (list(map(torch.Tensor.data_ptr, watched)) == pointers
+            and all(map(torch.Tensor.is_set_to, watched, refs)))
+
+
+def _resize_in_place(p: torch.Tensor) -> torch.Tensor:
+    """Resize ``p``'s storage to 0 and back, its freed bytes taken by a tensor of the
+    same size in between (the allocator's most recent free block of that size), so
+    that the storage comes back elsewhere; returns that tensor (keep it alive)."""
+    storage = p.untyped_storage()
+    n = storage.nbytes()
+    storage.resize_(0)
+    filler = torch.empty(n, dtype=torch.uint8)
+    storage.resize_(n)
+    return filler
+
+
+def _offset(p: torch.Tensor) -> None:
+    base = torch.randn(65)
+    p.data = base[1:].view(8, 8)
+
+
+VIEW_CHANGES: dict[str, Callable[[torch.Tensor], object]] = {
+    "moved": lambda p: setattr(p, "data", torch.randn(8, 8)),
+    "transposed in place (square: same sizes)": lambda p: setattr(p, "data", p.data.t()),
+    "narrower": lambda p: setattr(p, "data", p.data[:4]),
+    "flattened": lambda p: setattr(p, "data", p.data.view(-1)),
+    "offset": _offset,
+    "set_ to another storage": lambda p: p.set_(torch.randn(8, 8).untyped_storage(), 0, (8, 8), (8, 1)),
+}
+
+
+@pytest.mark.parametrize("change", ["none", *VIEW_CHANGES])
+def test_views_answer_as_the_python_check(built: str, change: str) -> None:
+    params = _params()
+    refs = [p.detach() for p in params]
+    check = native.views_check(tuple(params), tuple(refs))
+    pointers = [p.data_ptr() for p in params]
+    assert check.unchanged() and _python_unchanged(params, refs, pointers)
+    if change != "none":
+        with torch.no_grad():
+            VIEW_CHANGES[change](params[2])
+        assert not _python_unchanged(params, refs, pointers)
+    assert check.unchanged() is _python_unchanged(params, refs, pointers)
+
+
+def test_a_storage_resized_in_place_is_seen_wherever_its_address_moved(built: str) -> None:
+    """FSDP's resize to 0 and back keeps the storage and may move its bytes: the
+    answer must follow the address, as the Python check's pointers do."""
+    params = _params()
+    refs = [p.detach() for p in params]
+    check = native.views_check(tuple(params), tuple(refs))
+    pointers = [p.data_ptr() for p in params]
+    filler = _resize_in_place(params[1])
+    assert params[1].data_ptr() != pointers[1], "the storage came back at its address: nothing tested"
+    assert params[1].untyped_storage()._cdata == refs[1].untyped_storage()._cdata  # the same storage
+    assert not _python_unchanged(params, refs, pointers) and not check.unchanged()
+    del filler
+
+
+def test_restored_views_are_unchanged_again(built: str) -> None:
+    params = _params()
+    refs = [p.detach() for p in params]
+    check = native.views_check(tuple(params), tuple(refs))
+    with torch.no_grad():
+        params[0].data = params[0].data.t()
+        assert not check.unchanged()
+        params[0].data = refs[0]
+    assert check.unchanged()
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8, bias=False)
+        self.register_buffer("scale", torch.ones(8))
+
+
+HOLDER_CHANGES: dict[str, Callable[[_Net], object]] = {
+    "parameter replaced": lambda m: setattr(m.a, "weight", nn.Parameter(torch.randn(8, 8))),
+    "buffer replaced": lambda m: setattr(m, "scale", torch.zeros(8)),
+    "parameter removed": lambda m: m.b._parameters.pop("weight"),
+    "set to None": lambda m: setattr(m.a, "bias", None),
+}
+
+
+@pytest.mark.parametrize("change", ["none", "the same tensor set again", *HOLDER_CHANGES])
+def test_holders_answer_as_the_python_check(built: str, change: str) -> None:
+    model = _Net()
+    binding = Binding(model, dict(model.state_dict(keep_vars=True)), "dst")
+    fast = binding._fast()
+    assert fast is not None and fast.unchanged()
+
+    def python_unchanged() -> bool:
+        return all(d.get(n) is h for d, n, h in zip(binding._dicts, binding._names, binding._held))
+
+    if change == "the same tensor set again":
+        model.a.weight = model.a.weight
+    elif change != "none":
+        HOLDER_CHANGES[change](model)
+        assert not python_unchanged()
+    assert fast.unchanged() is python_unchanged()
+    assert (binding.changed() == {}) is python_unchanged()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8).clone()
+
+
+def _native_world(rank: int, world: int) -> dict:
+    src, dst = _Net(), _Net()
+    r = tr.Refitter(src, dst)  # watch="every", the default
+    out: dict = {"native views": None, "native holders": [], "wrong": []}
+
+    def refit_and_compare(step: str) -> None:
+        with torch.no_grad():
+            for p in src.parameters():
+                p.add_(1.0)
+        r.refit()
+        want = {k: _bits(v) for k, v in src.state_dict().items()}
+        got = {k: _bits(v) for k, v in dst.state_dict().items()}
+        out["wrong"] += [f"{k} after {step}" for k in want if not torch.equal(want[k], got[k])]
+
+    refit_and_compare("the first refit")
+    out["native views"] = r._program.compiled.native is not None and r._program.compiled.native.unchanged()
+    out["native holders"] = [b._fast() is not None and b._fast().unchanged() for b in r._bindings.values()]
+    with torch.no_grad():
+        dst.a.weight.data = torch.zeros(8, 8)  # the engine re-allocated a weight
+        refit_and_compare("a destination moved")
+        dst.b.weight.data = dst.b.weight.data.t()  # re-viewed in place, same sizes
+        refit_and_compare("a destination transposed in place")
+        src.a.weight.data = src.a.weight.data.clone()  # the trainer's storage moved
+        refit_and_compare("a source moved")
+    dst.a.weight = nn.Parameter(torch.zeros(8, 8))  # replaced in its module
+    refit_and_compare("a destination replaced")
+    out["native again"] = r._program.compiled.native is not None and r._program.compiled.native.unchanged()
+    return out
+
+
+def test_a_refitter_uses_it_and_refits_exactly_after_every_change(built: str) -> None:
+    assert os.environ["TORCHREFIT_KERNEL_CACHE"] == built  # the spawned rank finds the build
+    (got,) = run_world(_native_world, 1, timeout=120)
+    assert got["wrong"] == [], got
+    assert got["native views"] and got["native holders"] and all(got["native holders"]), got
+    assert got["native again"], got
+
+
+def test_off_with_the_variable_or_unbuilt(built: str, monkeypatch: pytest.MonkeyPatch,
+                                          tmp_path) -> None:
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    assert native.module() is None and native.views_check((), ()) is None
+    monkeypatch.delenv(native.NATIVE_ENV)
+    monkeypatch.setenv("TORCHREFIT_KERNEL_CACHE", str(tmp_path / "kernels"))  # nothing built there
+    assert native.module() is None
+    monkeypatch.setenv("TORCHREFIT_KERNEL_CACHE", "0")
+    assert native.built_path() is None and native.module() is None
