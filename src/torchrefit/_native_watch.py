@@ -162,7 +162,7 @@ def build(verbose: bool = False) -> Path:
     if where is None:
         raise RuntimeError("the kernel cache is off (TORCHREFIT_KERNEL_CACHE=0): nowhere to build into")
     where.mkdir(parents=True, exist_ok=True)
-    source = where / "main.cpp"
+    source = where / f"main.{os.getpid()}.cpp"  # this process's own: another may be writing its
     source.write_text(SOURCE)
     out = _library(where)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
@@ -180,6 +180,7 @@ def build(verbose: bool = False) -> Path:
         tail = (done.stderr or "").strip().splitlines()[-12:]
         raise RuntimeError(f"{command[0]} exited with {done.returncode}:\n" + "\n".join(tail))
     os.replace(tmp, out)
+    source.unlink(missing_ok=True)
     _loaded.pop(where, None)
     return out
 
