@@ -11,7 +11,7 @@ two answers come from one call each, a loop over handles taken when compiling.
 It is optional and never built implicitly (a compiler running inside a trainer would
 take a core for half a minute): ``torchrefit native build`` (or :func:`build`) compiles
 it once per environment, with the C++ compiler and torch's headers, into the cache directory
-(``execute.kernel_cache``'s root, ``.../torchrefit/native``), filed under a hash of the
+(``_cache_dir``'s root, ``.../torchrefit/native``), filed under a hash of the
 source, torch's and Python's versions; :func:`module` imports it when it is there and
 returns None otherwise, or with ``TORCHREFIT_NATIVE_WATCH=0``. Without it the Python
 checks run, as before.
@@ -37,6 +37,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from ._cache_dir import cache_dir
 
 __all__ = ["NATIVE_ENV", "SOURCE", "build", "built_path", "module", "views_check", "holders_check"]
 
@@ -138,8 +140,6 @@ _loaded: dict[Path, ModuleType | None] = {}
 def built_path() -> Path | None:
     """Where this environment's build lives (a folder keyed by the source and the torch
     and Python it was built for), or None where the cache is off."""
-    from .execute.kernel_cache import cache_dir  # here: execute imports this module's users
-
     root = cache_dir()
     return None if root is None else root.parent / "native" / f"watch-{_key()}"
 

@@ -17,20 +17,9 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from .._cache_dir import CACHE_ENV, cache_dir
+
 __all__ = ["CACHE_ENV", "cache_dir", "cached", "forget"]
-
-CACHE_ENV = "TORCHREFIT_KERNEL_CACHE"
-
-
-def cache_dir() -> Path | None:
-    """The cache's directory, or None where ``TORCHREFIT_KERNEL_CACHE=0``."""
-    raw = os.environ.get(CACHE_ENV, "").strip()
-    if raw == "0":
-        return None
-    if raw:
-        return Path(raw)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "torchrefit" / "kernels"
 
 
 def _path(directory: Path, name: str, key: str) -> Path:

@@ -1,0 +1,27 @@
+"""Where torchrefit keeps what it compiled, for later processes on the machine: compiled
+kernel images (``execute.kernel_cache``) in this directory, the optional native watch
+check (``_native_watch``) next to it.
+
+``TORCHREFIT_KERNEL_CACHE`` (a directory; ``0`` turns the cache off), else
+``$XDG_CACHE_HOME/torchrefit/kernels`` or ``~/.cache/torchrefit/kernels``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["CACHE_ENV", "cache_dir"]
+
+CACHE_ENV = "TORCHREFIT_KERNEL_CACHE"
+
+
+def cache_dir() -> Path | None:
+    """The cache's directory, or None where ``TORCHREFIT_KERNEL_CACHE=0``."""
+    raw = os.environ.get(CACHE_ENV, "").strip()
+    if raw == "0":
+        return None
+    if raw:
+        return Path(raw)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "torchrefit" / "kernels"
