@@ -10,7 +10,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("native", help="build or show the optional C++ per-refit checks",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("action", choices=("build", "status"),
-                   help="build: compile it for this torch and Python (a C++ compiler and ninja "
+                   help="build: compile it for this torch and Python (a C++ compiler "
                         "needed); status: whether it is built and will be used")
     p.add_argument("--verbose", action="store_true", help="show the compiler's output")
     p.set_defaults(run=_run)
@@ -22,7 +22,7 @@ def _run(args) -> int:
     if args.action == "build":
         try:
             path = native.build(verbose=args.verbose)
-        except Exception as e:  # noqa: BLE001 (no compiler, no ninja, read-only cache: say so)
+        except Exception as e:  # noqa: BLE001 (no compiler, a read-only cache: say so)
             print(f"torchrefit native: the build failed ({type(e).__name__}: {e}); "
                   "refits use the Python checks")
             return 1
