@@ -200,3 +200,14 @@ def test_off_with_the_variable_or_unbuilt(built: str, monkeypatch: pytest.Monkey
     assert native.module() is None
     monkeypatch.setenv("TORCHREFIT_KERNEL_CACHE", "0")
     assert native.built_path() is None and native.module() is None
+
+
+def test_the_command_says_whether_refits_use_it(built: str, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture) -> None:
+    from torchrefit.cli import main
+
+    assert main(["native", "status"]) == 0
+    assert "torchrefit native: used (" in capsys.readouterr().out
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    assert main(["native", "status"]) == 0
+    assert "torchrefit native: not used (" in capsys.readouterr().out
