@@ -55,7 +55,11 @@ SOURCE = r"""
 // (Tensor.is_set_to) and its data at the address it had then (a storage resized in
 // place keeps its identity, not its address).
 struct Views {
-  std::vector<at::Tensor> watched, refs;
+  std::vector<at::Tensor> watched, refs;  // refs keep each storage as compiled alive: its
+                                          // identity cannot pass to a new storage
+  std::vector<const c10::StorageImpl*> storages;
+  std::vector<int64_t> offsets, shapes;  // shapes: each tensor's sizes then strides, flat
+  std::vector<size_t> starts;            // where each tensor's sizes begin in shapes
   std::vector<intptr_t> addresses;
   std::vector<char> readable;  // its storage could be read when compiling
 
@@ -65,32 +69,45 @@ struct Views {
 
   Views(std::vector<at::Tensor> w, std::vector<at::Tensor> r) : watched(std::move(w)), refs(std::move(r)) {
     TORCH_CHECK(watched.size() == refs.size(), "torchrefit: watched and refs differ in length");
-    for (const auto& t : watched) {
-      const auto* impl = t.unsafeGetTensorImpl();
-      intptr_t at = 0;
+    for (size_t i = 0; i < watched.size(); ++i) {
+      const auto* t = watched[i].unsafeGetTensorImpl();
+      const auto* ref = refs[i].unsafeGetTensorImpl();
       bool ok = false;
-      try {
-        if (impl->has_storage()) {
-          at = address(impl);
-          ok = true;
+      const c10::StorageImpl* storage = nullptr;
+      intptr_t at = 0;
+      try {  // as compiled, the tensor is its ref (is_set_to); a storage that cannot be read: never "unchanged"
+        if (t->has_storage() && ref->has_storage()) {
+          storage = ref->storage().unsafeGetStorageImpl();
+          at = address(t);
+          ok = t->storage().unsafeGetStorageImpl() == storage;
         }
-      } catch (const std::exception&) {  // a tensor whose storage cannot be read: never "unchanged"
+      } catch (const std::exception&) {
+      }
+      storages.push_back(storage);
+      offsets.push_back(ok ? ref->storage_offset() : 0);
+      starts.push_back(shapes.size());
+      if (ok) {
+        shapes.insert(shapes.end(), ref->sizes().begin(), ref->sizes().end());
+        shapes.insert(shapes.end(), ref->strides().begin(), ref->strides().end());
       }
       addresses.push_back(at);
-      readable.push_back(ok);
+      readable.push_back(ok && t->sizes() == ref->sizes() && t->strides() == ref->strides()
+                         && t->storage_offset() == ref->storage_offset());
     }
   }
 
   bool unchanged() const {
     try {
       for (size_t i = 0; i < watched.size(); ++i) {
+        if (!readable[i]) return false;
         const auto* a = watched[i].unsafeGetTensorImpl();
-        const auto* b = refs[i].unsafeGetTensorImpl();
-        if (!readable[i] || !a->has_storage() || !b->has_storage()) return false;
-        if (a->storage().unsafeGetStorageImpl() != b->storage().unsafeGetStorageImpl()
-            || a->storage_offset() != b->storage_offset()
-            || a->sizes() != b->sizes() || a->strides() != b->strides()
-            || address(a) != addresses[i]) return false;
+        if (!a->has_storage() || a->storage().unsafeGetStorageImpl() != storages[i]
+            || a->storage_offset() != offsets[i]) return false;
+        const auto sizes = a->sizes();
+        const size_t dim = sizes.size();
+        if (starts[i] + 2 * dim != (i + 1 < starts.size() ? starts[i + 1] : shapes.size())) return false;
+        const c10::IntArrayRef was(shapes.data() + starts[i], dim), was_strides(shapes.data() + starts[i] + dim, dim);
+        if (sizes != was || a->strides() != was_strides || address(a) != addresses[i]) return false;
       }
     } catch (const std::exception&) {  // the Python check decides (and raises, if it must)
       return false;
