@@ -211,3 +211,11 @@ def test_the_command_says_whether_refits_use_it(built: str, monkeypatch: pytest.
     monkeypatch.setenv(native.NATIVE_ENV, "0")
     assert main(["native", "status"]) == 0
     assert "torchrefit native: not used (" in capsys.readouterr().out
+
+
+def test_what_it_cannot_hold_is_left_to_the_python_checks(built: str) -> None:
+    from collections import OrderedDict
+
+    t = torch.zeros(2)
+    assert native.holders_check([OrderedDict(w=t)], ["w"], [t]) is None  # not a plain dict: no raise
+    assert native.views_check((t,), ()) is None  # mismatched lists

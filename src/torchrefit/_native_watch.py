@@ -61,7 +61,7 @@ struct Views {
   std::vector<int64_t> offsets, shapes;  // shapes: each tensor's sizes then strides, flat
   std::vector<size_t> starts;            // where each tensor's sizes begin in shapes
   std::vector<intptr_t> addresses;
-  std::vector<char> readable;  // its storage could be read when compiling
+  std::vector<char> readable;  // when compiling, its storage could be read and it was its ref
 
   static intptr_t address(const c10::TensorImpl* t) {
     return reinterpret_cast<intptr_t>(t->storage().data()) + t->storage_offset() * t->itemsize();
@@ -235,11 +235,20 @@ def _import(path: Path) -> ModuleType | None:
 
 def views_check(watched: tuple[torch.Tensor, ...], refs: tuple[torch.Tensor, ...]):
     """A native ``unchanged()`` over compiled views, or None without the module."""
-    mod = module()
-    return None if mod is None else mod.Views(list(watched), list(refs))
+    return _made("Views", list(watched), list(refs))
 
 
 def holders_check(dicts: list, names: list[str], held: list):
     """A native ``unchanged()`` over a binding's holders (all plain dicts), or None."""
+    return _made("Holders", dicts, names, held)
+
+
+def _made(kind: str, *args):
     mod = module()
-    return None if mod is None else mod.Holders(dicts, names, held)
+    if mod is None:
+        return None
+    try:
+        return getattr(mod, kind)(*args)
+    except Exception as e:  # noqa: BLE001 (what it cannot hold, the Python checks check)
+        _log.debug("torchrefit: no native %s check here (%s); using the Python one", kind, e)
+        return None
