@@ -30,7 +30,7 @@ def built(tmp_path_factory) -> str:
     patch.delenv(native.NATIVE_ENV, raising=False)
     try:
         native.build()
-    except Exception as e:  # noqa: BLE001 (no compiler or ninja here)
+    except Exception as e:  # noqa: BLE001 (no C++ compiler here)
         patch.undo()
         pytest.skip(f"the native watch check could not be built here: {type(e).__name__}: {e}")
     assert native.module() is not None
