@@ -21,6 +21,12 @@ microseconds, min over repeats; nothing else runs).
   ``bindings`` and ``views`` above are then the Python forms, timed with it off.
 * ``every_refit_host_us``: a whole refit's host time with ``watch="every"`` as it runs
   (native where built).
+* ``..._after_wait_us``: the same, each call made right after the host waited for the
+  device (a GPU sleep of ``--wait-ms``, then ``torch.cuda.synchronize``), as the
+  benchmarks time a refit; median of 15. On a CPU, right after writing 256 MiB instead.
+  The native checks so for each ``--ahead`` (how many tensors ahead their loops fetch
+  cache lines; 0: none), and where it was built, whether the holders check is watching
+  its dicts (Python 3.12+: then it looks only after a dict changed).
 
     python benchmarks/watch_check_lab.py --preset qwen3-30b-a3b --layers 8 [--json OUT]
 """
@@ -28,12 +34,16 @@ microseconds, min over repeats; nothing else runs).
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 import timeit
 from dataclasses import replace
 
 import torch
 
 import torchrefit as tr
+import torchrefit.bench.timing
+from torchrefit._native_watch import module as native_module
 from torchrefit.bench.world import report_and_leave, tiny_toy_pair
 
 
@@ -41,11 +51,36 @@ def best_us(fn, number: int = 50, repeat: int = 9) -> float:
     return round(min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6, 2)
 
 
+def after_wait_us(fn, device: torch.device, wait_ms: float, calls: int = 15) -> float:
+    """Median host microseconds of ``fn`` called right after the host waited for the
+    device (see the module's docstring)."""
+    if device.type == "cuda":
+        cycles = int(wait_ms * tr.bench.timing.sleep_cycles_per_ms(device))
+        def wait() -> None:
+            torch.cuda._sleep(cycles)
+            torch.cuda.synchronize(device)
+    else:
+        flush = torch.zeros(256 << 20, dtype=torch.uint8)
+        def wait() -> None:
+            flush.add_(1)
+    out = []
+    for _ in range(calls):
+        wait()
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return round(statistics.median(out) * 1e6, 2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--json")
+    ap.add_argument("--wait-ms", type=float, default=7.0)
+    ap.add_argument("--ahead", type=int, nargs="*", default=[0, 16])
+    ap.add_argument("--grain", type=int, nargs="*", default=[0, 512, 1024],
+                    help="tensors per intra-op task of the native views check (0: one thread)")
     args = ap.parse_args()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     src, dst = tiny_toy_pair(args.preset, args.layers, 29633, device)
@@ -54,8 +89,22 @@ def main() -> None:
     program = r._program
     fast_views, fast_bindings = program.compiled.native, [b._fast() for b in r._bindings.values()]
     if fast_views is not None:
-        out_native = {"native_views_us": best_us(fast_views.unchanged),
-                      "native_bindings_us": best_us(lambda: [f.unchanged() for f in fast_bindings if f])}
+        def holders() -> list[bool]:
+            return [f.unchanged() for f in fast_bindings if f]
+
+        out_native = {"native_views_us": best_us(fast_views.unchanged), "native_bindings_us": best_us(holders),
+                      "native_holders_watched": [f.watched for f in fast_bindings if f]}
+        for ahead in args.ahead:
+            native_module().set_ahead(ahead)
+            out_native[f"native_views_after_wait_us_ahead{ahead}"] = after_wait_us(
+                fast_views.unchanged, device, args.wait_ms)
+            out_native[f"native_bindings_after_wait_us_ahead{ahead}"] = after_wait_us(holders, device, args.wait_ms)
+        native_module().set_ahead(16)
+        for grain in args.grain:
+            native_module().set_grain(grain)
+            out_native[f"native_views_after_wait_us_grain{grain}"] = after_wait_us(
+                fast_views.unchanged, device, args.wait_ms)
+        native_module().set_grain(0)
     else:
         out_native = {"native": "not built (torchrefit native build)"}
     program.compiled = replace(program.compiled, native=None)  # the Python forms below
@@ -77,10 +126,12 @@ def main() -> None:
         lambda: list(map(torch.Tensor.data_ptr, watched)) != pointers
         or list(map(torch.Tensor.stride, watched)) != strides or list(map(torch.Tensor.numel, watched)) != numels)
     out["manual_refit_host_us"] = best_us(lambda: program.run(False), number=20)
+    out["manual_refit_host_after_wait_us"] = after_wait_us(lambda: program.run(False), device, args.wait_ms)
     out.update(out_native)
     every = tr.Refitter(src, dst)  # a fresh one: native where built
     every.refit()
     out["every_refit_host_us"] = best_us(every.refit, number=20)
+    out["every_refit_host_after_wait_us"] = after_wait_us(every.refit, device, args.wait_ms)
     report_and_leave(out, args.json)
 
 

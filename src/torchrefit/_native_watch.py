@@ -48,7 +48,23 @@ _log = logging.getLogger("torchrefit")
 
 SOURCE = r"""
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <atomic>
+#include <cstdint>
 #include <vector>
+
+// How many tensors (holders) ahead the loops below ask for the next ones' cache lines;
+// 0: not at all. This and ``grain`` are settings for benchmarks/watch_check_lab.py's
+// comparisons; the defaults are what it measured best.
+static size_t ahead = 16;
+// Tensors per intra-op task of the views check; 0: one loop on the calling thread.
+static int64_t grain = 0;
+
+// Ask for the cache lines of [p, p + bytes) without waiting for them.
+static inline void prefetch(const void* p, size_t bytes) {
+  const char* at = static_cast<const char*>(p);
+  for (size_t line = 0; line < bytes; line += 64) __builtin_prefetch(at + line);
+}
 
 // Compiled views of a program: unchanged() is true iff every tensor still has the
 // storage, offset, sizes and strides of its alias taken when compiling
@@ -97,8 +113,32 @@ struct Views {
   }
 
   bool unchanged() const {
+    // Right after the host waited for the GPU these objects are out of the core's caches
+    // (an H100 host: 1.3 ms cold against 0.13 ms warm for qwen3's toy, both checks),
+    // and each tensor is a chain of dependent loads. Two ways to overlap the misses,
+    // chosen by measurement (benchmarks/watch_check_lab.py): fetch ahead (the pointers
+    // to each tensor's TensorImpl and the StorageImpl it had are known before reading
+    // them), and split the tensors over torch's intra-op threads (each core has its
+    // own caches and queue of misses; the loop reads no Python object).
+    const int64_t n = static_cast<int64_t>(watched.size());
+    if (grain <= 0 || n <= grain) return range_unchanged(0, n);
+    std::atomic<bool> all{true};
     try {
-      for (size_t i = 0; i < watched.size(); ++i) {
+      at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+        if (all.load(std::memory_order_relaxed) && !range_unchanged(begin, end)) all = false;
+      });
+    } catch (const std::exception&) {
+      return false;
+    }
+    return all;
+  }
+
+  bool range_unchanged(int64_t begin, int64_t end) const {
+    const size_t first = static_cast<size_t>(begin), last = static_cast<size_t>(end);
+    for (size_t i = first; i < last && i < first + ahead; ++i) fetch(i);
+    try {
+      for (size_t i = first; i < last; ++i) {
+        if (ahead && i + ahead < last) fetch(i + ahead);
         if (!readable[i]) return false;
         const auto* a = watched[i].unsafeGetTensorImpl();
         if (!a->has_storage() || a->storage().unsafeGetStorageImpl() != storages[i]
@@ -114,40 +154,109 @@ struct Views {
     }
     return true;
   }
+
+  void fetch(size_t i) const {  // a hint only: never faults, whatever the pointer
+    prefetch(watched[i].unsafeGetTensorImpl(), sizeof(c10::TensorImpl));
+    if (storages[i] != nullptr) prefetch(storages[i], sizeof(c10::StorageImpl));
+  }
 };
+
+#if PY_VERSION_HEX >= 0x030C0000
+// Python 3.12+: a dict watcher counts every change made to a watched dict (set, delete,
+// clear, update, ...; CPython calls it for each, as its own specializations rely on).
+// Holders whose dicts saw no change since their last full look are unchanged without
+// looking again: one comparison per refit while nothing replaces a parameter.
+static uint64_t dict_changes = 0;
+static int watcher_id = -2;  // -2: not asked for yet; -1: none to be had (all taken)
+
+static int count_change(PyDict_WatchEvent, PyObject*, PyObject*, PyObject*) {
+  ++dict_changes;
+  return 0;
+}
+
+static bool can_watch() {
+  if (watcher_id == -2) {
+    watcher_id = PyDict_AddWatcher(count_change);
+    if (watcher_id < 0) {
+      PyErr_Clear();
+      watcher_id = -1;
+    }
+  }
+  return watcher_id >= 0;
+}
+#endif
 
 // A model's holders of its described tensors: unchanged() is true iff every dict still
 // maps its name to the very object held (module._parameters / _buffers are dicts).
 struct Holders {
   std::vector<pybind11::object> dicts, names, held;
+  bool watched = false;           // every dict is watched (Python 3.12+)
+  mutable bool seen_any = false;  // a full look found them unchanged ...
+  mutable uint64_t seen_at = 0;   // ... when dict_changes was this
 
   Holders(std::vector<pybind11::object> d, std::vector<pybind11::object> n, std::vector<pybind11::object> h)
       : dicts(std::move(d)), names(std::move(n)), held(std::move(h)) {
     TORCH_CHECK(dicts.size() == names.size() && names.size() == held.size(),
                 "torchrefit: holders differ in length");
     for (const auto& d : dicts) TORCH_CHECK(PyDict_CheckExact(d.ptr()), "torchrefit: a holder is not a dict");
+#if PY_VERSION_HEX >= 0x030C0000
+    watched = can_watch();
+    for (size_t i = 0; watched && i < dicts.size(); ++i) {
+      if (PyDict_Watch(watcher_id, dicts[i].ptr()) < 0) {  // never: an exact dict, a valid id
+        PyErr_Clear();
+        watched = false;
+      }
+    }
+#endif
   }
 
   bool unchanged() const {
-    for (size_t i = 0; i < dicts.size(); ++i) {
-      PyObject* now = PyDict_GetItemWithError(dicts[i].ptr(), names[i].ptr());  // borrowed
-      if (now != held[i].ptr()) {
+#if PY_VERSION_HEX >= 0x030C0000
+    if (watched && seen_any && seen_at == dict_changes) return true;
+    const uint64_t now = dict_changes;  // the look below changes no dict
+#endif
+    // as for Views: the dicts and names ahead are fetched early, the dicts' tables
+    // (whose address is in the dict) half as far ahead, when the dict has come
+    const size_t n = dicts.size();
+    for (size_t i = 0; i < n && i < ahead; ++i) fetch(i);
+    for (size_t i = 0; i < n && i < ahead / 2; ++i) fetch_table(i);
+    for (size_t i = 0; i < n; ++i) {
+      if (ahead && i + ahead < n) fetch(i + ahead);
+      if (ahead && i + ahead / 2 < n) fetch_table(i + ahead / 2);
+      PyObject* now_held = PyDict_GetItemWithError(dicts[i].ptr(), names[i].ptr());  // borrowed
+      if (now_held != held[i].ptr()) {
         PyErr_Clear();
         return false;
       }
     }
+#if PY_VERSION_HEX >= 0x030C0000
+    seen_any = true;
+    seen_at = now;
+#endif
     return true;
+  }
+
+  void fetch(size_t i) const {
+    prefetch(dicts[i].ptr(), sizeof(PyDictObject));
+    prefetch(names[i].ptr(), 64);  // its cached hash
+  }
+
+  void fetch_table(size_t i) const {  // reads the dict's header: fetched before, by now
+    prefetch(reinterpret_cast<PyDictObject*>(dicts[i].ptr())->ma_keys, 192);
   }
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("set_ahead", [](size_t n) { ahead = n; });
+  m.def("set_grain", [](int64_t n) { grain = n; });
   pybind11::class_<Views>(m, "Views")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>>())
       .def("unchanged", &Views::unchanged);
   pybind11::class_<Holders>(m, "Holders")
       .def(pybind11::init<std::vector<pybind11::object>, std::vector<pybind11::object>,
                           std::vector<pybind11::object>>())
-      .def("unchanged", &Holders::unchanged);
+      .def("unchanged", &Holders::unchanged)
+      .def_readonly("watched", &Holders::watched);
 }
 """
 
