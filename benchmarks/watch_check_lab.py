@@ -24,9 +24,8 @@ microseconds, min over repeats; nothing else runs).
 * ``..._after_wait_us``: the same, each call made right after the host waited for the
   device (a GPU sleep of ``--wait-ms``, then ``torch.cuda.synchronize``), as the
   benchmarks time a refit; median of 15. On a CPU, right after writing 256 MiB instead.
-  The native checks so for each ``--ahead`` (how many tensors ahead their loops fetch
-  cache lines; 0: none), and where it was built, whether the holders check is watching
-  its dicts (Python 3.12+: then it looks only after a dict changed).
+  ``native_holders_watched``: whether the native holders check watches its dicts
+  (Python 3.12+: then it looks only after a dict changed).
 
     python benchmarks/watch_check_lab.py --preset qwen3-30b-a3b --layers 8 [--json OUT]
 """
@@ -43,7 +42,6 @@ import torch
 
 import torchrefit as tr
 import torchrefit.bench.timing
-from torchrefit._native_watch import module as native_module
 from torchrefit.bench.world import report_and_leave, tiny_toy_pair
 
 
@@ -78,9 +76,6 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--json")
     ap.add_argument("--wait-ms", type=float, default=7.0)
-    ap.add_argument("--ahead", type=int, nargs="*", default=[0, 16])
-    ap.add_argument("--grain", type=int, nargs="*", default=[0, 512, 1024],
-                    help="tensors per intra-op task of the native views check (0: one thread)")
     args = ap.parse_args()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     src, dst = tiny_toy_pair(args.preset, args.layers, 29633, device)
@@ -94,17 +89,8 @@ def main() -> None:
 
         out_native = {"native_views_us": best_us(fast_views.unchanged), "native_bindings_us": best_us(holders),
                       "native_holders_watched": [f.watched for f in fast_bindings if f]}
-        for ahead in args.ahead:
-            native_module().set_ahead(ahead)
-            out_native[f"native_views_after_wait_us_ahead{ahead}"] = after_wait_us(
-                fast_views.unchanged, device, args.wait_ms)
-            out_native[f"native_bindings_after_wait_us_ahead{ahead}"] = after_wait_us(holders, device, args.wait_ms)
-        native_module().set_ahead(16)
-        for grain in args.grain:
-            native_module().set_grain(grain)
-            out_native[f"native_views_after_wait_us_grain{grain}"] = after_wait_us(
-                fast_views.unchanged, device, args.wait_ms)
-        native_module().set_grain(0)
+        out_native["native_views_after_wait_us"] = after_wait_us(fast_views.unchanged, device, args.wait_ms)
+        out_native["native_bindings_after_wait_us"] = after_wait_us(holders, device, args.wait_ms)
     else:
         out_native = {"native": "not built (torchrefit native build)"}
     program.compiled = replace(program.compiled, native=None)  # the Python forms below

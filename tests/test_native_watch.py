@@ -10,6 +10,7 @@ and a Refitter that has it must use it and still refit exactly after each change
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -147,6 +148,25 @@ def test_holders_answer_as_the_python_check(built: str, change: str) -> None:
         assert not python_unchanged()
     assert fast.unchanged() is python_unchanged()
     assert (binding.changed() == {}) is python_unchanged()
+
+
+def test_holders_watch_their_dicts_where_python_can(built: str) -> None:
+    """Python 3.12+: after a full look, holders answer from a count of dict changes; a
+    change to any watched dict, even one put back, makes the next answer a full look.
+    (CI's Python 3.11 has no dict watchers: there it checks that none is claimed.)"""
+    model, other = _Net(), _Net()
+    fast, other_fast = (Binding(m, dict(m.state_dict(keep_vars=True)), "dst")._fast() for m in (model, other))
+    assert fast.watched is (sys.version_info >= (3, 12))
+    assert fast.unchanged() and fast.unchanged() and other_fast.unchanged()
+    original = model.a.weight
+    model.a.weight = nn.Parameter(torch.randn(8, 8))
+    assert not fast.unchanged() and not fast.unchanged()
+    model.a.weight = original  # put back: the full look finds the very objects again
+    assert fast.unchanged()
+    other.b.weight = nn.Parameter(torch.randn(8, 8))  # another model's: this one's answer stays
+    assert fast.unchanged() and not other_fast.unchanged()
+    model.scale = torch.zeros(8)  # a buffer dict: watched as well
+    assert not fast.unchanged()
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
