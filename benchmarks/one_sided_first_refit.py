@@ -7,7 +7,8 @@ construction plus the first refit with cProfile and prints its top functions; th
 receiver then times, with CUDA events and the device idle before each, (a) a whole
 refit (wall time; when its host returned; when the peer's header arrived, after
 which the copies can start; device time between events around it; on the host clock the
-processes share, when each rank left the barrier, sent and saw a header), (b) the replay of its compiled copies out of the sender's memory alone (ipc),
+processes share, when each rank left the barrier, sent and saw a header, returned
+and saw its device work finished), (b) the replay of its compiled copies out of the sender's memory alone (ipc),
 and (c) the same bytes copied locally by one flat copy (the floor's kernel).
 
     python benchmarks/one_sided_first_refit.py --transport ipc [--layers 20] [--collocated [--nproc 4]] [--warm-profile]
@@ -76,8 +77,9 @@ def _rank(rank: int, world: int, transport: str, layers: int, collocated: bool, 
     transport.recv_header = timed_header
     transport.post_header = timed_post
     # per iteration, on the host clock every process shares (perf_counter: CLOCK_MONOTONIC):
-    # when this rank left the barrier, sent its first header, saw its first peer's header
-    clock: dict[str, list[float]] = {"start": [], "posted": [], "seen": []}
+    # when this rank left the barrier, sent its first header, saw its first peer's header,
+    # its refit() returned and its device work was seen finished
+    clock: dict[str, list[float]] = {"start": [], "posted": [], "seen": [], "returned": [], "finished": []}
     for _ in range(20):
         torch.cuda.synchronize()
         dist.barrier()
@@ -88,10 +90,12 @@ def _rank(rank: int, world: int, transport: str, layers: int, collocated: bool, 
         clock["start"].append(t)
         a.record()
         r.refit()
-        launched.append((time.perf_counter() - t) * 1e3)
+        clock["returned"].append(time.perf_counter())
+        launched.append((clock["returned"][-1] - t) * 1e3)
         b.record()
         torch.cuda.synchronize()
-        whole.append((time.perf_counter() - t) * 1e3)
+        clock["finished"].append(time.perf_counter())
+        whole.append((clock["finished"][-1] - t) * 1e3)
         device.append(a.elapsed_time(b))
         if marks:
             header.append((marks[0] - t) * 1e3)
@@ -143,7 +147,8 @@ def _skew(clocks: list[dict]) -> str:
     for rank, c in enumerate(clocks):
         rel = {k: med([(v - f) * 1e3 for v, f in zip(c[k], first)]) for k in c}
         rows.append(f"rank {rank}: left the barrier {rel['start']:.3f}, sent a header {rel['posted']:.3f}, "
-                    f"saw a header {rel['seen']:.3f} ms after the first rank left it")
+                    f"saw a header {rel['seen']:.3f}, returned {rel['returned']:.3f}, "
+                    f"finished {rel['finished']:.3f} ms after the first rank left it")
     return "\n".join(rows)
 
 
