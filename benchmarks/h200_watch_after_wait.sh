@@ -4,8 +4,9 @@
 # 1.3 ms against 0.6 ms warm on an H100 host, call 1 of this session).
 # 1. build; the native tests (this machine's Python 3.12 runs the dict-watcher path,
 #    which CI's 3.11 cannot);
-# 2. watch_check_lab.py per preset: the checks after a wait, with fetching ahead 0/16
-#    and the views split over intra-op threads (grain 0/256/512/1024);
+# 2. watch_check_lab.py per preset: the checks after a wait (call 2 ran this at 4335d9d,
+#    where the lab also compared fetching ahead 0/16 and the views split over intra-op
+#    threads, --ahead/--grain; both were dropped in 5b0a2c9, slower or no faster);
 # 3. the toy matrix rows every vs manual (qwen3, dense-0.5b, gpt-4b);
 # 4. ipc non-collocated and collocated TP2 -> TP1 (2 processes), every vs manual.
 # Nothing to carry. Results and log in $OUT.
@@ -18,7 +19,7 @@ PYTHONPATH=src:tests timeout 120 python3 -m pytest -q -p no:cacheprovider tests/
 echo "=== 2. watch_check_lab ($(date +%T))"
 for p in "qwen3-30b-a3b 8" "gpt-4b 20"; do
   set -- $p
-  timeout 90 python3 benchmarks/watch_check_lab.py --preset $1 --layers $2 --grain 0 256 512 1024 \
+  timeout 90 python3 benchmarks/watch_check_lab.py --preset $1 --layers $2 \
     --json "$R/watch_$1.json" 2>&1 | tail -1 | tr ' ' '\n' | grep -E "after_wait|holders_watched|_us=" | tr '\n' ' '
   echo
 done

@@ -239,3 +239,13 @@ def test_what_it_cannot_hold_is_left_to_the_python_checks(built: str) -> None:
     t = torch.zeros(2)
     assert native.holders_check([OrderedDict(w=t)], ["w"], [t]) is None  # not a plain dict: no raise
     assert native.views_check((t,), ()) is None  # mismatched lists
+
+
+def test_no_collection_while_a_refitter_builds_and_first_refits_with_it(built: str) -> None:
+    """The native holders check is made inside construction's collector pause (made at
+    the first refit, its lists of every holder set off a collection there)."""
+    from test_host_path import _collections_world
+
+    (got,) = run_world(_collections_world, 1, timeout=300)
+    assert got["wrong"] == [] and got["enabled"], got
+    assert got["during"] <= 2, f"{got['during']} collections while building and first refitting"

@@ -74,6 +74,9 @@ class Binding:
         # dicts holding the described tensors themselves only; None: not made yet
         self._native_ok = self._get is dict.get and not self._any_local
         self._native = None
+        # made now, while the Refitter's construction pauses the collector: made at the
+        # first refit, its lists of every holder set off a collection there
+        self._fast()
 
     def __len__(self) -> int:
         return len(self.keys)
