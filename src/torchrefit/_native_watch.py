@@ -16,10 +16,11 @@ source, torch's and Python's versions; :func:`module` imports it when it is ther
 returns None otherwise, or with ``TORCHREFIT_NATIVE_WATCH=0``. Without it the Python
 checks run, as before.
 
-On Python 3.12+ the holders' check watches their dicts (``PyDict_Watch``): after a full
-look found nothing replaced, it looks again only once some watched dict changed, so a
-refit's holders check is one comparison while the model keeps its tensors (a trainer
-that swaps parameters every step, as FSDP2 does, gets the full look each time).
+After a full look found nothing replaced, the holders' check looks again only once one of
+their dicts changed: on Python 3.12+ a dict watcher (``PyDict_Watch``) counts changes, so
+the check is one comparison while the model keeps its tensors; before 3.12 it compares
+each dict's version tag (PEP 509), one load a dict instead of a look-up. A trainer that
+re-registers parameters every step, as FSDP2 does, gets the full look each time.
 
 Each native answer is a fast path only: True means nothing changed (the same conditions
 as ``Tensor.is_set_to`` plus the address, and the same identity as the Python binding
@@ -161,9 +162,19 @@ static bool can_watch() {
 // maps its name to the very object held (module._parameters / _buffers are dicts).
 struct Holders {
   std::vector<pybind11::object> dicts, names, held;
-  bool watched = false;           // every dict is watched (Python 3.12+)
+  bool watched = false;           // changes to its dicts are seen without looking them up
   mutable bool seen_any = false;  // a full look found them unchanged ...
+#if PY_VERSION_HEX >= 0x030C0000
   mutable uint64_t seen_at = 0;   // ... when dict_changes was this
+#else
+  // ... when each dict had this version: before 3.12 each dict carries a tag that every
+  // change to it renews (PEP 509), one load a dict where a look-up is a chain of three
+  mutable std::vector<uint64_t> versions;
+
+  static uint64_t version(const pybind11::object& d) {
+    return reinterpret_cast<const PyDictObject*>(d.ptr())->ma_version_tag;
+  }
+#endif
 
   Holders(std::vector<pybind11::object> d, std::vector<pybind11::object> n, std::vector<pybind11::object> h)
       : dicts(std::move(d)), names(std::move(n)), held(std::move(h)) {
@@ -178,6 +189,9 @@ struct Holders {
         watched = false;
       }
     }
+#else
+    watched = true;
+    versions.resize(dicts.size());
 #endif
   }
 
@@ -185,6 +199,12 @@ struct Holders {
 #if PY_VERSION_HEX >= 0x030C0000
     if (watched && seen_any && seen_at == dict_changes) return true;
     const uint64_t now = dict_changes;  // the look below changes no dict
+#else
+    if (seen_any) {
+      size_t i = 0;
+      while (i < dicts.size() && version(dicts[i]) == versions[i]) ++i;
+      if (i == dicts.size()) return true;
+    }
 #endif
     for (size_t i = 0; i < dicts.size(); ++i) {
       PyObject* held_now = PyDict_GetItemWithError(dicts[i].ptr(), names[i].ptr());  // borrowed
@@ -193,9 +213,11 @@ struct Holders {
         return false;
       }
     }
-#if PY_VERSION_HEX >= 0x030C0000
     seen_any = true;
+#if PY_VERSION_HEX >= 0x030C0000
     seen_at = now;
+#else
+    for (size_t i = 0; i < dicts.size(); ++i) versions[i] = version(dicts[i]);
 #endif
     return true;
   }
