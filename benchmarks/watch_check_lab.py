@@ -24,8 +24,9 @@ microseconds, min over repeats; nothing else runs).
 * ``..._after_wait_us``: the same, each call made right after the host waited for the
   device (a GPU sleep of ``--wait-ms``, then ``torch.cuda.synchronize``), as the
   benchmarks time a refit; median of 15. On a CPU, right after writing 256 MiB instead.
-  ``native_holders_watched``: whether the native holders check watches its dicts
-  (Python 3.12+: then it looks only after a dict changed).
+  ``native_holders_watched``: whether the native holders check sees its dicts' changes
+  without looking them up (a dict watcher on Python 3.12+, version tags before): then it
+  looks only after a dict changed.
 
     python benchmarks/watch_check_lab.py --preset qwen3-30b-a3b --layers 8 [--json OUT]
 """
@@ -82,7 +83,7 @@ def main() -> None:
     r = tr.Refitter(src, dst)
     r.refit()
     program = r._program
-    fast_views, fast_bindings = program.compiled.native, [b._fast() for b in r._bindings.values()]
+    fast_views, fast_bindings = program.compiled.native, [b._native for b in r._bindings.values()]
     if fast_views is not None:
         def holders() -> list[bool]:
             return [f.unchanged() for f in fast_bindings if f]
@@ -95,7 +96,7 @@ def main() -> None:
         out_native = {"native": "not built (torchrefit native build)"}
     program.compiled = replace(program.compiled, native=None)  # the Python forms below
     for b in r._bindings.values():
-        b._native_ok = False
+        b._native = None
     watched = list(program.compiled.watched)
     pointers = list(program.compiled.pointers)
     out = {"preset": args.preset, "layers": args.layers, "device": str(device), "watched": len(watched),

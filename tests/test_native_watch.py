@@ -134,7 +134,7 @@ HOLDER_CHANGES: dict[str, Callable[[_Net], object]] = {
 def test_holders_answer_as_the_python_check(built: str, change: str) -> None:
     model = _Net()
     binding = Binding(model, dict(model.state_dict(keep_vars=True)), "dst")
-    fast = binding._fast()
+    fast = binding._native
     assert fast is not None and fast.unchanged()
 
     def python_unchanged() -> bool:
@@ -154,7 +154,7 @@ def test_holders_watch_their_dicts_where_python_can(built: str) -> None:
     up (Python 3.12+: a count of changes to watched dicts; before: each dict's version
     tag); a change, even one put back, makes the next answer a full look."""
     model, other = _Net(), _Net()
-    fast, other_fast = (Binding(m, dict(m.state_dict(keep_vars=True)), "dst")._fast() for m in (model, other))
+    fast, other_fast = (Binding(m, dict(m.state_dict(keep_vars=True)), "dst")._native for m in (model, other))
     assert fast.watched
     assert fast.unchanged() and fast.unchanged() and other_fast.unchanged()
     original = model.a.weight
@@ -188,7 +188,7 @@ def _native_world(rank: int, world: int) -> dict:
 
     refit_and_compare("the first refit")
     out["native views"] = r._program.compiled.native is not None and r._program.compiled.native.unchanged()
-    out["native holders"] = [b._fast() is not None and b._fast().unchanged() for b in r._bindings.values()]
+    out["native holders"] = [b._native is not None and b._native.unchanged() for b in r._bindings.values()]
     with torch.no_grad():
         dst.a.weight.data = torch.zeros(8, 8)  # the engine re-allocated a weight
         refit_and_compare("a destination moved")
@@ -199,6 +199,8 @@ def _native_world(rank: int, world: int) -> dict:
     dst.a.weight = nn.Parameter(torch.zeros(8, 8))  # replaced in its module
     refit_and_compare("a destination replaced")
     out["native again"] = r._program.compiled.native is not None and r._program.compiled.native.unchanged()
+    # the holders' check made again over the tensors now held (the old one held the replaced one)
+    out["native holders again"] = [b._native is not None and b._native.unchanged() for b in r._bindings.values()]
     return out
 
 
@@ -207,7 +209,7 @@ def test_a_refitter_uses_it_and_refits_exactly_after_every_change(built: str) ->
     (got,) = run_world(_native_world, 1, timeout=120)
     assert got["wrong"] == [], got
     assert got["native views"] and got["native holders"] and all(got["native holders"]), got
-    assert got["native again"], got
+    assert got["native again"] and all(got["native holders again"]), got
 
 
 def test_off_with_the_variable_or_unbuilt(built: str, monkeypatch: pytest.MonkeyPatch,

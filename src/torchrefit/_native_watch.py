@@ -1,4 +1,4 @@
-"""``watch="every"``'s per-refit checks as one C++ loop each, where the user built it.
+"""``watch="every"``'s per-refit checks as one C++ call each, where the user built it.
 
 Before every refit a rank checks that each tensor it was described with is still the
 one its module holds (``layout.binding.Binding.changed``) and that each compiled view
@@ -23,8 +23,8 @@ each dict's version tag (PEP 509), one load a dict instead of a look-up. A train
 re-registers parameters every step, as FSDP2 does, gets the full look each time.
 
 Each native answer is a fast path only: True means nothing changed (the same conditions
-as ``Tensor.is_set_to`` plus the address, and the same identity as the Python binding
-check); False sends the caller to the Python check, which finds what changed and
+as ``Tensor.is_set_to`` plus the address and the dtype, and the same identity as the
+Python binding check); False sends the caller to the Python check, which finds what changed and
 raises or recompiles as before. So a wrong "changed" costs time, never a byte.
 """
 

@@ -177,13 +177,13 @@ class Program:
         (``param.data = param.data.t()``: other strides, a narrower shape): the compiled
         views (and a CUDA graph's addresses) still read and write the bytes where and as
         the tensor held them, so a refit through them would be silently wrong."""
-        # One C++ loop where ``torchrefit native build`` built it (``_native_watch``; any
+        # One C++ call where ``torchrefit native build`` built it (``_native_watch``; any
         # answer but "unchanged" comes here too), else two C-level passes (map), on every
         # refit: the data pointers (a storage resized in place keeps its identity, not its
         # address), then is_set_to against an alias taken when compiling (same storage,
         # offset, sizes and strides; strides and sizes read apart cost more)
         c = self.compiled
-        if c.native is not None and c.native.unchanged():  # the same answer in one C++ loop
+        if c.native is not None and c.native.unchanged():  # the same answer in one C++ call
             return False
         return (list(map(torch.Tensor.data_ptr, c.watched)) != c.pointers
                 or not all(map(torch.Tensor.is_set_to, c.watched, c.refs)))

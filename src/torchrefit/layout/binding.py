@@ -70,13 +70,9 @@ class Binding:
         # keeps the per-refit check in C (half the host time of a Python helper per
         # tensor: qwen3-30b-a3b, 8 layers, holds 4218 tensors); mapping models may not be
         self._get = dict.get if all(type(d) is dict for d in self._dicts) else _get
-        # the same check as one C++ loop where it was built (``_native_watch``): plain
-        # dicts holding the described tensors themselves only; None: not made yet
-        self._native_ok = self._get is dict.get and not self._any_local
-        self._native = None
         # made now, while the Refitter's construction pauses the collector: made at the
         # first refit, its lists of every holder set off a collection there
-        self._fast()
+        self._native = self._native_check()
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -85,8 +81,7 @@ class Binding:
         """Keys whose holder now holds another tensor (None: it holds nothing), with it.
         Called before every refit: C-level passes (no Python frame per tensor) where
         nothing changed."""
-        fast = self._fast()
-        if fast is not None and fast.unchanged():
+        if self._native is not None and self._native.unchanged():
             return {}
         now = list(map(self._get, self._dicts, self._names))
         if self._any_local:
@@ -104,16 +99,16 @@ class Binding:
             check_same_meta(self.side, key, meta_of(tensors[key]), new, rank)
             out[key] = new
         self._held = [out[k] for k in self.keys]
-        self._native = None  # it holds the old tensors
+        self._native = self._native_check()  # the old one holds the old tensors
         return out
 
-    def _fast(self):
-        """The native check of these holders, made once per held set; None without it."""
-        if not self._native_ok:
+    def _native_check(self):
+        """The same check as one C++ call where it was built (``_native_watch``), over
+        the tensors held now: plain dicts holding the described tensors themselves
+        only; None otherwise or without it."""
+        if self._get is not dict.get or self._any_local:
             return None
-        if self._native is None:
-            self._native = holders_check(self._dicts, self._names, self._held) or False
-        return self._native or None
+        return holders_check(self._dicts, self._names, self._held)
 
 
 def check_same_meta(side: str, key: str, was: Meta, new: torch.Tensor | None, rank: int) -> None:
