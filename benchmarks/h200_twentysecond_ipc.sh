@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Twenty-second session, call 2: issue 10's ipc at main's head (gpt-4b, --variant graph,
-# watch every): the timeline once (no profiler: on the host clock both processes share,
-# when each posted / saw the header, returned, finished), then torchrefit bench:
+# watch every): the timeline non-collocated and collocated (no profiler; on the host clock
+# the processes share, when each rank passed each step of its refit), then torchrefit bench:
 # non-collocated TP1 -> TP1 with 2 processes three times, collocated TP2 -> TP1 with 2
 # (twice) and 4 processes. Nothing to carry. Results and log in $OUT. About 4 minutes.
 source benchmarks/_h200_run.sh
 h200_run twentysecond_ipc
 python3 -m torchrefit native build >/dev/null && echo "native built" || echo "not built"
-echo "=== 1. one_sided_first_refit non-collocated ($(date +%T))"
-timeout 120 python3 benchmarks/one_sided_first_refit.py --transport ipc 2>&1 \
-  | grep -E "^rank [0-9]: (refit wall|left the|construct|[0-9.]+ GB)" | cut -c1-200 | head -20
+for mode in "" --collocated; do
+  echo "=== 1. one_sided_first_refit $mode ($(date +%T))"
+  timeout 120 python3 benchmarks/one_sided_first_refit.py --transport ipc $mode 2>&1 \
+    | grep -E "^rank [0-9]: (refit wall|left the|construct|[0-9.]+ GB)" | cut -c1-300 | head -20
+done
 B="python3 -m torchrefit bench --model gpt-4b --variant graph --warmup 3 --iters 20 --transport ipc"
 echo "=== 2. ipc bench ($(date +%T))"
 for i in 1 2 3; do

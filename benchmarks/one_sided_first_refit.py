@@ -9,7 +9,9 @@ refit (wall time; when its host returned; when the peer's header arrived, after
 which the copies can start; device time between events around it; on the host clock the
 processes share, when each rank left the barrier, sent and saw a header, returned
 and saw its device work finished), (b) the replay of its compiled copies out of the sender's memory alone (ipc),
-and (c) the same bytes copied locally by one flat copy (the floor's kernel).
+and (c) the same bytes copied locally by one flat copy (the floor's kernel). The shared
+clock also marks when each rank passed each step of its refit (``_STEPS``: its checks,
+its header out or in, its copies queued, its done word out or in).
 
     python benchmarks/one_sided_first_refit.py --transport ipc [--layers 20] [--collocated [--nproc 4]] [--warm-profile]
 """
@@ -43,6 +45,31 @@ def _device_ms(fn, iters: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+#: steps of a refit marked on the shared host clock (when each first returned in an
+#: iteration): (whose method, its name)
+_STEPS = {
+    "holders": ("refitter", "_rebind"),        # the holders check (watch="every")
+    "views": ("program", "check_storage"),     # the storage and views check
+    "posted": ("transport", "post_header"),    # a target's header out (its ready word)
+    "seen": ("transport", "recv_header"),      # an initiator's first peer header in
+    "queued": ("one_sided", "_transfer"),      # the copies out of the peer's memory queued
+    "done": ("transport", "post_done"),        # an initiator's done word out
+    "acked": ("transport", "recv_done"),       # a target's first done word in
+}
+
+
+def _mark_after(obj, attr: str, step: str, marks: dict[str, float]) -> None:
+    """Wrap ``obj.attr`` (an instance attribute shadows the method) so that the first
+    return in an iteration stamps ``marks[step]``."""
+    inner = getattr(obj, attr)
+
+    def timed(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        marks.setdefault(step, time.perf_counter())
+        return out
+    setattr(obj, attr, timed)
+
+
 def _rank(rank: int, world: int, transport: str, layers: int, collocated: bool, warm_profile: bool) -> tuple:
     src, dst = one_gpu_toy_pair(rank, layers, collocated, world)
     prof = cProfile.Profile()
@@ -58,49 +85,43 @@ def _rank(rank: int, world: int, transport: str, layers: int, collocated: bool, 
     pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(30)
     lines = [f"rank {rank}: construct {t1 - t0:.3f} s, first refit {t2 - t1:.3f} s"]
     whole, header, launched, device = [], [], [], []
-    transport = r._transport
-    recv_header = transport.recv_header
-    marks: list[float] = []
-
-    def timed_header(peer):  # when the peer's header arrived: the copies may start after it
-        got = recv_header(peer)
-        marks.append(time.perf_counter())
-        return got
-
-    post_header = transport.post_header
-    posts: list[float] = []
-
-    def timed_post(*args):  # when this rank (a target) sent its header: its host part of the refit so far
-        post_header(*args)
-        posts.append(time.perf_counter())
-
-    transport.recv_header = timed_header
-    transport.post_header = timed_post
     # per iteration, on the host clock every process shares (perf_counter: CLOCK_MONOTONIC):
-    # when this rank left the barrier, sent its first header, saw its first peer's header,
-    # its refit() returned and its device work was seen finished
-    clock: dict[str, list[float]] = {"start": [], "posted": [], "seen": [], "returned": [], "finished": []}
+    # when this rank left the barrier, passed each step of its refit (the first time in the
+    # iteration), returned, and saw its device work finished
+    clock: dict[str, list[float]] = {k: [] for k in ("start", *_STEPS, "returned", "finished")}
+    marks: dict[str, float] = {}
+    program = r._program
+    one = program.compiled.one_sided
+    for step, (owner, attr) in _STEPS.items():
+        target = {"refitter": r, "program": program, "transport": r._transport, "one_sided": one}[owner]
+        if target is not None:
+            _mark_after(target, attr, step, marks)
+    # no event on a pure sender's stream: it would keep the stream busy past refit() and
+    # so turn the host-written ready word into a stream-written one (transport.ipc.StreamWords)
+    events = not (one is not None and one.compiled.targets and not one.compiled.initiated)
     for _ in range(20):
         torch.cuda.synchronize()
         dist.barrier()
         marks.clear()
-        posts.clear()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t = time.perf_counter()
         clock["start"].append(t)
-        a.record()
+        if events:
+            a.record()
         r.refit()
         clock["returned"].append(time.perf_counter())
         launched.append((clock["returned"][-1] - t) * 1e3)
-        b.record()
+        if events:
+            b.record()
         torch.cuda.synchronize()
         clock["finished"].append(time.perf_counter())
         whole.append((clock["finished"][-1] - t) * 1e3)
-        device.append(a.elapsed_time(b))
-        if marks:
-            header.append((marks[0] - t) * 1e3)
-        clock["posted"].append(posts[0] if posts else float("nan"))
-        clock["seen"].append(marks[0] if marks else float("nan"))
+        if events:
+            device.append(a.elapsed_time(b))
+        if "seen" in marks:
+            header.append((marks["seen"] - t) * 1e3)
+        for step in _STEPS:
+            clock[step].append(marks.get(step, float("nan")))
     if warm_profile:  # the host's work of warm refits alone (the device idle and ranks aligned before each)
         warm = cProfile.Profile()
         for _ in range(50):
@@ -135,9 +156,9 @@ def _rank(rank: int, world: int, transport: str, layers: int, collocated: bool, 
 
 def _skew(clocks: list[dict]) -> str:
     """Per rank, medians over iterations (ms after the first rank left the barrier) of
-    when it left the barrier, sent its first header and saw its first peer's header:
-    how much of a receiver's wait for a header is the barrier's skew, how much the
-    sender's host work before its header."""
+    when it left the barrier and passed each step of its refit (``_STEPS``): how much of
+    a receiver's wait for a header is the barrier's skew, how much the sender's host
+    work before its header, how much its own work after it."""
     def med(xs):
         xs = sorted(x for x in xs if x == x)
         return xs[len(xs) // 2] if xs else float("nan")
@@ -146,9 +167,8 @@ def _skew(clocks: list[dict]) -> str:
     rows = []
     for rank, c in enumerate(clocks):
         rel = {k: med([(v - f) * 1e3 for v, f in zip(c[k], first)]) for k in c}
-        rows.append(f"rank {rank}: left the barrier {rel['start']:.3f}, sent a header {rel['posted']:.3f}, "
-                    f"saw a header {rel['seen']:.3f}, returned {rel['returned']:.3f}, "
-                    f"finished {rel['finished']:.3f} ms after the first rank left it")
+        steps = ", ".join(f"{k} {v:.3f}" for k, v in rel.items() if v == v and k not in ("start",))
+        rows.append(f"rank {rank}: left the barrier {rel['start']:.3f}; {steps} (ms after the first rank left it)")
     return "\n".join(rows)
 
 
