@@ -201,6 +201,49 @@ def test_host_poll_waits_for_the_event_and_is_bounded() -> None:
     assert poll_until(lambda: True, timeout=None)
 
 
+def test_a_poll_spins_where_the_same_wait_ended_last_time(monkeypatch) -> None:
+    """A host poll spins (``sched_yield``) in its first 5 ms and naps (50 us sleeps)
+    after, except around when the same kind of wait ended last time (``Waits``): a
+    collocated refit's copies outlast the first 5 ms, and a nap then returns ~0.1 ms
+    late. A fake clock: each poll advances it by its nap or 10 us."""
+    from torchrefit.transport import base
+
+    now = [0.0]
+    log: list[tuple[float, str]] = []
+
+    def nap(s: float) -> None:
+        log.append((now[0], "nap"))
+        now[0] += s
+
+    def spin() -> None:
+        log.append((now[0], "spin"))
+        now[0] += 10e-6
+
+    monkeypatch.setattr(base.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(base.time, "sleep", nap)
+    monkeypatch.setattr(base.os, "sched_yield", spin)
+    waits = base.Waits()
+    assert waits.last("done") is None
+
+    def wait(ends: float) -> list[tuple[float, str]]:
+        log.clear()
+        start = now[0]
+        assert waits.poll("done", lambda: now[0] - start >= ends, timeout=1.0)
+        return [(t - start, how) for t, how in log]
+
+    first = wait(0.020)  # nothing known yet: spins 5 ms, then naps to the end
+    assert {how for t, how in first if t < 0.005} == {"spin"} and {how for t, how in first if t > 0.005} == {"nap"}
+    assert 0.020 <= waits.last("done") < 0.0201
+    second = wait(0.020)  # spins from 1 ms before 20 ms on
+    assert {how for t, how in second if 0.005 < t < 0.019} == {"nap"}
+    assert {how for t, how in second if t > 0.019} == {"spin"}
+    assert [t for t, _ in second][-1] < 0.020  # seen within one spin of its end, not a nap's
+    assert base.spinning(0.031, 0.020) and not base.spinning(0.0315, 0.020)  # until 1.5x + 1 ms
+    assert not base.spinning(0.010, None) and base.spinning(0.004, None)
+    waits.poll("other", lambda: False, timeout=0.001)  # a timed-out wait teaches nothing
+    assert waits.last("other") is None
+
+
 class _Event:
     """A peer's interprocess event as ipc's waits see it: completes on query ``n``."""
 
@@ -214,11 +257,13 @@ class _Event:
 
 def _bare_ipc(ready_wait: str, done_wait: str, event: _Event, timeout: float = 10.0):
     """An ``IpcTransport`` without CUDA or a group: only what its waits read."""
+    from torchrefit.transport.base import Waits
     from torchrefit.transport.ipc import IpcTransport
 
     t = object.__new__(IpcTransport)
     t.ready_wait, t.done_wait, t.timeout = ready_wait, done_wait, timeout
     t.device, t._global, t._peer_events = torch.device("cpu"), [0, 1], {b"token": event}
+    t.waits = Waits()
     return t
 
 
@@ -328,6 +373,8 @@ def _mailbox_world(rank: int, world: int) -> dict:
     except tr.TransportError as e:
         out["stopped"] = str(e)
     out["stopped_s"] = time.perf_counter() - t0
+    # the words' waits, each remembered for the next refit's poll (base.Waits)
+    out["waited"] = [what for what in ("header", "done token") if tp.waits.last((what, 1 - rank)) is not None]
     return out
 
 
@@ -343,6 +390,7 @@ def test_mailbox_orders_both_ways_and_times_out() -> None:
     assert receiver["overwritten"] == [], f"the sender overwrote sources being read: {receiver['overwritten'][:3]}"
     assert "rank 0" in receiver["stopped"] and "header" in receiver["stopped"], receiver["stopped"]
     assert "rank 1" in sender["stopped"] and "done token" in sender["stopped"], sender["stopped"]
+    assert sender["waited"] == ["done token"] and receiver["waited"] == ["header"], (sender, receiver)
     assert receiver["stopped_s"] < 1.0 + 5.0 and sender["stopped_s"] < 1.0 + 5.0, (sender, receiver)
 
 

@@ -15,10 +15,11 @@ speaks one of two protocols, and the executor compiles one program per protocol
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -29,7 +30,7 @@ from ..errors import TransportError
 
 __all__ = ["Transport", "RoundsTransport", "Availability", "register_transport", "get_transport",
            "transport_names", "registered", "transport_class", "Exchange", "require_backend", "require_cuda",
-           "host_wait_current", "poll_until",
+           "host_wait_current", "poll_until", "spinning", "Waits",
            "Pending", "DEFAULT_TIMEOUT"]
 
 Exchange = list[tuple[int, torch.Tensor]]
@@ -200,12 +201,16 @@ def host_wait_current(device: torch.device) -> None:
 
 _SPIN_S = 0.005  # a poll spins this long (a seed-model refit's copies take 4 ms), then naps
 _NAP_S = 50e-6
+#: around the end a wait is expected (:class:`Waits`), a poll spins from this long before
+#: it until this long after 1.5x it
+_AROUND_S = 0.001
 
 
-def poll_until(done: Callable[[], bool], timeout: float | None) -> bool:
+def poll_until(done: Callable[[], bool], timeout: float | None, expected: float | None = None) -> bool:
     """Poll on the host until ``done()`` is true (returns True) or ``timeout`` seconds
-    passed (returns False; None: no limit): spinning for the first 5 ms, then napping
-    50 us between polls.
+    passed (returns False; None: no limit): spinning for the first 5 ms and, where
+    ``expected`` (seconds: how long the same wait took last time, :class:`Waits`) is
+    given, again around then (:func:`spinning`); napping 50 us between polls otherwise.
 
     For a cross-process wait on a GPU shared by processes: a wait queued on a stream
     and not yet satisfied makes the GPU switch contexts to resolve it, which measured
@@ -219,11 +224,48 @@ def poll_until(done: Callable[[], bool], timeout: float | None) -> bool:
         now = time.monotonic()
         if deadline is not None and now > deadline:
             return bool(done())
-        if now - start < _SPIN_S:
+        if spinning(now - start, expected):
             os.sched_yield()  # returns at once on an idle core; lets the peer run on a busy one
         else:  # a long wait (a large model's copies, a slow peer): stop taking a core from others
             time.sleep(_NAP_S)
     return True
+
+
+def spinning(elapsed: float, expected: float | None) -> bool:
+    """Whether a poll ``elapsed`` seconds into its wait spins rather than naps: in its
+    first 5 ms, and from 1 ms before ``expected`` until 1 ms after 1.5x it. A nap of 50 us
+    lasts ~0.1 ms with Linux's default timer slack: a wait ending during one returns that
+    much late, which a refit's sender pays whenever its receiver's copies outlast the
+    first 5 ms (a collocated refit of the seed's model: 8.7 ms on an H200). Pure."""
+    if elapsed < _SPIN_S:
+        return True
+    return expected is not None and expected - _AROUND_S <= elapsed <= 1.5 * expected + _AROUND_S
+
+
+class Waits:
+    """Host polls that remember how long each kind of wait took (per key: what is
+    waited for, from which peer), so that the next one spins around when the last one
+    ended instead of napping through it (:func:`poll_until`'s ``expected``). A refit's
+    waits repeat with the same copies behind them: each lasts about as long as the last."""
+
+    def __init__(self) -> None:
+        self._last: dict[Hashable, float] = {}
+
+    def poll(self, key: Hashable, done: Callable[[], bool], timeout: float | None) -> bool:
+        start = time.monotonic()
+        if not poll_until(done, timeout, self._last.get(key)):
+            return False
+        self._last[key] = time.monotonic() - start
+        return True
+
+    def last(self, key: Hashable) -> float | None:
+        """Seconds the last completed wait of ``key`` took, or None."""
+        return self._last.get(key)
+
+    def poller(self, key: Hashable) -> Callable[[Callable[[], bool], float | None], bool]:
+        """``poll`` for one key, in ``poll_until``'s form (what ``Mailbox.take`` and
+        ``Turn.wait`` call)."""
+        return functools.partial(self.poll, key)
 
 
 def require_backend(group: dist.ProcessGroup, backend: str, transport: str, use: str) -> None:

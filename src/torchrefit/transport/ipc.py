@@ -51,7 +51,7 @@ import torch.distributed as dist
 from .._cuda_driver import driver_function
 from ..errors import TransportError
 from ..layout._types import dtype_from_name, dtype_name
-from .base import Availability, poll_until, register_transport, require_cuda
+from .base import Availability, register_transport, require_cuda
 from .mailbox import Mailbox
 from .one_sided import WORD, OneSidedTransport, Table
 
@@ -254,7 +254,7 @@ class IpcTransport(OneSidedTransport):
         event = self._peer_event(token)
         if mode == "stream":
             torch.cuda.current_stream(self.device).wait_event(event)
-        elif not poll_until(event.query, self.poll_timeout()):
+        elif not self.waits.poll((what, peer), event.query, self.poll_timeout()):
             raise self.peer_error(peer, "receive", TimeoutError(f"its {what} never completed"))
 
     def _peer_event(self, handle: bytes) -> torch.cuda.Event:

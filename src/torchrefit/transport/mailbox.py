@@ -30,6 +30,7 @@ import mmap
 import os
 import uuid
 import weakref
+from collections.abc import Callable
 
 from .base import poll_until
 
@@ -104,12 +105,13 @@ class Mailbox:
     def post(self, index: int, seq: int, follows: bool) -> None:
         self.store(index, seq << 1 | int(follows))
 
-    def take(self, index: int, seq: int, timeout: float | None) -> bool | None:
-        """Wait until word ``index`` holds exchange ``seq``; whether a Gloo message
-        follows, or None when ``timeout`` seconds passed first. Raises ValueError
-        where the word is ahead of ``seq`` (the two ends counted differently)."""
+    def take(self, index: int, seq: int, timeout: float | None,
+             poll: Callable[[Callable[[], bool], float | None], bool] = poll_until) -> bool | None:
+        """Wait until word ``index`` holds exchange ``seq`` (polling with ``poll``); whether
+        a Gloo message follows, or None when ``timeout`` seconds passed first. Raises
+        ValueError where the word is ahead of ``seq`` (the two ends counted differently)."""
         word = self._word(index)
-        if not poll_until(lambda: word.value >> 1 >= seq, timeout):
+        if not poll(lambda: word.value >> 1 >= seq, timeout):
             return None
         value = word.value
         if value >> 1 != seq:

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from .._strides import dense_rows, row_offsets
 from ..errors import TransportError
 from ..layout._types import dtype_from_name, dtype_name
-from .base import Availability, host_wait_current, poll_until, register_transport
+from .base import Availability, host_wait_current, register_transport
 from .one_sided import OneSidedTransport, Table
 
 __all__ = ["NixlTransport", "RemoteRegion", "contiguous_runs"]
@@ -317,7 +317,7 @@ class NixlTransport(OneSidedTransport):
             state = self._agent.check_xfer_state(request)  # also progresses UCX's worker
             return state != "PROC"
 
-        if not poll_until(finished, max(0.0, deadline - time.monotonic())):
+        if not self.waits.poll(("write", peer), finished, max(0.0, deadline - time.monotonic())):
             raise TransportError(f"nixl: the WRITE to rank {peer} did not complete in {self._timeout():.0f} s",
                                  ranks=(peer,), rule="timeout")
         if state != "DONE":
@@ -351,7 +351,7 @@ class NixlTransport(OneSidedTransport):
     @_nixl_failures("waiting for the notification")
     def wait_done(self, peer: int, token: bytes) -> None:
         want = self._notif_of(peer)
-        if not poll_until(lambda: self._take_notif(want), self._timeout()):
+        if not self.waits.poll(("notification", peer), lambda: self._take_notif(want), self._timeout()):
             raise TransportError(f"nixl: no write notification from rank {peer} in {self._timeout():.0f} s",
                                  ranks=(peer,), rule="timeout")
 

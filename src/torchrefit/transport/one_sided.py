@@ -48,7 +48,7 @@ from .._caller_state import outside_inference
 from .._collectives import all_gather_pickled
 from ..errors import TransportError
 from ..layout._types import Box
-from .base import Transport, poll_until, require_backend
+from .base import Transport, Waits, require_backend
 from .delegates import delegates_of
 from .delegates import enabled as delegates_enabled
 from .mailbox import Mailbox, done_word, header_word
@@ -116,6 +116,7 @@ class OneSidedTransport(Transport):
         self.turn: Turn | None = None  # this rank's place among ranks copying on its GPU, if shared
         self.delegates: dict[int, int] = {}  # rank -> the rank copying for it on a shared GPU
         self._tasks: dict[tuple[int, int], object] = {}  # (peer, generation) -> its work for this delegate
+        self.waits = Waits()  # host polls, each spinning where the same wait ended last time
 
     def prepare(self, plan, message_limit: int) -> None:
         """Collective: where several ranks copy on this rank's GPU, one of them copies
@@ -187,7 +188,7 @@ class OneSidedTransport(Transport):
         """Host, before this rank queues a refit's copies: the previous rank's copies of
         it finished (a no-op where this rank takes no turns)."""
         turn = self.turn
-        if turn is not None and not turn.wait(poll_until, self.poll_timeout()):
+        if turn is not None and not turn.wait(self.waits.poller(("turn", turn.previous)), self.poll_timeout()):
             raise self.peer_error(turn.previous, "receive",
                                   TimeoutError(f"its turn {turn.taken} on the shared GPU never ended"))
 
@@ -385,7 +386,7 @@ class OneSidedTransport(Transport):
     def _take(self, box: Mailbox, index: int, seq: int, peer: int, what: str) -> bool:
         """Wait for ``peer``'s word of exchange ``seq``; whether a Gloo message follows."""
         try:
-            follows = box.take(index, seq, self.poll_timeout())
+            follows = box.take(index, seq, self.poll_timeout(), self.waits.poller((what, peer)))
         except ValueError as e:
             raise TransportError(f"{self.name}: rank {peer}'s {what}: {e}; the refits disagree: "
                                  "rebuild the Refitter", ranks=(peer,), rule="out of step") from None
