@@ -3,10 +3,13 @@
 # watch every): the timeline non-collocated and collocated (no profiler; on the host clock
 # the processes share, when each rank passed each step of its refit), then torchrefit bench:
 # non-collocated TP1 -> TP1 with 2 processes three times, collocated TP2 -> TP1 with 2
-# (twice) and 4 processes. Nothing to carry. Results and log in $OUT. About 4 minutes.
+# processes alternating main and main without its adaptive spin
+# (benchmarks/patches/adaptive_spin.patch reverted), and with 4 processes.
+# Nothing to carry. Results and log in $OUT. About 5 minutes.
 source benchmarks/_h200_run.sh
 h200_run twentysecond_ipc
 python3 -m torchrefit native build >/dev/null && echo "native built" || echo "not built"
+BEFORE=$(h200_patched_tree benchmarks/patches/adaptive_spin.patch -R) || exit 1
 for mode in "" --collocated; do
   echo "=== 1. one_sided_first_refit $mode ($(date +%T))"
   timeout 120 python3 benchmarks/one_sided_first_refit.py --transport ipc $mode 2>&1 \
@@ -19,6 +22,8 @@ for i in 1 2 3; do
 done
 for i in 1 2; do
   timeout 50 $B --src tp2 --dst tp1 --nproc 2 --label colloc2 --json "$R/colloc2_$i.json" 2>&1 | tail -1
+  PYTHONPATH=$BEFORE/src timeout 50 $B --src tp2 --dst tp1 --nproc 2 --label colloc2_before \
+    --json "$R/colloc2_before_$i.json" 2>&1 | tail -1
 done
 timeout 60 $B --src tp2 --dst tp1 --nproc 4 --label colloc4 --json "$R/colloc4.json" 2>&1 | tail -1
 echo "=== done ($(date +%T))"
