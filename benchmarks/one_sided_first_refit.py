@@ -50,6 +50,7 @@ def _device_ms(fn, iters: int = 20) -> float:
 _STEPS = {
     "holders": ("refitter", "_rebind"),        # the holders check (watch="every")
     "views": ("program", "check_storage"),     # the storage and views check
+    "ready": ("transport", "ready"),           # a target's ready token made (ipc: its word's kind)
     "posted": ("transport", "post_header"),    # a target's header out (its ready word)
     "seen": ("transport", "recv_header"),      # an initiator's first peer header in
     "queued": ("one_sided", "_transfer"),      # the copies out of the peer's memory queued
