@@ -239,6 +239,7 @@ def test_a_poll_spins_where_the_same_wait_ended_last_time(monkeypatch) -> None:
     assert {how for t, how in second if t > 0.019} == {"spin"}
     assert [t for t, _ in second][-1] < 0.020  # seen within one spin of its end, not a nap's
     assert base.spinning(0.031, 0.020) and not base.spinning(0.0315, 0.020)  # until 1.5x + 1 ms
+    assert base.spinning(1.010, 1.0) and not base.spinning(1.012, 1.0)  # at most 11 ms after
     assert not base.spinning(0.010, None) and base.spinning(0.004, None)
     waits.poll("other", lambda: False, timeout=0.001)  # a timed-out wait teaches nothing
     assert waits.last("other") is None
