@@ -19,6 +19,14 @@ h200_broken_stale_read() {
     tests/test_gpu_stale_read.py --timeout 60 2>&1 | grep -E "^FAILED|passed|failed" | tail -16
 }
 
+# `h200_with_megatron`: megatron-core importable from .whl/megatron (carried); false where
+# it was not carried.
+h200_with_megatron() {
+  ls .whl/megatron/*.whl >/dev/null 2>&1 || return 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/mcore .whl/megatron/*.whl
+  export PYTHONPATH=$PYTHONPATH:/tmp/mcore
+}
+
 # `h200_with_nixl`: nixl-cu13 importable from .whl/nixl (carried alone: 59 MB); false
 # where the wheel was not carried.
 h200_with_nixl() {
