@@ -238,6 +238,7 @@ class Refitter:
         self._phase_programs: list[Program] | None = None  # with a load_weights sink
         self._verifier: Program | None = None  # FP8 destinations: compared through the plan
         self._fp8_buffers: tuple[dict, dict] | None = None  # FP8 shadows and staging
+        self._fp8_held_bytes = (0, 0)  # their bytes (staging, shadows), summed when they are made
         self._witness: Witness | None = None
         self._gloo: Transport | None = None  # the FP8 verify's transport where the refit's cannot compare
         if verify not in VERIFY_MODES:
@@ -401,7 +402,7 @@ class Refitter:
             self.plan.bytes_received, self.transport_name, stats.rounds, stats.messages_sent,
             stats.messages_received, stats.staging_bytes, compiled,
             sum(len(p.shared) for p in self._phase_programs or [self._program]),
-            *reversed(self.plan.fp8_bytes), *self._fp8_held(),
+            *reversed(self.plan.fp8_bytes), *self._fp8_held_bytes,
         )
         _log.debug("rank %d: refit %d in %.3f s: %d B local, %d B sent, %d B received",
                    self.rank, report.version, report.seconds, report.bytes_local,
@@ -466,14 +467,7 @@ class Refitter:
         finally:  # one side adopted, the other raised: no program may keep the first's old tensors
             if stale:
                 self._program = self._phase_programs = self._verifier = None
-                self._fp8_buffers = None
-
-    def _fp8_held(self) -> tuple[int, int]:
-        """Bytes of this rank's FP8 staging and shadows (see ``RefitReport``)."""
-        if self._fp8_buffers is None:
-            return 0, 0
-        shadows, staging = self._fp8_buffers
-        return (sum(t.nbytes for t in staging.values()), sum(t.nbytes for t in shadows.values()))
+                self._fp8_buffers, self._fp8_held_bytes = None, (0, 0)
 
     def _run_phases(self, check: bool = True) -> RunStats:
         """One phase per bucket, in the agreed order; a sink rank hands each bucket to
@@ -518,6 +512,10 @@ class Refitter:
         dst = self._dst.tensors if self._dst else {}
         if self._fp8_buffers is None:  # once: verify compares against the refit's shadows
             self._fp8_buffers = fp8_buffers(self.plan, src, dst)
+            shadows, fp8_staging = self._fp8_buffers
+            # every refit's report carries them: summed here, not per refit
+            self._fp8_held_bytes = (sum(t.nbytes for t in fp8_staging.values()),
+                                    sum(t.nbytes for t in shadows.values()))
         shadows, fp8_staging = self._fp8_buffers
         return Program(
             plan,

@@ -127,6 +127,10 @@ class RankPlan:
     bytes_local: int = field(init=False)
     bytes_sent: int = field(init=False)
     bytes_received: int = field(init=False)
+    #: FP8 value bytes of this rank's destination quantized on the sender (straight from a
+    #: local source, or received as FP8) and quantized here on receipt; every refit's
+    #: report carries them, so they are summed once here, not per refit
+    fp8_bytes: tuple[int, int] = field(init=False)
 
     @classmethod
     def ordered(cls, rank: int, world: int, local: Iterable[LocalCopy],
@@ -144,14 +148,9 @@ class RankPlan:
         object.__setattr__(self, "bytes_local", sum(c.nbytes for c in self.local))
         object.__setattr__(self, "bytes_sent", sum(t.nbytes for t in self.sends))
         object.__setattr__(self, "bytes_received", sum(t.nbytes for t in self.recvs))
-
-    @property
-    def fp8_bytes(self) -> tuple[int, int]:
-        """FP8 value bytes of this rank's destination quantized on the sender (straight
-        from a local source, or received as FP8) and quantized here on receipt."""
         sender = sum(q.nbytes for q in self.quantize if not q.received and not q.staged)
         sender += sum(t.nbytes for t in self.recvs if t.local_dtype == "float8_e4m3fn")
-        return sender, sum(q.nbytes for q in self.quantize if q.received)
+        object.__setattr__(self, "fp8_bytes", (sender, sum(q.nbytes for q in self.quantize if q.received)))
 
     @property
     def send_peers(self) -> tuple[int, ...]:
