@@ -51,6 +51,7 @@ _STEPS = {
     "holders": ("refitter", "_rebind"),        # the holders check (watch="every")
     "views": ("program", "check_storage"),     # the storage and views check
     "ready": ("transport", "ready"),           # a target's ready token made (ipc: its word's kind)
+    "queried": ("stream", "query"),            # the first stream query (ipc's word: is the stream idle?)
     "posted": ("transport", "post_header"),    # a target's header out (its ready word)
     "seen": ("transport", "recv_header"),      # an initiator's first peer header in
     "queued": ("one_sided", "_transfer"),      # the copies out of the peer's memory queued
@@ -94,7 +95,8 @@ def _rank(rank: int, world: int, transport: str, layers: int, collocated: bool, 
     program = r._program
     one = program.compiled.one_sided
     for step, (owner, attr) in _STEPS.items():
-        target = {"refitter": r, "program": program, "transport": r._transport, "one_sided": one}[owner]
+        target = {"refitter": r, "program": program, "transport": r._transport, "one_sided": one,
+                  "stream": torch.cuda.Stream}[owner]  # the class: every stream's query
         if target is not None:
             _mark_after(target, attr, step, marks)
     # no event on a pure sender's stream: it would keep the stream busy past refit() and
