@@ -1,0 +1,117 @@
+"""What a host-side stream query, event query and stream-written word cost in a process
+sharing its GPU with another (as ipc's two processes do), and what each costs alone.
+
+Two processes on GPU 0. Rank 1 either idles or keeps the GPU busy with copies (its
+context then holds the GPU for 20 s); rank 0 times each step right after its host waited
+for the device (*cold*: a 7 ms GPU sleep, then ``synchronize``, as a timed refit starts)
+and back to back (*hot*), in microseconds (median of 30). Each world prints its row as it
+ends. Written after the twenty-second session's device time was spent: not yet run.
+
+* ``current_stream``: ``torch.cuda.current_stream(device)`` (a Python Stream object);
+* ``query_idle``: ``stream.query()`` on rank 0's idle current stream (what ipc's ready
+  word does first, ``transport.ipc.StreamWords``);
+* ``query_busy``: the same with a copy of rank 0's own queued on it (what the receiver's
+  done word does first);
+* ``event_query``: ``Event.query()`` of an event recorded on the idle stream;
+* ``copy_then_word``: a copy queued, then a word (``StreamWords``: its query finds the
+  stream busy and queues one ``cuStreamWriteValue64`` into registered host memory);
+* ``raw_write``: that ``cuStreamWriteValue64`` alone, through ctypes.
+
+    python benchmarks/stream_query_lab.py [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from torchrefit.bench.timing import sleep_cycles_per_ms
+from torchrefit.testing import run_world
+from torchrefit.transport.ipc import StreamWords
+from torchrefit.transport.mailbox import Mailbox
+
+_BUSY_S = 20.0  # seconds the busy peer copies: rank 0's timings take a few
+
+
+def _us(fn, cold: bool, cycles: int, n: int = 30) -> float:
+    out = []
+    for _ in range(n):
+        if cold:
+            torch.cuda._sleep(cycles)
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return round(statistics.median(out) * 1e6, 2)
+
+
+def _rank(rank: int, world: int, busy_peer: bool) -> dict:
+    torch.cuda.set_device(0)
+    device = torch.device("cuda", 0)
+    a, b = (torch.empty(1 << 28, dtype=torch.uint8, device=device) for _ in range(2))
+    out: dict = {}
+    if rank == 1:
+        dist.barrier()
+        # busy: copies for a fixed time, longer than rank 0's timings. No message ends the
+        # loop: the first form of this lab ended it on a gloo irecv's is_completed() and hung
+        # on the device, most likely there (not confirmed)
+        end = time.monotonic() + (_BUSY_S if busy_peer else 0.0)
+        while time.monotonic() < end:
+            for _ in range(8):
+                b.copy_(a)
+            torch.cuda.synchronize()
+        dist.barrier()
+        return out
+    dist.barrier()
+    box = Mailbox.create(2)
+    words = StreamWords(box, device)
+    stream = torch.cuda.current_stream(device)
+    event = torch.cuda.Event()
+    cycles = int(7 * sleep_cycles_per_ms(device))
+
+    def query_busy() -> None:
+        b.copy_(a)
+        stream.query()
+
+    def event_query() -> None:
+        event.record(stream)
+        event.query()
+
+    for cold in (True, False):
+        tag = "cold" if cold else "hot"
+        print(f"rank 0: timing {tag}", flush=True)
+        out[f"current_stream_{tag}"] = _us(lambda: torch.cuda.current_stream(device), cold, cycles)
+        out[f"query_idle_{tag}"] = _us(stream.query, cold, cycles)
+        out[f"query_busy_{tag}"] = _us(query_busy, cold, cycles)  # includes queuing the copy
+        out[f"copy_queued_{tag}"] = _us(lambda: b.copy_(a), cold, cycles)
+        out[f"event_query_{tag}"] = _us(event_query, cold, cycles)
+        out[f"copy_then_word_{tag}"] = _us(lambda: (b.copy_(a), words(0, 1)), cold, cycles)
+        out[f"raw_write_{tag}"] = _us(lambda: words._write(ctypes.c_void_p(stream.cuda_stream), words._base, 1, 0),
+                                      cold, cycles)
+    torch.cuda.synchronize()
+    dist.barrier()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    rows = {}
+    for busy in (False, True):
+        key = "peer_busy" if busy else "peer_idle"
+        rows[key] = run_world(_rank, 2, busy, backend="gloo", timeout=120)[0]
+        print(key, " ".join(f"{n}={u}" for n, u in rows[key].items()), flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
