@@ -57,6 +57,8 @@ _STEPS = {
     "queued": ("one_sided", "_transfer"),      # the copies out of the peer's memory queued
     "done": ("transport", "post_done"),        # an initiator's done word out
     "acked": ("transport", "recv_done"),       # a target's first done word in
+    "settled": ("one_sided", "finish"),        # a target's exchange over (its waits and settle)
+    "ran": ("program", "run"),                 # the program's run over (then the refit's tail)
 }
 
 
