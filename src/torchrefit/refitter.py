@@ -512,10 +512,8 @@ class Refitter:
         dst = self._dst.tensors if self._dst else {}
         if self._fp8_buffers is None:  # once: verify compares against the refit's shadows
             self._fp8_buffers = fp8_buffers(self.plan, src, dst)
-            shadows, fp8_staging = self._fp8_buffers
-            # every refit's report carries them: summed here, not per refit
-            self._fp8_held_bytes = (sum(t.nbytes for t in fp8_staging.values()),
-                                    sum(t.nbytes for t in shadows.values()))
+            # every refit's report carries their bytes: summed here, not per refit
+            self._fp8_held_bytes = tuple(sum(t.nbytes for t in d.values()) for d in reversed(self._fp8_buffers))
         shadows, fp8_staging = self._fp8_buffers
         return Program(
             plan,
