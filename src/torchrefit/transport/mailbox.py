@@ -32,8 +32,6 @@ import uuid
 import weakref
 from collections.abc import Callable
 
-from .base import poll_until
-
 __all__ = ["Mailbox", "header_word", "done_word"]
 
 
@@ -106,8 +104,9 @@ class Mailbox:
         self.store(index, seq << 1 | int(follows))
 
     def take(self, index: int, seq: int, timeout: float | None,
-             poll: Callable[[Callable[[], bool], float | None], bool] = poll_until) -> bool | None:
-        """Wait until word ``index`` holds exchange ``seq`` (polling with ``poll``); whether
+             poll: Callable[[Callable[[], bool], float | None], bool]) -> bool | None:
+        """Wait until word ``index`` holds exchange ``seq``, polling with ``poll``
+        (``transport.base.poll_until``'s form, e.g. a ``Waits.poller``); whether
         a Gloo message follows, or None when ``timeout`` seconds passed first. Raises
         ValueError where the word is ahead of ``seq`` (the two ends counted differently)."""
         word = self._word(index)
