@@ -74,6 +74,17 @@ def _mark_after(obj, attr: str, step: str, marks: dict[str, float]) -> None:
     setattr(obj, attr, timed)
 
 
+def mark_steps(r: tr.Refitter, marks: dict[str, float], cuda: bool = True) -> None:
+    """Stamp each of ``_STEPS`` of ``r``'s compiled refit into ``marks``; ``cuda``: also
+    the first stream query (every ``torch.cuda.Stream``'s, patched on the class)."""
+    program = r._program
+    owners = {"refitter": r, "program": program, "transport": r._transport,
+              "one_sided": program.compiled.one_sided, "stream": torch.cuda.Stream if cuda else None}
+    for step, (owner, attr) in _STEPS.items():
+        if owners[owner] is not None:
+            _mark_after(owners[owner], attr, step, marks)
+
+
 def _rank(rank: int, world: int, transport: str, layers: int, collocated: bool, warm_profile: bool) -> tuple:
     src, dst = one_gpu_toy_pair(rank, layers, collocated, world)
     prof = cProfile.Profile()
@@ -94,13 +105,8 @@ def _rank(rank: int, world: int, transport: str, layers: int, collocated: bool, 
     # iteration), returned, and saw its device work finished
     clock: dict[str, list[float]] = {k: [] for k in ("start", *_STEPS, "returned", "finished")}
     marks: dict[str, float] = {}
-    program = r._program
-    one = program.compiled.one_sided
-    for step, (owner, attr) in _STEPS.items():
-        target = {"refitter": r, "program": program, "transport": r._transport, "one_sided": one,
-                  "stream": torch.cuda.Stream}[owner]  # the class: every stream's query
-        if target is not None:
-            _mark_after(target, attr, step, marks)
+    mark_steps(r, marks)
+    one = r._program.compiled.one_sided
     # no event on a pure sender's stream: it would keep the stream busy past refit() and
     # so turn the host-written ready word into a stream-written one (transport.ipc.StreamWords)
     events = not (one is not None and one.compiled.targets and not one.compiled.initiated)

@@ -40,12 +40,7 @@ def _rank(rank: int, world: int, iters: int) -> dict[str, float]:
     r.refit()
     r.refit()
     marks: dict[str, float] = {}
-    program = r._program
-    owners = {"refitter": r, "program": program, "transport": r._transport,
-              "one_sided": program.compiled.one_sided}
-    for step, (owner, attr) in steps._STEPS.items():
-        if owners.get(owner) is not None:  # no CUDA stream here
-            steps._mark_after(owners[owner], attr, step, marks)
+    steps.mark_steps(r, marks, cuda=False)
     rows = []
     for _ in range(iters):
         dist.barrier()

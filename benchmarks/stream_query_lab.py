@@ -30,8 +30,8 @@ import time
 
 import torch
 import torch.distributed as dist
+from watch_check_lab import after_wait_us
 
-from torchrefit.bench.timing import sleep_cycles_per_ms
 from torchrefit.testing import run_world
 from torchrefit.transport.ipc import StreamWords
 from torchrefit.transport.mailbox import Mailbox
@@ -39,12 +39,13 @@ from torchrefit.transport.mailbox import Mailbox
 _BUSY_S = 20.0  # seconds the busy peer copies: rank 0's timings take a few
 
 
-def _us(fn, cold: bool, cycles: int, n: int = 30) -> float:
+def _us(fn, cold: bool, n: int = 30) -> float:
+    """Median microseconds of ``fn``: right after a 7 ms wait for the device
+    (``watch_check_lab.after_wait_us``), or back to back."""
+    if cold:
+        return after_wait_us(fn, torch.device("cuda", 0), wait_ms=7.0, calls=n)
     out = []
     for _ in range(n):
-        if cold:
-            torch.cuda._sleep(cycles)
-            torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)
@@ -73,7 +74,6 @@ def _rank(rank: int, world: int, busy_peer: bool) -> dict:
     words = StreamWords(box, device)
     stream = torch.cuda.current_stream(device)
     event = torch.cuda.Event()
-    cycles = int(7 * sleep_cycles_per_ms(device))
 
     def query_busy() -> None:
         b.copy_(a)
@@ -86,14 +86,14 @@ def _rank(rank: int, world: int, busy_peer: bool) -> dict:
     for cold in (True, False):
         tag = "cold" if cold else "hot"
         print(f"rank 0: timing {tag}", flush=True)
-        out[f"current_stream_{tag}"] = _us(lambda: torch.cuda.current_stream(device), cold, cycles)
-        out[f"query_idle_{tag}"] = _us(stream.query, cold, cycles)
-        out[f"query_busy_{tag}"] = _us(query_busy, cold, cycles)  # includes queuing the copy
-        out[f"copy_queued_{tag}"] = _us(lambda: b.copy_(a), cold, cycles)
-        out[f"event_query_{tag}"] = _us(event_query, cold, cycles)
-        out[f"copy_then_word_{tag}"] = _us(lambda: (b.copy_(a), words(0, 1)), cold, cycles)
+        out[f"current_stream_{tag}"] = _us(lambda: torch.cuda.current_stream(device), cold)
+        out[f"query_idle_{tag}"] = _us(stream.query, cold)
+        out[f"query_busy_{tag}"] = _us(query_busy, cold)  # includes queuing the copy
+        out[f"copy_queued_{tag}"] = _us(lambda: b.copy_(a), cold)
+        out[f"event_query_{tag}"] = _us(event_query, cold)
+        out[f"copy_then_word_{tag}"] = _us(lambda: (b.copy_(a), words(0, 1)), cold)
         out[f"raw_write_{tag}"] = _us(lambda: words._write(ctypes.c_void_p(stream.cuda_stream), words._base, 1, 0),
-                                      cold, cycles)
+                                      cold)
     torch.cuda.synchronize()
     dist.barrier()
     return out
