@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torchrefit as tr
 from torchrefit.bench.world import one_gpu_toy_pair
 from torchrefit.testing import run_world
+from torchrefit.transport.ipc import StreamWords
 
 
 def _device_ms(fn, iters: int = 20) -> float:
@@ -51,7 +52,7 @@ _STEPS = {
     "holders": ("refitter", "_rebind"),        # the holders check (watch="every")
     "views": ("program", "check_storage"),     # the storage and views check
     "ready": ("transport", "ready"),           # a target's ready token made (ipc: its word's kind)
-    "queried": ("stream", "query"),            # the first stream query (ipc's word: is the stream idle?)
+    "queried": ("words", "_query"),            # ipc's word: its first stream query (is the stream idle?)
     "posted": ("transport", "post_header"),    # a target's header out (its ready word)
     "seen": ("transport", "recv_header"),      # an initiator's first peer header in
     "queued": ("one_sided", "_transfer"),      # the copies out of the peer's memory queued
@@ -75,11 +76,15 @@ def _mark_after(obj, attr: str, step: str, marks: dict[str, float]) -> None:
 
 
 def mark_steps(r: tr.Refitter, marks: dict[str, float], cuda: bool = True) -> None:
-    """Stamp each of ``_STEPS`` of ``r``'s compiled refit into ``marks``; ``cuda``: also
-    the first stream query (every ``torch.cuda.Stream``'s, patched on the class)."""
+    """Stamp each of ``_STEPS`` of ``r``'s compiled refit into ``marks`` (after a refit, so
+    that what the first one made exists); ``cuda``: also ipc's first stream query (its
+    ``StreamWords``' driver query)."""
     program = r._program
+    # (src before the twenty-third session queried through torch's Stream: not stamped)
+    words = [w for w in getattr(r._transport, "_writers", {}).values()
+             if isinstance(w, StreamWords) and hasattr(w, "_query")]
     owners = {"refitter": r, "program": program, "transport": r._transport,
-              "one_sided": program.compiled.one_sided, "stream": torch.cuda.Stream if cuda else None}
+              "one_sided": program.compiled.one_sided, "words": words[0] if cuda and words else None}
     for step, (owner, attr) in _STEPS.items():
         if owners[owner] is not None:
             _mark_after(owners[owner], attr, step, marks)

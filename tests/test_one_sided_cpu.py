@@ -314,6 +314,40 @@ def test_ipc_without_stream_words_orders_by_events() -> None:
     assert t.stream_writer(box) is None
 
 
+def test_ipc_stream_word_is_stored_at_once_only_on_an_idle_stream(monkeypatch) -> None:
+    """ipc's stream-written word (``StreamWords``, driver calls faked): on a stream whose
+    work all finished (``cuStreamQuery`` succeeds) the host stores the word at once; with
+    work pending (not ready) the stream writes it behind that work, never the host; on
+    any other answer torch's own query decides (it binds the device's context)."""
+    from torchrefit.transport import ipc
+    from torchrefit.transport.mailbox import Mailbox
+
+    box = Mailbox.create(2)
+    writes: list[tuple[int, int, int]] = []
+    torch_says: list[bool] = []
+
+    class Stream:
+        def query(self) -> bool:
+            return torch_says.pop()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    w = object.__new__(ipc.StreamWords)
+    w.device, w._box, w._base, w._stream = torch.device("cpu"), box, 4096, lambda: 77
+    w._write = lambda stream, address, value, flags: writes.append((stream, address, value)) or 0
+    for rc, torch_idle, stored, written in ((0, None, 5, []), (600, None, 0, [(77, 4096 + 8, 5)]),
+                                            (201, True, 5, []), (201, False, 0, [(77, 4096 + 8, 5)])):
+        box.store(1, 0)
+        writes.clear()
+        torch_says[:] = [] if torch_idle is None else [torch_idle]
+        w._query = lambda stream, rc=rc: rc if stream == 77 else -1
+        w(1, 5)
+        assert (box.load(1), writes) == (stored, written), (rc, torch_idle)
+        assert torch_says == [], "torch's query was not asked for an unexpected driver answer"
+    w._query, w._write = (lambda stream: 600), (lambda *args: 1)
+    with pytest.raises(tr.TransportError, match="cuStreamWriteValue64 into the mailbox failed"):
+        w(1, 5)
+
+
 def test_ipc_wait_modes_are_checked(monkeypatch) -> None:
     from torchrefit.transport import ipc
 

@@ -40,9 +40,10 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import functools
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,7 @@ __all__ = ["IpcTransport", "Segment", "Exported", "StreamWords", "export_segment
 _EVENT_BYTES = 64  # cudaIpcEventHandle_t
 _WAITS = ("stream", "host")  # how this rank waits for a peer's interprocess event
 _HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: the device may write the mailbox's pages
+_CUDA_SUCCESS, _CUDA_ERROR_NOT_READY = 0, 600  # cuStreamQuery: all work done / some pending
 
 
 @dataclass(frozen=True)
@@ -280,7 +282,8 @@ class StreamWords:
     def __init__(self, box: Mailbox, device: torch.device) -> None:
         self.device = device
         self._box = box  # keeps the mapping while words are written into it
-        self._write, device_pointer = _driver()
+        self._write, device_pointer, self._query = _driver()
+        self._stream = _raw_stream(device)
         with torch.cuda.device(device):
             err = torch.cuda.cudart().cudaHostRegister(box.address, box.nbytes, _HOST_REGISTER_MAPPED)
             if err != 0:
@@ -289,23 +292,44 @@ class StreamWords:
             self._base = device_pointer(box.address)
 
     def __call__(self, index: int, value: int) -> None:
-        stream = torch.cuda.current_stream(self.device)
-        if stream.query():
+        # The stream's raw handle and the driver's query, not torch's Stream object and
+        # its query(): a sender's ready word is on the refit's critical path, right after
+        # its host waited, caches cold. torch.cuda.current_stream's Python alone took 18 us
+        # so on the CPU VM (benchmarks/cold_host_calls.py); post_header, whose one CUDA
+        # step this is, took 42 us on an H100 host (twenty-second session)
+        stream = self._stream()
+        rc = self._query(stream)
+        if rc == _CUDA_SUCCESS:
             # everything queued before has finished: the host stores the word now, rather
             # than queue a write that needs this process's context to get a time slice of a
             # GPU busy with other processes' copies
             self._box.store(index, value)
             return
-        rc = self._write(ctypes.c_void_p(stream.cuda_stream), self._base + 8 * index, value, 0)
+        if rc != _CUDA_ERROR_NOT_READY:  # e.g. no context current on this thread: torch's query binds it
+            if torch.cuda.current_stream(self.device).query():
+                self._box.store(index, value)
+                return
+        rc = self._write(stream, self._base + 8 * index, value, 0)
         if rc:
             raise TransportError(f"ipc: cuStreamWriteValue64 into the mailbox failed (CUresult {rc})")
 
 
+def _raw_stream(device: torch.device) -> Callable[[], int]:
+    """The raw ``cudaStream_t`` of ``device``'s current stream, as an int, per call:
+    torch's C accessor where this build has it (CUDA builds), else through the Stream."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return functools.partial(raw, device.index if device.index is not None else torch.cuda.current_device())
+    return lambda: torch.cuda.current_stream(device).cuda_stream
+
+
 def _driver() -> tuple:
-    """``cuStreamWriteValue64`` and a host -> device pointer function from libcuda."""
+    """``cuStreamWriteValue64``, a host -> device pointer function and ``cuStreamQuery``
+    from libcuda."""
     write = driver_function("cuStreamWriteValue64", [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint])
     get = driver_function("cuMemHostGetDevicePointer", [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p,
                                                         ctypes.c_uint])
+    query = driver_function("cuStreamQuery", [ctypes.c_void_p])
 
     def device_pointer(address: int) -> int:
         out = ctypes.c_uint64()
@@ -314,7 +338,7 @@ def _driver() -> tuple:
             raise RuntimeError(f"cuMemHostGetDevicePointer failed (CUresult {rc})")
         return out.value
 
-    return write, device_pointer
+    return write, device_pointer, query
 
 
 def _unregister(address: int, device: torch.device) -> None:
