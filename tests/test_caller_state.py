@@ -25,7 +25,9 @@ messages both), with the models built first and then, on every rank:
   capturing them in a CUDA graph while compiling, run in the caller's mode;
 * ``torch.use_deterministic_algorithms(True)`` around construction, refits and
   ``verify()`` (reproducible RL runs set it; an op without a deterministic
-  implementation would raise), for every transport.
+  implementation would raise), for every transport;
+* weights that require grad on both sides, refitted with grad mode on (and once under
+  ``torch.no_grad()``): the caller's grad mode is as it was after every call.
 
 On a GPU (marked ``gpu``): the default-device, inference-mode, inference-engine and
 deterministic cases
@@ -134,6 +136,27 @@ def _inference_engine(rank: int, transport: str, device: str = "cpu") -> list[st
     return _wrong(dst, rank) + [str(w.message) for w in caught if "capture" in str(w.message)]
 
 
+def _grad_mode(rank: int, transport: str) -> list[str]:
+    """Weights that require grad on both sides (a trainer's, an engine built for training):
+    the engine gets the source's values, and after each call the caller's grad mode is
+    as it was (``Program.run`` switches it off around the copies and back by hand)."""
+    src, dst = _pair(rank, "cpu")
+    for p in (*src.parameters(), *dst.parameters()):
+        p.requires_grad_(True)
+    r = tr.Refitter(src, dst, transport=transport, timeout=30)
+    seen = []
+    for call in (r.refit, r.refit, r.verify, r.rebind):
+        call()
+        seen.append(torch.is_grad_enabled())
+    with torch.no_grad():
+        r.refit()
+        seen.append(torch.is_grad_enabled())
+    r.close()
+    kept = seen == [True, True, True, True, False]
+    return ([] if kept else [f"grad mode after refit, refit, verify, rebind, refit under no_grad: {seen}"]) \
+        + _wrong(dst, rank)
+
+
 def _counted(rank: int) -> tuple[int, list[str]]:
     mode = Counting()
     wrong = _refitted_under(lambda: mode, rank, "auto")
@@ -198,6 +221,7 @@ def _world(rank: int, world: int, transports: list[str]) -> dict:
             "callbacks": _callbacks(rank),
             "inference": {(t, first): _inference(rank, t, first) for t in transports for first in (True, False)},
             "deterministic": {t: _refitted_under(_deterministic_algorithms, rank, t) for t in transports},
+            "grad mode": {t: _grad_mode(rank, t) for t in transports},
             "inference engine": {t: _inference_engine(rank, t) for t in transports}}
 
 
@@ -216,7 +240,7 @@ def test_caller_function_modes() -> None:
         assert cb["outside"] == [("load_weights", 1, "meta", False)], (rank, cb)
         for (transport, first), wrong in out["inference"].items():
             assert not wrong, f"rank {rank}, {transport}, inference mode first {first}: wrong {wrong[:5]}"
-        for case in ("deterministic", "inference engine"):
+        for case in ("deterministic", "inference engine", "grad mode"):
             for transport, wrong in out[case].items():
                 assert not wrong, f"rank {rank}, {transport}, {case}: wrong {wrong[:5]}"
 

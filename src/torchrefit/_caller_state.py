@@ -91,15 +91,20 @@ def set_aside(fn: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(fn)
     def aside(*args: P.args, **kwargs: P.kwargs) -> R:
-        if _aside.depth:  # a Refitter method inside another (refit's verify): already aside
+        state = _aside
+        if state.depth:  # a Refitter method inside another (refit's verify): already aside
             return fn(*args, **kwargs)
-        modes = _pop_all()
-        _aside.depth, _aside.modes, _aside.inference = 1, modes, torch.is_inference_mode_enabled()
+        # nothing to pop, the common case, costs one C call: every refit() starts here,
+        # right after its host waited, where each Python step costs several times its
+        # warm time (benchmarks/cold_host_calls.py, "set_aside")
+        modes = _pop_all() if _STACK and _C._len_torch_function_stack() else ()
+        state.depth, state.modes, state.inference = 1, modes, torch.is_inference_mode_enabled()
         try:
             return fn(*args, **kwargs)
         finally:
-            _aside.depth, _aside.modes = 0, []
-            _push_all(modes)
+            state.depth, state.modes = 0, ()
+            if modes:
+                _push_all(modes)
 
     return aside
 

@@ -21,6 +21,7 @@ on the caller's stream (ordered by stream order, the fork and join inside).
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -72,11 +73,13 @@ class Compiled:
     metas: tuple[tuple[str, str, Meta], ...]  # side, key, what the tensor was
     native: object | None = None  # ``_native_watch.views_check`` of watched and refs, where built
 
-    @property
+    @functools.cached_property
     def exchanges(self) -> bool:
         return bool(self.rounds and self.rounds.rounds) or bool(self.one_sided and not self.one_sided.idle)
 
+    @functools.cached_property
     def stats(self) -> RunStats:
+        """The same every run: made once (a refit's tail is host time its caller waits for)."""
         if self.rounds is not None:
             r = self.rounds
             return RunStats(len(r.rounds), r.messages_sent, r.messages_received, r.staging_bytes)
@@ -84,6 +87,16 @@ class Compiled:
             c = self.one_sided.compiled
             return RunStats(0, c.messages_sent, c.messages_received, 0)
         return RunStats(0, 0, 0, 0)
+
+
+def _grad_off() -> bool:
+    """Grad mode off, returning the caller's (restore it with ``torch._C._set_grad_enabled``):
+    what ``torch.no_grad()`` does for the copies into leaves that require grad, without
+    its Python context manager. A refit runs right after its host waited, caches cold,
+    where that manager's enter and exit cost several times this (one_sided_steps_cpu.py)."""
+    was = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    return was
 
 
 class Program:
@@ -108,6 +121,7 @@ class Program:
         self.src_tensors = src_tensors
         self.dst_tensors = dst_tensors
         self.transport = transport
+        self._one_sided = isinstance(transport, OneSidedTransport)  # may take turns (run)
         self.message_limit = message_limit
         self.compare = compare  # verify mode: receive into staging and compare, never write
         self.cuda_graph = cuda_graph
@@ -210,9 +224,10 @@ class Program:
         if check:
             self.check_storage()
         c = self.compiled
-        if isinstance(self.transport, OneSidedTransport) and self.transport.turn is not None:
+        if self._one_sided and self.transport.turn is not None:
             return self._run_in_turn(c)
-        with torch.no_grad():
+        was = _grad_off()
+        try:
             # FP8 from the source first: the side streams and the exchange wait for the
             # caller's stream, so they see the staging the sends carry
             c.quantize.before.run()
@@ -227,14 +242,17 @@ class Program:
                     c.local.run_in_session(self.side)  # on side streams: overlaps the exchange
                     self._exchange(c, compare=False)
             c.quantize.after.run()  # from the shadows, now joined into the caller's stream
-        return c.stats()
+        finally:
+            torch._C._set_grad_enabled(was)
+        return c.stats
 
     def _run_in_turn(self, c: Compiled) -> RunStats:
         """``run`` on a GPU shared with other ranks that copy (``transport.turns``): the
         ready header first, then this rank's copies once the previous rank's finished,
         its turn word behind them, and only then the wait for its readers' done tokens."""
         one = c.one_sided if c.one_sided is not None and not c.one_sided.idle else None
-        with torch.no_grad():
+        was = _grad_off()
+        try:
             c.quantize.before.run()
             remote = None
             if one is not None:
@@ -252,7 +270,9 @@ class Program:
             if one is not None:
                 one.finish()
             c.quantize.after.run()
-        return c.stats()
+        finally:
+            torch._C._set_grad_enabled(was)
+        return c.stats
 
     def mismatches(self) -> list[str]:
         """Verify mode: exchange like ``run`` but compare instead of writing; the
