@@ -222,6 +222,9 @@ class OneSidedProgram:
         self._before = compile_copies(compiled.before, converts, cuda_graph, merge=False) if compiled.before else None
         self._after = compile_copies(compiled.after, converts, cuda_graph, merge=False) if compiled.after else None
         self._matched: set[tuple[int, int]] = set()  # (peer, generation) whose regions were checked
+        # per target, what its header carries the first time: made once, not per refit
+        self._tables = tuple((t.peer, (compiled.exposed, t.regions) + ((t.work,) if t.work is not None else ()))
+                             for t in compiled.targets)
 
     @property
     def idle(self) -> bool:
@@ -240,12 +243,11 @@ class OneSidedProgram:
         they may read or write this rank's memory while it waits for anything). A rank
         whose delegate copies for it is the delegate's target: its token also orders the
         delegate's writes after this rank's readers of the old destination."""
-        c, transport = self.compiled, self.transport
-        if c.targets:
+        if self._tables:
+            transport, generation = self.transport, self.compiled.generation
             token = transport.ready()  # after this rank's current stream: its producer (and readers)
-            for target in c.targets:
-                table = (c.exposed, target.regions) + ((target.work,) if target.work is not None else ())
-                transport.post_header(target.peer, c.generation, table, token)
+            for peer, table in self._tables:
+                transport.post_header(peer, generation, table, token)
 
     def reach(self) -> Reached:
         """Initiator: each target's header (its table opened where new) and ready token,

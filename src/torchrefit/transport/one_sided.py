@@ -117,6 +117,9 @@ class OneSidedTransport(Transport):
         self.delegates: dict[int, int] = {}  # rank -> the rank copying for it on a shared GPU
         self._tasks: dict[tuple[int, int], object] = {}  # (peer, generation) -> its work for this delegate
         self.waits = Waits()  # host polls, each spinning where the same wait ended last time
+        # read once: ``ready()`` asks on every refit, and reading the environment there cost
+        # 8 us right after the host waited (benchmarks/cold_host_calls.py)
+        self._mailbox_on = self.mailbox and os.environ.get("TORCHREFIT_MAILBOX", "1") != "0"
 
     def prepare(self, plan, message_limit: int) -> None:
         """Collective: where several ranks copy on this rank's GPU, one of them copies
@@ -268,7 +271,9 @@ class OneSidedTransport(Transport):
         the first time it needs it: over Gloo, or as a mailbox word when the peer holds
         this rank's mailbox and nothing is new."""
         seq = self._count("header out", peer)
-        announced = self._announced.setdefault(peer, OrderedDict())
+        announced = self._announced.get(peer)
+        if announced is None:
+            announced = self._announced[peer] = OrderedDict()
         new = generation not in announced
         boxed = peer in self._boxed
         if token == WORD and not (boxed or new):  # the peer cannot be sent this rank's mailbox
@@ -366,7 +371,7 @@ class OneSidedTransport(Transport):
     def _mailbox_handle(self) -> tuple | None:
         """This rank's mailbox handle for a new initiator; None: Gloo only (no mailbox
         for this transport, turned off, or shared memory unavailable)."""
-        if not self.mailbox or os.environ.get("TORCHREFIT_MAILBOX", "1") == "0":
+        if not self._mailbox_on:
             return None
         if self._box is None:
             try:
@@ -397,6 +402,8 @@ class OneSidedTransport(Transport):
     def settle(self) -> None:
         """Wait for every control message this rank posted (end of a refit), within
         ``timeout`` (a peer that died raises :class:`TransportError` naming it)."""
+        if not self._works:  # the mailbox carried this refit's words: no Gloo message to wait for
+            return
         works, self._works = self._works, []
         self.wait([w for w, _ in works])
 
