@@ -1,11 +1,13 @@
 """What a host-side stream query, event query and stream-written word cost in a process
 sharing its GPU with another (as ipc's two processes do), and what each costs alone.
 
-Two processes on GPU 0. Rank 1 either idles or keeps the GPU busy with copies (its
-context then holds the GPU for 20 s); rank 0 times each step right after its host waited
-for the device (*cold*: a 7 ms GPU sleep, then ``synchronize``, as a timed refit starts)
-and back to back (*hot*), in microseconds (median of 30). Each world prints its row as it
-ends. Written after the twenty-second session's device time was spent: not yet run.
+Two processes on GPU 0. Rank 1 never touches CUDA (*solo*: rank 0 alone on the GPU),
+holds a context and idles, or keeps the GPU busy with copies (its context then holds the
+GPU for 20 s); rank 0 times each step right after its host waited for the device
+(*cold*: a 7 ms GPU sleep, then ``synchronize``, as a timed refit starts) and back to
+back (*hot*), in microseconds (median of 30). Each world prints its row as it ends.
+Written after the twenty-second session's device time was spent; the solo world and the
+steps from ``event_record`` on came in the twenty-third (no device then): not yet run.
 
 * ``current_stream``: ``torch.cuda.current_stream(device)`` (a Python Stream object);
 * ``query_idle``: ``stream.query()`` on rank 0's idle current stream (what ipc's ready
@@ -15,7 +17,15 @@ ends. Written after the twenty-second session's device time was spent: not yet r
 * ``event_query``: ``Event.query()`` of an event recorded on the idle stream;
 * ``copy_then_word``: a copy queued, then a word (``StreamWords``: its query finds the
   stream busy and queues one ``cuStreamWriteValue64`` into registered host memory);
-* ``raw_write``: that ``cuStreamWriteValue64`` alone, through ctypes.
+* ``raw_write``: that ``cuStreamWriteValue64`` alone, through ctypes;
+* ``raw_query_idle``: what ``StreamWords`` asks since the twenty-third session: the raw
+  handle of the current stream and the driver's ``cuStreamQuery`` on it;
+* ``event_record``: ``Event.record()`` on the current stream (what a benchmark's timing
+  event costs the rank that records it);
+* ``synchronize_idle``: ``torch.cuda.synchronize()`` with nothing queued (a benchmark's
+  wait after a sender's refit returned);
+* ``sched_yield``: one ``os.sched_yield()``, what each turn of a spinning host poll makes
+  (``transport.base.poll_until``).
 
     python benchmarks/stream_query_lab.py [--json OUT]
 """
@@ -25,6 +35,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import statistics
 import time
 
@@ -32,6 +43,7 @@ import torch
 import torch.distributed as dist
 from watch_check_lab import after_wait_us
 
+from torchrefit._cuda_driver import driver_function
 from torchrefit.testing import run_world
 from torchrefit.transport.ipc import StreamWords
 from torchrefit.transport.mailbox import Mailbox
@@ -52,11 +64,16 @@ def _us(fn, cold: bool, n: int = 30) -> float:
     return round(statistics.median(out) * 1e6, 2)
 
 
-def _rank(rank: int, world: int, busy_peer: bool) -> dict:
+def _rank(rank: int, world: int, peer: str) -> dict:
+    out: dict = {}
+    if rank == 1 and peer == "solo":  # no CUDA context in this process
+        dist.barrier()
+        dist.barrier()
+        return out
     torch.cuda.set_device(0)
     device = torch.device("cuda", 0)
     a, b = (torch.empty(1 << 28, dtype=torch.uint8, device=device) for _ in range(2))
-    out: dict = {}
+    busy_peer = peer == "busy"
     if rank == 1:
         dist.barrier()
         # busy: copies for a fixed time, longer than rank 0's timings. No message ends the
@@ -83,6 +100,9 @@ def _rank(rank: int, world: int, busy_peer: bool) -> dict:
         event.record(stream)
         event.query()
 
+    query = driver_function("cuStreamQuery", [ctypes.c_void_p])
+    raw = torch._C._cuda_getCurrentRawStream
+
     for cold in (True, False):
         tag = "cold" if cold else "hot"
         print(f"rank 0: timing {tag}", flush=True)
@@ -94,6 +114,11 @@ def _rank(rank: int, world: int, busy_peer: bool) -> dict:
         out[f"copy_then_word_{tag}"] = _us(lambda: (b.copy_(a), words(0, 1)), cold)
         out[f"raw_write_{tag}"] = _us(lambda: words._write(ctypes.c_void_p(stream.cuda_stream), words._base, 1, 0),
                                       cold)
+        torch.cuda.synchronize()  # the hot copies above are still queued: idle again first
+        out[f"raw_query_idle_{tag}"] = _us(lambda: query(raw(0)), cold)
+        out[f"event_record_{tag}"] = _us(lambda: event.record(), cold)
+        out[f"synchronize_idle_{tag}"] = _us(torch.cuda.synchronize, cold)
+        out[f"sched_yield_{tag}"] = _us(os.sched_yield, cold)
     torch.cuda.synchronize()
     dist.barrier()
     return out
@@ -104,9 +129,9 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     rows = {}
-    for busy in (False, True):
-        key = "peer_busy" if busy else "peer_idle"
-        rows[key] = run_world(_rank, 2, busy, backend="gloo", timeout=120)[0]
+    for peer in ("solo", "idle", "busy"):
+        key = f"peer_{peer}"
+        rows[key] = run_world(_rank, 2, peer, backend="gloo", timeout=120)[0]
         print(key, " ".join(f"{n}={u}" for n, u in rows[key].items()), flush=True)
     if args.json:
         with open(args.json, "w") as fh:
