@@ -28,42 +28,22 @@ import argparse
 import ctypes
 import json
 import os
-import statistics
 import time
 
 import torch
 from torch.cuda._utils import _get_device_index
+from watch_check_lab import host_waits, median_us_after
 
-import torchrefit as tr
 from torchrefit._caller_state import set_aside
 from torchrefit.execute.program import _grad_off
 from torchrefit.refitter import RefitReport
 from torchrefit.transport.mailbox import Mailbox
 
 
-def _timer(device: torch.device, wait_ms: float):
+def _waits(device: torch.device, wait_ms: float) -> list:
     """``(name, wait)`` pairs: what runs before each timed call."""
-    flush = torch.zeros(64 << 20, dtype=torch.uint8)
-    if device.type == "cuda":
-        cycles = int(wait_ms * tr.bench.timing.sleep_cycles_per_ms(device))
-
-        def cold() -> None:
-            torch.cuda._sleep(cycles)
-            torch.cuda.synchronize(device)
-    else:
-        def cold() -> None:
-            flush.add_(1)
-    return [("hot", lambda: None), ("sleep", lambda: time.sleep(0.001)), ("cold", cold)]
-
-
-def _us(fn, wait, calls: int) -> float:
-    out = []
-    for _ in range(calls):
-        wait()
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return round(statistics.median(out) * 1e6, 2)
+    return [("hot", lambda: None), ("sleep", lambda: time.sleep(0.001)),
+            ("cold", host_waits(device, wait_ms, flush_mib=64))]
 
 
 def _steps(device: torch.device) -> dict:
@@ -118,10 +98,10 @@ def main() -> None:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "calls": args.calls}
-    waits = _timer(device, args.wait_ms)
+    waits = _waits(device, args.wait_ms)
     for name, fn in _steps(device).items():
         fn()
-        out[name] = {when: _us(fn, wait, args.calls) for when, wait in waits}
+        out[name] = {when: median_us_after(fn, wait, args.calls) for when, wait in waits}
         print(name, out[name], flush=True)
     if args.json:
         with open(args.json, "w") as fh:

@@ -53,15 +53,25 @@ def best_us(fn, number: int = 50, repeat: int = 9) -> float:
 def after_wait_us(fn, device: torch.device, wait_ms: float, calls: int = 15) -> float:
     """Median host microseconds of ``fn`` called right after the host waited for the
     device (see the module's docstring)."""
+    return median_us_after(fn, host_waits(device, wait_ms), calls)
+
+
+def host_waits(device: torch.device, wait_ms: float, flush_mib: int = 256):
+    """A wait that leaves the host as a timed refit finds it: on a GPU, ``wait_ms`` of
+    GPU sleep then ``synchronize``; on a CPU, ``flush_mib`` MiB written (caches evicted)."""
     if device.type == "cuda":
         cycles = int(wait_ms * tr.bench.timing.sleep_cycles_per_ms(device))
+
         def wait() -> None:
             torch.cuda._sleep(cycles)
             torch.cuda.synchronize(device)
-    else:
-        flush = torch.zeros(256 << 20, dtype=torch.uint8)
-        def wait() -> None:
-            flush.add_(1)
+        return wait
+    flush = torch.zeros(flush_mib << 20, dtype=torch.uint8)
+    return lambda: flush.add_(1)
+
+
+def median_us_after(fn, wait, calls: int) -> float:
+    """Median microseconds of ``fn``, each call made right after ``wait()``."""
     out = []
     for _ in range(calls):
         wait()
