@@ -398,6 +398,13 @@ def _mailbox_world(rank: int, world: int) -> dict:
                 p.add_(1000.0)
     torch.distributed.barrier()
     out["overwritten"] = [k for k, v in _state(dst).items() if not torch.equal(v.detach(), want[k])] if dst else []
+    if src is not None:  # the sources move to new storage: a new table, which the receiver must read from
+        with torch.no_grad():
+            for p in src.parameters():
+                p.data = (p.data + 5.0).share_memory_()
+    r.refit()
+    want = {k: v + 1000.0 + 5.0 for k, v in want.items()}
+    out["moved"] = [k for k, v in _state(dst).items() if not torch.equal(v.detach(), want[k])] if dst else []
     tp.timeout = 1.0  # a peer that stops: each side raises within its timeout, naming the other
     if src is not None:
         time.sleep(3.0)
@@ -417,12 +424,14 @@ def test_mailbox_orders_both_ways_and_times_out() -> None:
     """After a pair's first exchange, shm-pull (as ipc) sends no Gloo message per refit:
     the receiver waits for the sender's header word before reading (a late producer's
     update is never missed), the sender waits for the receiver's done word before
-    returning (a late reader never sees the next step's values), and a stopped peer
-    raises TransportError naming it within the timeout on both sides."""
+    returning (a late reader never sees the next step's values), sources moved to new
+    storage are read there (a new table, new copies), and a stopped peer raises
+    TransportError naming it within the timeout on both sides."""
     sender, receiver = run_world(_mailbox_world, 2, timeout=240)
     assert sender["gloo_messages"] == 0 and receiver["gloo_messages"] == 0, (sender, receiver)
     assert receiver["stale"] == [], f"the receiver read before the producer finished: {receiver['stale'][:3]}"
     assert receiver["overwritten"] == [], f"the sender overwrote sources being read: {receiver['overwritten'][:3]}"
+    assert receiver["moved"] == [], f"the receiver read the sources' old storage: {receiver['moved'][:3]}"
     assert "rank 0" in receiver["stopped"] and "header" in receiver["stopped"], receiver["stopped"]
     assert "rank 1" in sender["stopped"] and "done token" in sender["stopped"], sender["stopped"]
     assert sender["waited"] == ["done token"] and receiver["waited"] == ["header"], (sender, receiver)

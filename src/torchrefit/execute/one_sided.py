@@ -216,6 +216,7 @@ class OneSidedProgram:
         self.side = SideStreams(device, LANES) if compiled.initiated and transport.pull else None
         self.cuda_graph = cuda_graph
         self._pulls: tuple[tuple, LocalCopies] | None = None  # (peer generations, copies)
+        self._pulled_for: Reached | None = None  # the reach _pulls was last looked up for
         # push, where transfers convert: copies into and out of staging, on the caller's stream
         converts = SideStreams(device, LANES) if compiled.before or compiled.after else None
         self._converts = converts
@@ -321,6 +322,8 @@ class OneSidedProgram:
         return []
 
     def _pull_copies(self, remote: Reached) -> LocalCopies:
+        if remote is self._pulled_for:  # reach() looked them up; the transfer asks again
+            return self._pulls[1]
         key = tuple((peer, gen) for peer, gen, _ in remote)
         if self._pulls is None or self._pulls[0] != key:
             if self.compiled.delegation is not None:
@@ -332,6 +335,7 @@ class OneSidedProgram:
             # not merged: byte runs across tensors are found through the driver's allocation
             # ranges, which nothing here has checked on memory mapped from another process
             self._pulls = (key, compile_copies(copies, self.side, self.cuda_graph, merge=False))
+        self._pulled_for = remote
         return self._pulls[1]
 
 
