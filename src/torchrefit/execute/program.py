@@ -93,7 +93,7 @@ def _grad_off() -> bool:
     """Grad mode off, returning the caller's (restore it with ``torch._C._set_grad_enabled``):
     what ``torch.no_grad()`` does for the copies into leaves that require grad, without
     its Python context manager. A refit runs right after its host waited, caches cold,
-    where that manager's enter and exit cost several times this (one_sided_steps_cpu.py)."""
+    where that manager's enter and exit cost 2-3x this (benchmarks/cold_host_calls.py)."""
     was = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)
     return was
