@@ -17,7 +17,10 @@ Pairs timed (the form a refit used before, then the form it uses now):
 * ``current_stream_python``: the Python ``torch.cuda.current_stream(device)`` runs before
   its C call (device index, lazy-init and build checks); on CUDA also the whole
   ``current_stream(device).query()`` against ``StreamWords``' raw handle and driver
-  ``cuStreamQuery`` (``stream_query_torch`` / ``stream_query_raw``).
+  ``cuStreamQuery`` (``stream_query_torch`` / ``stream_query_raw``);
+* on CUDA, ``torch.cuda.synchronize(device)`` with nothing queued against the bench's
+  wait after each timed call since the twenty-third session (``bench.timing._sync``:
+  torch's C call alone) (``synchronize_torch`` / ``synchronize_bench``).
 
     python benchmarks/cold_host_calls.py [--calls 200] [--json OUT]
 """
@@ -35,6 +38,7 @@ from torch.cuda._utils import _get_device_index
 from watch_check_lab import host_waits, median_us_after
 
 from torchrefit._caller_state import set_aside
+from torchrefit.bench.timing import _sync
 from torchrefit.execute.program import _grad_off
 from torchrefit.refitter import RefitReport
 from torchrefit.transport.mailbox import Mailbox
@@ -86,6 +90,8 @@ def _steps(device: torch.device) -> dict:
         raw = torch._C._cuda_getCurrentRawStream
         steps["stream_query_torch"] = lambda: torch.cuda.current_stream(device).query()
         steps["stream_query_raw"] = lambda: query(raw(device.index))
+        steps["synchronize_torch"] = lambda: torch.cuda.synchronize(device)
+        steps["synchronize_bench"] = lambda: _sync(device)  # the bench's wait since the twenty-third session
     return steps
 
 

@@ -15,7 +15,16 @@ __all__ = ["copy_bandwidth", "link_bandwidth", "time_calls", "median_ms", "host_
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
+    """Wait for ``device``'s work. Where it is the current device (every bench rank sets
+    its own), torch's C call alone: the wait that ends each timed call belongs to the
+    harness, not to what is timed, and ``torch.cuda.synchronize``'s Python (a device
+    switch and back) runs right after the call, caches cold, in every iteration. Since
+    the twenty-third session (see BENCHMARKS.md there)."""
+    if device.type != "cuda":
+        return
+    if device.index == torch._C._cuda_getDevice():
+        torch._C._cuda_synchronize()
+    else:
         torch.cuda.synchronize(device)
 
 
