@@ -21,6 +21,15 @@ microseconds, min over repeats; nothing else runs).
   ``bindings`` and ``views`` above are then the Python forms, timed with it off.
 * ``every_refit_host_us``: a whole refit's host time with ``watch="every"`` as it runs
   (native where built).
+* ``built_s``: the Refitter's construction and first refit, seconds (the huge pages,
+  which the second refit's check starts on a thread of its own, are then made here
+  before anything is timed; ``collapse_ms``: how long that took);
+* ``metadata_objects``, ``metadata_pages_4k``, ``metadata_regions_2m``: the watched
+  tensors' TensorImpls and StorageImpls (torch's ``_cdata`` addresses), and how many pages
+  of 4 KiB and regions of 2 MiB hold them;
+* ``huge_pages`` and ``anon_huge_kib``: whether the native views check made that memory
+  huge pages (``_native_watch.views_check``; off with ``TORCHREFIT_HUGE_PAGES=0``), and
+  this process's memory in huge pages at the end (Linux).
 * ``..._after_wait_us``: the same, each call made right after the host waited for the
   device (a GPU sleep of ``--wait-ms``, then ``torch.cuda.synchronize``), as the
   benchmarks time a refit; median of 15. On a CPU, right after writing 256 MiB instead.
@@ -34,6 +43,7 @@ microseconds, min over repeats; nothing else runs).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 import timeit
@@ -43,6 +53,7 @@ import torch
 
 import torchrefit as tr
 import torchrefit.bench.timing
+from torchrefit import _native_watch as native_watch
 from torchrefit.bench.world import report_and_leave, tiny_toy_pair
 
 
@@ -81,6 +92,14 @@ def median_us_after(fn, wait, calls: int) -> float:
     return round(statistics.median(out) * 1e6, 2)
 
 
+def _anon_huge_kib() -> int | None:
+    try:
+        with open("/proc/self/smaps_rollup") as fh:
+            return next(int(line.split()[1]) for line in fh if line.startswith("AnonHugePages:"))
+    except (OSError, StopIteration):
+        return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-30b-a3b")
@@ -90,9 +109,18 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     src, dst = tiny_toy_pair(args.preset, args.layers, 29633, device)
+    t0 = time.perf_counter()
     r = tr.Refitter(src, dst)
     r.refit()
+    built_s = time.perf_counter() - t0  # construction and first refit
     program = r._program
+    collapse_ms = None
+    if program.compiled.native is not None and program.compiled.native.collapse_pending:
+        # timed below: the steady state, with the huge pages its first check would ask for
+        t0 = time.perf_counter()
+        program.compiled.native.collapse()
+        collapse_ms = round((time.perf_counter() - t0) * 1e3, 2)
+        program.compiled.native.unchanged()
     fast_views, fast_bindings = program.compiled.native, [b._native for b in r._bindings.values()]
     if fast_views is not None:
         def holders() -> list[bool]:
@@ -125,6 +153,14 @@ def main() -> None:
     out["manual_refit_host_us"] = best_us(lambda: program.run(False), number=20)
     out["manual_refit_host_after_wait_us"] = after_wait_us(lambda: program.run(False), device, args.wait_ms)
     out.update(out_native)
+    objects = [t._cdata for t in watched] + [t.untyped_storage()._cdata for t in watched]
+    out["built_s"] = round(built_s, 4)
+    out["collapse_ms"] = collapse_ms  # asking for the huge pages (a thread's work in a refit)
+    out["metadata_objects"] = len(objects)  # the watched TensorImpls and their StorageImpls
+    out["metadata_pages_4k"] = len({a >> 12 for a in objects})
+    out["metadata_regions_2m"] = len({a >> 21 for a in objects})
+    out["huge_pages"] = os.environ.get(native_watch.HUGE_PAGES_ENV, "") != "0"
+    out["anon_huge_kib"] = _anon_huge_kib()  # this process's memory in huge pages (Linux)
     every = tr.Refitter(src, dst)  # a fresh one: native where built
     every.refit()
     out["every_refit_host_us"] = best_us(every.refit, number=20)

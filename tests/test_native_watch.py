@@ -114,6 +114,42 @@ def test_restored_views_are_unchanged_again(built: str) -> None:
     assert check.unchanged()
 
 
+def test_collapse_covers_each_region_of_the_watched_metadata_once(built: str) -> None:
+    """``Views.collapse`` asks for one huge page per 2 MiB region holding a watched
+    tensor's TensorImpl or its StorageImpl (oracle: those addresses from torch's
+    ``_cdata``); what it makes huge pages changes no answer."""
+    params = _params(600)
+    refs = [p.detach() for p in params]
+    check = native.views_check(tuple(params), tuple(refs))
+    objects = [p._cdata for p in params] + [p.untyped_storage()._cdata for p in params]
+    assert sorted(check.regions) == sorted({a >> 21 for a in objects})
+    regions, done = check.collapse()
+    assert regions == len(check.regions) and 0 <= done <= regions, (regions, done)
+    assert check.unchanged()
+    with torch.no_grad():
+        params[300].data = torch.randn(8, 8)
+    assert not check.unchanged()
+
+
+def test_huge_pages_start_at_the_first_check_of_many_views_unless_told(built: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """From ``COLLAPSE_MIN`` views on, ``views_check`` asks for huge pages, and the first
+    ``unchanged()`` (the second refit's, after the one that compiled) starts them on a
+    thread of its own, once; fewer views, or ``TORCHREFIT_HUGE_PAGES=0``: never."""
+    monkeypatch.setattr(native, "COLLAPSE_MIN", 6)
+    monkeypatch.delenv(native.HUGE_PAGES_ENV, raising=False)
+    pending = []
+    for n, env in ((4, None), (5, None), (5, "0")):  # _params(n) holds n + 1 tensors
+        if env is not None:
+            monkeypatch.setenv(native.HUGE_PAGES_ENV, env)
+        params = _params(n)
+        check = native.views_check(tuple(params), tuple(p.detach() for p in params))
+        before = check.collapse_pending
+        assert check.unchanged() and check.unchanged()
+        pending.append((before, check.collapse_pending))
+    assert pending == [(False, False), (True, False), (False, False)], pending
+
+
 class _Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
