@@ -22,6 +22,11 @@ the check is one comparison while the model keeps its tensors; before 3.12 it co
 each dict's version tag (PEP 509), one load a dict instead of a look-up. A trainer that
 re-registers parameters every step, as FSDP2 does, gets the full look each time.
 
+From ``COLLAPSE_MIN`` views on, the views check's first answer also starts a thread that
+asks the kernel to make the memory holding those tensors' metadata (their TensorImpls
+and StorageImpls, thousands of small objects on thousands of 4 KiB pages) huge pages:
+the check then no longer walks page tables per object (``TORCHREFIT_HUGE_PAGES=0``: off).
+
 Each native answer is a fast path only: True means nothing changed (the same conditions
 as ``Tensor.is_set_to`` plus the address and the dtype, and the same identity as the
 Python binding check); False sends the caller to the Python check, which finds what changed and
@@ -125,14 +130,14 @@ struct Views {
     regions.erase(std::unique(regions.begin(), regions.end()), regions.end());
   }
 
+  static constexpr uintptr_t kHuge = uintptr_t(1) << 21;  // a huge page: 2 MiB
+
   // Each 2 MiB-aligned region of memory holding a watched tensor's TensorImpl or its
   // storage's StorageImpl, made one huge page (MADV_COLLAPSE; a region the kernel cannot,
   // e.g. one not wholly mapped, stays as it is). These few thousand small objects lie on
   // thousands of 4 KiB pages, more than the TLB holds: unchanged() then pays a page walk
   // per object, warm or cold. Nothing moves: the same addresses, other page tables.
-  // Returns (regions, regions collapsed).
-  static constexpr uintptr_t kHuge = uintptr_t(1) << 21;
-
+  // Returns how many regions were made huge pages.
   static size_t collapse_regions(const std::vector<uintptr_t>& rs) {
     size_t done = 0;
 #if defined(__linux__)
@@ -143,6 +148,7 @@ struct Views {
     return done;
   }
 
+  // (regions, regions made huge pages), now, on the calling thread
   std::pair<size_t, size_t> collapse() const { return {regions.size(), collapse_regions(regions)}; }
 
   // The first unchanged() (the second refit's; the first refit compiled) starts collapse()
