@@ -2,7 +2,8 @@
 and issue 5 rely on (median, floor and ratio, first refit, peak memory), for the plain and
 shared-storage variants; its table names its columns plainly and leaves out what a CPU
 run cannot have (the CUDA-graph variant, host-time and megatron-core columns).
-``--watch manual`` reaches the bench's config and Refitter, and rows record it."""
+``--watch manual`` reaches the bench's config and Refitter, and rows record it. The wait
+that ends each timed call is torch's C synchronize where the device is current."""
 
 import json
 
@@ -125,3 +126,18 @@ def test_bench_moves_bytes_between_ranks(tmp_path) -> None:
                  "--nproc", "2", "--src", "tp2", "--dst", "tp1", "--json", str(out)]) == 0
     row = json.loads(out.read_text())["configs"][0]
     assert row["bytes_remote"] > 0 and row["median_ms"] is not None, row
+
+
+def test_the_bench_waits_for_its_own_device_with_torchs_c_call(monkeypatch) -> None:
+    """The wait that ends each timed call (``bench.timing._sync``): torch's C synchronize
+    where the device is the current one, ``torch.cuda.synchronize(device)`` (which switches
+    devices) where it is not, nothing for CPU tensors. CUDA faked: only who is called."""
+    from torchrefit.bench import timing
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_synchronize", lambda: calls.append("c"), raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(f"torch {device}"))
+    for device in ("cuda:0", "cuda:1", "cpu"):
+        timing._sync(torch.device(device))
+    assert calls == ["c", "torch cuda:1"], calls
