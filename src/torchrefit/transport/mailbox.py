@@ -94,14 +94,10 @@ class Mailbox:
 
     def store(self, index: int, value: int) -> None:
         """Word ``index`` := ``value`` (a raw word, as a stream writes it)."""
-        self._cells[index] = value  # an aligned 8-byte store: whole on x86-64 and AArch64
+        self._cells[index] = value  # aligned 8-byte stores and loads: whole on x86-64 and AArch64
 
     def load(self, index: int) -> int:
         return self._cells[index]
-
-    def _word(self, index: int) -> ctypes.c_int64:
-        # aligned 8-byte loads: whole on x86-64 and AArch64
-        return ctypes.c_int64.from_address(self._base + 8 * index)
 
     def post(self, index: int, seq: int, follows: bool) -> None:
         self.store(index, seq << 1 | int(follows))
@@ -112,10 +108,10 @@ class Mailbox:
         (``transport.base.poll_until``'s form, e.g. a ``Waits.poller``); whether
         a Gloo message follows, or None when ``timeout`` seconds passed first. Raises
         ValueError where the word is ahead of ``seq`` (the two ends counted differently)."""
-        word = self._word(index)
-        if not poll(lambda: word.value >> 1 >= seq, timeout):
+        cells = self._cells
+        if not poll(lambda: cells[index] >> 1 >= seq, timeout):
             return None
-        value = word.value
+        value = cells[index]
         if value >> 1 != seq:
             raise ValueError(f"control word holds exchange {value >> 1}, expected {seq}")
         return bool(value & 1)
