@@ -36,12 +36,11 @@ import argparse
 import ctypes
 import json
 import os
-import statistics
 import time
 
 import torch
 import torch.distributed as dist
-from watch_check_lab import after_wait_us
+from watch_check_lab import after_wait_us, median_us_after
 
 from torchrefit._cuda_driver import driver_function
 from torchrefit.testing import run_world
@@ -56,12 +55,7 @@ def _us(fn, cold: bool, n: int = 30) -> float:
     (``watch_check_lab.after_wait_us``), or back to back."""
     if cold:
         return after_wait_us(fn, torch.device("cuda", 0), wait_ms=7.0, calls=n)
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return round(statistics.median(out) * 1e6, 2)
+    return median_us_after(fn, lambda: None, n)
 
 
 def _rank(rank: int, world: int, peer: str) -> dict:
