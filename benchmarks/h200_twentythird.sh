@@ -3,7 +3,7 @@
 # session, on whichever card comes; say which). Issue 10's ipc after the cold host path
 # was trimmed (benchmarks/patches/cold_host_path.patch: the stream's raw handle and the
 # driver's query for ipc's words, grad mode switched by hand, set_aside's fast path,
-# mailbox words as int64 items, the mailbox switch read once, tables made once), and
+# mailbox words as int64 items (take included), the mailbox switch read once, tables made once), and
 # issue 16's views check with its metadata in huge pages (TORCHREFIT_HUGE_PAGES=1 / 0).
 # Then the shape matrix: bash benchmarks/h200_twentysecond.sh (carry .whl/megatron; the
 # deepseek rows need an H200's memory).
