@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Twenty-fourth session, on whichever card comes (the log names it). `tests`: every GPU
+# test on main (ipc's stream word asking the driver, 95a6461, and the native views' huge
+# pages, d4fb7ac, never ran on a GPU before), then the stale-read test with the producer
+# wait and the done wait removed (its ipc cases must FAIL). `bench`: issue 10's ipc refit
+# of the seed's model, three layouts (TP1 -> TP1 non-collocated, TP2 -> TP1 collocated on
+# 2 and on 4 processes), three rounds each, alternating.
+#   bash benchmarks/gpu_twentyfourth.sh tests   # ~5 min
+#   bash benchmarks/gpu_twentyfourth.sh bench   # ~5 min
+# Nothing to carry. Results and log in $OUT.
+source benchmarks/_h200_run.sh
+h200_run "twentyfourth_${1:?tests or bench}"
+nvidia-smi -q | grep -iE "product name|driver version" | sed 's/  */ /g'
+python3 -m torchrefit native build >/dev/null && echo "native built" || echo "not built"
+echo "main at $(git rev-parse --short HEAD 2>/dev/null || echo '(no git)')"
+if [ "$1" = tests ]; then
+  echo "=== 1. GPU tests ($(date +%T))"
+  timeout 330 python3 -m pytest -q -p no:cacheprovider --tb=short -m gpu tests 2>&1 | tail -25
+  echo "=== 2. producer wait removed: these must FAIL ($(date +%T))"
+  h200_broken_stale_read PRODUCER_WAIT -k ipc
+  echo "=== 3. done wait removed: these must FAIL ($(date +%T))"
+  h200_broken_stale_read DONE_WAIT -k ipc
+else
+  B="python3 -m torchrefit bench --model gpt-4b --variant graph --warmup 3 --iters 20 --transport ipc"
+  for i in 1 2 3; do
+    echo "=== ipc bench round $i ($(date +%T))"
+    timeout 60 $B --mode non-collocated --nproc 2 --label noncolloc2 --json "$R/noncolloc2_$i.json" 2>&1 | tail -1
+    timeout 60 $B --src tp2 --dst tp1 --nproc 2 --label colloc2 --json "$R/colloc2_$i.json" 2>&1 | tail -1
+    timeout 90 $B --src tp2 --dst tp1 --nproc 4 --label colloc4 --json "$R/colloc4_$i.json" 2>&1 | tail -1
+  done
+fi
+echo "=== done ($(date +%T))"
