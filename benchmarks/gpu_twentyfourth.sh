@@ -11,9 +11,11 @@
 #                                               # tests, both waits removed, then the bench
 #   bash benchmarks/gpu_twentyfourth.sh short   # ~4 min: the one-sided and stale-read tests, the
 #                                               # producer wait removed, the bench's rounds 1-2
+#   bash benchmarks/gpu_twentyfourth.sh min     # ~2.5 min: the one-sided tests and the stale-read
+#                                               # test's ipc cases, 4 processes' bench twice
 # Nothing to carry. Results and log in $OUT.
 source benchmarks/_h200_run.sh
-h200_run "twentyfourth_${1:?tests, bench, all or short}"
+h200_run "twentyfourth_${1:?tests, bench, all, short or min}"
 nvidia-smi -q | grep -iE "product name|driver version" | sed 's/  */ /g'
 python3 -m torchrefit native build >/dev/null && echo "native built" || echo "not built"
 echo "main at $(git rev-parse --short HEAD 2>/dev/null || echo '(no git)')"
@@ -23,23 +25,29 @@ if [ "$1" != bench ]; then
     set -- all tests/test_gpu_one_sided.py tests/test_gpu_stale_read.py tests/test_gpu_refit.py
   elif [ "$1" = short ]; then
     set -- short tests/test_gpu_one_sided.py tests/test_gpu_stale_read.py
+  elif [ "$1" = min ]; then
+    set -- min tests/test_gpu_one_sided.py tests/test_gpu_stale_read.py -k "ipc or stream_words"
   else
     set -- tests tests
   fi
   timeout $([ "$1" = tests ] && echo 330 || echo 200) python3 -m pytest -q -p no:cacheprovider --tb=short -m gpu "${@:2}" 2>&1 | tail -25
-  echo "=== 2. producer wait removed: these must FAIL ($(date +%T))"
-  h200_broken_stale_read PRODUCER_WAIT -k ipc
-  if [ "$1" != short ]; then
+  if [ "$1" != min ]; then
+    echo "=== 2. producer wait removed: these must FAIL ($(date +%T))"
+    h200_broken_stale_read PRODUCER_WAIT -k ipc
+  fi
+  if [ "$1" = all ] || [ "$1" = tests ]; then
     echo "=== 3. done wait removed: these must FAIL ($(date +%T))"
     h200_broken_stale_read DONE_WAIT -k ipc
   fi
 fi
 if [ "$1" != tests ]; then
   B="python3 -m torchrefit bench --model gpt-4b --variant graph --warmup 3 --iters 20 --transport ipc"
-  for i in $([ "$1" = short ] && echo 1 2 || echo 1 2 3); do
+  for i in $([ "$1" = short ] || [ "$1" = min ] && echo 1 2 || echo 1 2 3); do
     echo "=== ipc bench round $i ($(date +%T))"
-    timeout 60 $B --mode non-collocated --nproc 2 --label noncolloc2 --json "$R/noncolloc2_$i.json" 2>&1 | tail -1
-    timeout 60 $B --src tp2 --dst tp1 --nproc 2 --label colloc2 --json "$R/colloc2_$i.json" 2>&1 | tail -1
+    if [ "$1" != min ]; then
+      timeout 60 $B --mode non-collocated --nproc 2 --label noncolloc2 --json "$R/noncolloc2_$i.json" 2>&1 | tail -1
+      timeout 60 $B --src tp2 --dst tp1 --nproc 2 --label colloc2 --json "$R/colloc2_$i.json" 2>&1 | tail -1
+    fi
     timeout 90 $B --src tp2 --dst tp1 --nproc 4 --label colloc4 --json "$R/colloc4_$i.json" 2>&1 | tail -1
   done
 fi
