@@ -13,12 +13,32 @@
 #                                               # producer wait removed, the bench's rounds 1-2
 #   bash benchmarks/gpu_twentyfourth.sh min     # ~2.5 min: the one-sided tests and the stale-read
 #                                               # test's ipc cases, 4 processes' bench twice
+#   bash benchmarks/gpu_twentyfourth.sh helper  # ~4 min: patches/watch_helper_thread.patch (a
+#     helper thread checking chunks of the views; on the CPU VM 17% less warm, nothing
+#     after a wait) against main: watch_check_lab and qwen3's toy row, alternating
 # Nothing to carry. Results and log in $OUT.
 source benchmarks/_h200_run.sh
-h200_run "twentyfourth_${1:?tests, bench, all, short or min}"
+h200_run "twentyfourth_${1:?tests, bench, all, short, min or helper}"
 nvidia-smi -q | grep -iE "product name|driver version" | sed 's/  */ /g'
 python3 -m torchrefit native build >/dev/null && echo "native built" || echo "not built"
 echo "main at $(git rev-parse --short HEAD 2>/dev/null || echo '(no git)')"
+if [ "$1" = helper ]; then
+  HELPER=$(h200_patched_tree benchmarks/patches/watch_helper_thread.patch) || exit 1
+  PYTHONPATH=$HELPER/src python3 -m torchrefit native build >/dev/null && echo "patched native built"
+  k=0
+  for t in 1 0 1 0; do
+    echo "=== watch_check_lab qwen3, TORCHREFIT_WATCH_THREADS=$t ($(date +%T))"
+    TORCHREFIT_WATCH_THREADS=$t PYTHONPATH=$HELPER/src timeout 90 python3 benchmarks/watch_check_lab.py \
+      --preset qwen3-30b-a3b --layers 8 --json "$R/watch_qwen3_threads${t}_$((++k)).json" | tail -1 | cut -c1-700
+  done
+  for t in 1 0; do
+    echo "=== qwen3 toy row, TORCHREFIT_WATCH_THREADS=$t ($(date +%T))"
+    TORCHREFIT_WATCH_THREADS=$t PYTHONPATH=$HELPER/src timeout 90 python3 benchmarks/shape_matrix.py --no-megatron \
+      --only qwen3-30b-a3b --json "$R/qwen3_threads$t.json" 2>&1 | grep -E "torchrefit .* floor|Error"
+  done
+  echo "=== done ($(date +%T))"
+  exit 0
+fi
 if [ "$1" != bench ]; then
   echo "=== 1. GPU tests ($(date +%T))"
   if [ "$1" = all ]; then
