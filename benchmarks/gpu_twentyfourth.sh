@@ -16,16 +16,19 @@
 #   bash benchmarks/gpu_twentyfourth.sh helper  # ~4 min: patches/watch_helper_thread.patch (a
 #     helper thread checking chunks of the views; on the CPU VM 17% less warm, nothing
 #     after a wait) against main: watch_check_lab and qwen3's toy row, alternating
+#   bash benchmarks/gpu_twentyfourth.sh dense   # ~2 min: dense-0.5b's toy rows with its small copies
+#     in the batched launch (patches/small_batched.patch, TORCHREFIT_SMALL_BATCHED=1: one
+#     kernel node, no foreach) against without, alternating
 # Nothing to carry. Results and log in $OUT.
 source benchmarks/_h200_run.sh
-h200_run "twentyfourth_${1:?tests, bench, all, short, min or helper}"
+h200_run "twentyfourth_${1:?tests, bench, all, short, min, helper or dense}"
 nvidia-smi -q | grep -iE "product name|driver version" | sed 's/  */ /g'
 python3 -m torchrefit native build >/dev/null && echo "native built" || echo "not built"
 echo "main at $(git rev-parse --short HEAD 2>/dev/null || echo '(no git)')"
+k=0
 if [ "$1" = helper ]; then
   HELPER=$(h200_patched_tree benchmarks/patches/watch_helper_thread.patch) || exit 1
   PYTHONPATH=$HELPER/src python3 -m torchrefit native build >/dev/null && echo "patched native built"
-  k=0
   for t in 1 0 1 0; do
     echo "=== watch_check_lab qwen3, TORCHREFIT_WATCH_THREADS=$t ($(date +%T))"
     TORCHREFIT_WATCH_THREADS=$t PYTHONPATH=$HELPER/src timeout 90 python3 benchmarks/watch_check_lab.py \
@@ -35,6 +38,17 @@ if [ "$1" = helper ]; then
     echo "=== qwen3 toy row, TORCHREFIT_WATCH_THREADS=$t ($(date +%T))"
     TORCHREFIT_WATCH_THREADS=$t PYTHONPATH=$HELPER/src timeout 90 python3 benchmarks/shape_matrix.py --no-megatron \
       --only qwen3-30b-a3b --json "$R/qwen3_threads$t.json" 2>&1 | grep -E "torchrefit .* floor|Error"
+  done
+  echo "=== done ($(date +%T))"
+  exit 0
+fi
+if [ "$1" = dense ]; then
+  SMALL=$(h200_patched_tree benchmarks/patches/small_batched.patch) || exit 1
+  for s in 1 0 1 0; do
+    echo "=== dense-0.5b toy rows, TORCHREFIT_SMALL_BATCHED=$s ($(date +%T))"
+    TORCHREFIT_SMALL_BATCHED=$s PYTHONPATH=$SMALL/src timeout 60 python3 benchmarks/shape_matrix.py --no-megatron \
+      --only dense-0.5b --watch-manual-too --json "$R/dense_small_batched${s}_$((++k)).json" 2>&1 \
+      | grep -E "torchrefit .* floor|Error"
   done
   echo "=== done ($(date +%T))"
   exit 0
