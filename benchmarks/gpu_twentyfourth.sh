@@ -30,9 +30,10 @@ if [ "$1" = helper ]; then
   HELPER=$(h200_patched_tree benchmarks/patches/watch_helper_thread.patch) || exit 1
   PYTHONPATH=$HELPER/src python3 -m torchrefit native build >/dev/null && echo "patched native built"
   for t in 1 0 1 0; do
+    k=$((k + 1))  # here, not in the pipeline below (a subshell's count stays there)
     echo "=== watch_check_lab qwen3, TORCHREFIT_WATCH_THREADS=$t ($(date +%T))"
     TORCHREFIT_WATCH_THREADS=$t PYTHONPATH=$HELPER/src timeout 90 python3 benchmarks/watch_check_lab.py \
-      --preset qwen3-30b-a3b --layers 8 --json "$R/watch_qwen3_threads${t}_$((++k)).json" | tail -1 | cut -c1-700
+      --preset qwen3-30b-a3b --layers 8 --json "$R/watch_qwen3_threads${t}_$k.json" | tail -1 | cut -c1-700
   done
   for t in 1 0; do
     echo "=== qwen3 toy row, TORCHREFIT_WATCH_THREADS=$t ($(date +%T))"
@@ -45,9 +46,10 @@ fi
 if [ "$1" = dense ]; then
   SMALL=$(h200_patched_tree benchmarks/patches/small_batched.patch) || exit 1
   for s in 1 0 1 0; do
+    k=$((k + 1))
     echo "=== dense-0.5b toy rows, TORCHREFIT_SMALL_BATCHED=$s ($(date +%T))"
     TORCHREFIT_SMALL_BATCHED=$s PYTHONPATH=$SMALL/src timeout 60 python3 benchmarks/shape_matrix.py --no-megatron \
-      --only dense-0.5b --watch-manual-too --json "$R/dense_small_batched${s}_$((++k)).json" 2>&1 \
+      --only dense-0.5b --watch-manual-too --json "$R/dense_small_batched${s}_$k.json" 2>&1 \
       | grep -E "torchrefit .* floor|Error"
   done
   echo "=== done ($(date +%T))"
