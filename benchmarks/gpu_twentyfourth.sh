@@ -13,9 +13,9 @@
 #                                               # producer wait removed, the bench's rounds 1-2
 #   bash benchmarks/gpu_twentyfourth.sh min     # ~2.5 min: the one-sided tests and the stale-read
 #                                               # test's ipc cases, 4 processes' bench twice
-#   bash benchmarks/gpu_twentyfourth.sh helper  # ~4 min: patches/watch_helper_thread.patch (a
+#   bash benchmarks/gpu_twentyfourth.sh helper  # ~5 min: patches/watch_helper_thread.patch (a
 #     helper thread checking chunks of the views; on the CPU VM 17% less warm, nothing
-#     after a wait) against main: watch_check_lab and qwen3's toy row, alternating
+#     after a wait) against main: watch_check_lab, then qwen3's toy row, each twice, alternating
 #   bash benchmarks/gpu_twentyfourth.sh dense   # ~2 min: dense-0.5b's toy rows with its small copies
 #     in the batched launch (patches/small_batched.patch, TORCHREFIT_SMALL_BATCHED=1: one
 #     kernel node, no foreach) against without, alternating
@@ -25,66 +25,60 @@ h200_run "twentyfourth_${1:?tests, bench, all, short, min, helper or dense}"
 nvidia-smi -q | grep -iE "product name|driver version" | sed 's/  */ /g'
 python3 -m torchrefit native build >/dev/null && echo "native built" || echo "not built"
 echo "main at $(git rev-parse --short HEAD 2>/dev/null || echo '(no git)')"
-k=0
-if [ "$1" = helper ]; then
-  HELPER=$(h200_patched_tree benchmarks/patches/watch_helper_thread.patch) || exit 1
-  PYTHONPATH=$HELPER/src python3 -m torchrefit native build >/dev/null && echo "patched native built"
-  for t in 1 0 1 0; do
-    k=$((k + 1))  # here, not in the pipeline below (a subshell's count stays there)
-    echo "=== watch_check_lab qwen3, TORCHREFIT_WATCH_THREADS=$t ($(date +%T))"
-    TORCHREFIT_WATCH_THREADS=$t PYTHONPATH=$HELPER/src timeout 90 python3 benchmarks/watch_check_lab.py \
-      --preset qwen3-30b-a3b --layers 8 --json "$R/watch_qwen3_threads${t}_$k.json" | tail -1 | cut -c1-700
-  done
-  for t in 1 0; do
-    echo "=== qwen3 toy row, TORCHREFIT_WATCH_THREADS=$t ($(date +%T))"
-    TORCHREFIT_WATCH_THREADS=$t PYTHONPATH=$HELPER/src timeout 90 python3 benchmarks/shape_matrix.py --no-megatron \
-      --only qwen3-30b-a3b --json "$R/qwen3_threads$t.json" 2>&1 | grep -E "torchrefit .* floor|Error"
-  done
-  echo "=== done ($(date +%T))"
-  exit 0
-fi
-if [ "$1" = dense ]; then
-  SMALL=$(h200_patched_tree benchmarks/patches/small_batched.patch) || exit 1
-  for s in 1 0 1 0; do
+# What each mode runs: GPU tests (pytest arguments; none: no tests) and their limit, the
+# stale-read test's waits removed, ipc bench rounds (0: none), and whether the 2-process
+# layouts run beside the 4-process one.
+TESTS=() LIMIT=200 BROKEN="" ROUNDS=0 PAIRS=1
+case $1 in
+  tests) TESTS=(tests) LIMIT=330 BROKEN="PRODUCER_WAIT DONE_WAIT" ;;
+  bench) ROUNDS=3 ;;
+  all) TESTS=(tests/test_gpu_one_sided.py tests/test_gpu_stale_read.py tests/test_gpu_refit.py)
+       BROKEN="PRODUCER_WAIT DONE_WAIT" ROUNDS=3 ;;
+  short) TESTS=(tests/test_gpu_one_sided.py tests/test_gpu_stale_read.py) BROKEN=PRODUCER_WAIT ROUNDS=2 ;;
+  min) TESTS=(tests/test_gpu_one_sided.py tests/test_gpu_stale_read.py -k "ipc or stream_words") ROUNDS=2 PAIRS=0 ;;
+  helper | dense) ;;
+  *) echo "unknown mode: $1"; exit 2 ;;
+esac
+
+# `ab PATCH KNOB NAME ARGS...`: python3 ARGS on the tree with PATCH applied, KNOB=1 then 0,
+# twice each, alternating; results $R/NAME_KNOB<v>_<k>.json
+ab() {
+  local patch=$1 knob=$2 name=$3 tree k=0 v
+  shift 3
+  tree=$(h200_patched_tree "$patch") || exit 1
+  PYTHONPATH=$tree/src python3 -m torchrefit native build >/dev/null && echo "patched native built"
+  for v in 1 0 1 0; do
     k=$((k + 1))
-    echo "=== dense-0.5b toy rows, TORCHREFIT_SMALL_BATCHED=$s ($(date +%T))"
-    TORCHREFIT_SMALL_BATCHED=$s PYTHONPATH=$SMALL/src timeout 60 python3 benchmarks/shape_matrix.py --no-megatron \
-      --only dense-0.5b --watch-manual-too --json "$R/dense_small_batched${s}_$k.json" 2>&1 \
-      | grep -E "torchrefit .* floor|Error"
+    echo "=== $name, $knob=$v ($(date +%T))"
+    env "$knob=$v" PYTHONPATH="$tree/src" timeout 90 python3 "$@" --json "$R/${name}_$knob${v}_$k.json" 2>&1 \
+      | grep -E "^preset=|torchrefit .* floor|Error" | cut -c1-700
   done
-  echo "=== done ($(date +%T))"
-  exit 0
+}
+
+if [ "$1" = helper ]; then
+  ab benchmarks/patches/watch_helper_thread.patch TORCHREFIT_WATCH_THREADS watch_qwen3 \
+    benchmarks/watch_check_lab.py --preset qwen3-30b-a3b --layers 8
+  ab benchmarks/patches/watch_helper_thread.patch TORCHREFIT_WATCH_THREADS qwen3_row \
+    benchmarks/shape_matrix.py --no-megatron --only qwen3-30b-a3b
+elif [ "$1" = dense ]; then
+  ab benchmarks/patches/small_batched.patch TORCHREFIT_SMALL_BATCHED dense_rows \
+    benchmarks/shape_matrix.py --no-megatron --only dense-0.5b --watch-manual-too
 fi
-if [ "$1" != bench ]; then
-  echo "=== 1. GPU tests ($(date +%T))"
-  if [ "$1" = all ]; then
-    set -- all tests/test_gpu_one_sided.py tests/test_gpu_stale_read.py tests/test_gpu_refit.py
-  elif [ "$1" = short ]; then
-    set -- short tests/test_gpu_one_sided.py tests/test_gpu_stale_read.py
-  elif [ "$1" = min ]; then
-    set -- min tests/test_gpu_one_sided.py tests/test_gpu_stale_read.py -k "ipc or stream_words"
-  else
-    set -- tests tests
-  fi
-  timeout $([ "$1" = tests ] && echo 330 || echo 200) python3 -m pytest -q -p no:cacheprovider --tb=short -m gpu "${@:2}" 2>&1 | tail -25
-  if [ "$1" != min ]; then
-    echo "=== 2. producer wait removed: these must FAIL ($(date +%T))"
-    h200_broken_stale_read PRODUCER_WAIT -k ipc
-  fi
-  if [ "$1" = all ] || [ "$1" = tests ]; then
-    echo "=== 3. done wait removed: these must FAIL ($(date +%T))"
-    h200_broken_stale_read DONE_WAIT -k ipc
-  fi
+if [ ${#TESTS[@]} -gt 0 ]; then
+  echo "=== GPU tests ($(date +%T))"
+  timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider --tb=short -m gpu "${TESTS[@]}" 2>&1 | tail -25
 fi
-if [ "$1" != tests ]; then
-  B="python3 -m torchrefit bench --model gpt-4b --variant graph --warmup 3 --iters 20 --transport ipc"
-  for i in $([ "$1" = short ] || [ "$1" = min ] && echo 1 2 || echo 1 2 3); do
-    echo "=== ipc bench round $i ($(date +%T))"
-    if [ "$1" != min ]; then
-      timeout 60 $B --mode non-collocated --nproc 2 --label noncolloc2 --json "$R/noncolloc2_$i.json" 2>&1 | tail -1
-      timeout 60 $B --src tp2 --dst tp1 --nproc 2 --label colloc2 --json "$R/colloc2_$i.json" 2>&1 | tail -1
-    fi
-    timeout 90 $B --src tp2 --dst tp1 --nproc 4 --label colloc4 --json "$R/colloc4_$i.json" 2>&1 | tail -1
-  done
-fi
+for wait in $BROKEN; do
+  echo "=== $wait removed: these must FAIL ($(date +%T))"
+  h200_broken_stale_read "$wait" -k ipc
+done
+B="python3 -m torchrefit bench --model gpt-4b --variant graph --warmup 3 --iters 20 --transport ipc"
+for ((i = 1; i <= ROUNDS; i++)); do
+  echo "=== ipc bench round $i ($(date +%T))"
+  if [ "$PAIRS" = 1 ]; then
+    timeout 60 $B --mode non-collocated --nproc 2 --label noncolloc2 --json "$R/noncolloc2_$i.json" 2>&1 | tail -1
+    timeout 60 $B --src tp2 --dst tp1 --nproc 2 --label colloc2 --json "$R/colloc2_$i.json" 2>&1 | tail -1
+  fi
+  timeout 90 $B --src tp2 --dst tp1 --nproc 4 --label colloc4 --json "$R/colloc4_$i.json" 2>&1 | tail -1
+done
 echo "=== done ($(date +%T))"
