@@ -21,6 +21,9 @@ microseconds, min over repeats; nothing else runs).
   ``bindings`` and ``views`` above are then the Python forms, timed with it off.
 * ``every_refit_host_us``: a whole refit's host time with ``watch="every"`` as it runs
   (native where built).
+* ``every_refit_host_matrix_warm_us`` / ``..._cold_us`` (GPU only): the same refit's host
+  time as the shape matrix's *host ms* columns measure it (``bench.timing.host_times``:
+  calls queued behind 20 ms of GPU sleep; cold = the first call after the host waited).
 * ``built_s``: the Refitter's construction and first refit, seconds (the huge pages,
   which the second refit's check starts on a thread of its own, are then made here
   before anything is timed; ``collapse_ms``: how long that took);
@@ -37,7 +40,7 @@ microseconds, min over repeats; nothing else runs).
   without looking them up (a dict watcher on Python 3.12+, version tags before): then it
   looks only after a dict changed.
 
-    python benchmarks/watch_check_lab.py --preset qwen3-30b-a3b --layers 8 [--json OUT]
+    python benchmarks/watch_check_lab.py --preset qwen3-30b-a3b --layers 8 [--full-size] [--json OUT]
 """
 
 from __future__ import annotations
@@ -106,9 +109,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--json")
     ap.add_argument("--wait-ms", type=float, default=7.0)
+    ap.add_argument("--full-size", action="store_true",
+                    help="the preset's own sizes (as the shape matrix's toy rows), not tiny ones")
     args = ap.parse_args()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    src, dst = tiny_toy_pair(args.preset, args.layers, 29633, device)
+    src, dst = tiny_toy_pair(args.preset, args.layers, 29633, device, full_size=args.full_size)
     t0 = time.perf_counter()
     r = tr.Refitter(src, dst)
     r.refit()
@@ -165,6 +170,10 @@ def main() -> None:
     every.refit()
     out["every_refit_host_us"] = best_us(every.refit, number=20)
     out["every_refit_host_after_wait_us"] = after_wait_us(every.refit, device, args.wait_ms)
+    if device.type == "cuda":  # as the shape matrix's host columns measure it
+        warm, cold = tr.bench.timing.median_host_ms(every.refit, 15, device)
+        out["every_refit_host_matrix_warm_us"], out["every_refit_host_matrix_cold_us"] = \
+            round(warm * 1e3, 2), round(cold * 1e3, 2)
     report_and_leave(out, args.json)
 
 

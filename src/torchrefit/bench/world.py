@@ -27,16 +27,19 @@ def one_gpu_world(port: int) -> torch.device:
 
 
 def tiny_toy_pair(preset: str, layers: int, port: int, device: torch.device | str = "cpu",
-                  megatron: bool = False) -> tuple:
+                  megatron: bool = False, full_size: bool = False) -> tuple:
     """Join a one-rank Gloo world on ``port`` and build a ``preset``'s toy pair (source
     seed 1, destination seed 2) at tiny sizes (hidden 64) on ``device``: the preset's
     tensor and module counts, for timing the host's work per tensor. ``megatron``:
     megatron-core ``GPTModel``s of the same tiny shape on the CPU instead (megatron-core
-    installed; its modules and parameter attributes, not the toy's)."""
+    installed; its modules and parameter attributes, not the toy's). ``full_size``: the
+    preset's own sizes instead (as the shape matrix's toy rows), to tell what the sizes
+    change."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
-    spec = spec_from_preset(preset, layers=layers, hidden=64, ffn=64, expert_ffn=32, vocab=512, heads=4, groups=2)
+    spec = (spec_from_preset(preset, layers=layers) if full_size else
+            spec_from_preset(preset, layers=layers, hidden=64, ffn=64, expert_ffn=32, vocab=512, heads=4, groups=2))
     if megatron:
         from .megatron_models import build_megatron_gpt
 

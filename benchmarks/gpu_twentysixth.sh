@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Twenty-sixth session, on whichever card comes (the log names it), about 3 minutes:
+# 1. where `watch="every"`'s cold host time goes: `watch_check_lab.py` on qwen3 (8 layers)
+#    with tiny tensors after a 7 ms and a 20 ms wait, then with the preset's own sizes (the
+#    shape matrix's toy row), each also timed as the matrix's host columns time it
+#    (`every_refit_host_matrix_cold_us`): the matrix's cold host time was 3x the lab's;
+# 2. issue 10's two 2-process ipc layouts (TP1 -> TP1 non-collocated, TP2 -> TP1
+#    collocated), two rounds each, alternating.
+#   bash benchmarks/gpu_twentysixth.sh
+# Nothing to carry. Results and log in $OUT (at most 8 files come back: 3 labs, 4 benches, the log).
+source benchmarks/_h200_run.sh
+h200_run twentysixth
+nvidia-smi -q | grep -iE "product name|driver version" | sed 's/  */ /g'
+python3 -m torchrefit native build >/dev/null && echo "native built" || echo "not built"
+echo "main at $(git rev-parse --short HEAD 2>/dev/null || echo '(no git)')"
+L="python3 benchmarks/watch_check_lab.py --preset qwen3-30b-a3b --layers 8"
+for run in "tiny_wait7 --wait-ms 7" "tiny_wait20 --wait-ms 20" "full_wait7 --wait-ms 7 --full-size"; do
+  set -- $run
+  name=$1
+  shift
+  echo "=== lab $name ($(date +%T))"
+  timeout 120 $L "$@" --json "$R/lab_$name.json" 2>&1 | tail -1 | tr ' ' '\n' \
+    | grep -E "after_wait|matrix|native_views_us|every_refit_host_us|manual_refit_host_us"
+done
+B="python3 -m torchrefit bench --model gpt-4b --variant graph --warmup 3 --iters 20 --transport ipc"
+for i in 1 2; do
+  echo "=== ipc bench round $i ($(date +%T))"
+  timeout 60 $B --mode non-collocated --nproc 2 --label noncolloc2 --json "$R/noncolloc2_$i.json" 2>&1 | tail -1
+  timeout 60 $B --src tp2 --dst tp1 --nproc 2 --label colloc2 --json "$R/colloc2_$i.json" 2>&1 | tail -1
+done
+echo "=== done ($(date +%T))"
