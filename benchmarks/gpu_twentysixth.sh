@@ -7,6 +7,7 @@
 # 2. issue 10's two 2-process ipc layouts (TP1 -> TP1 non-collocated, TP2 -> TP1
 #    collocated), two rounds each, alternating.
 #   bash benchmarks/gpu_twentysixth.sh
+#   bash benchmarks/gpu_twentysixth.sh short   # ~1.5 min: no 20 ms wait, one bench round
 # Nothing to carry. Results and log in $OUT (at most 8 files come back: 3 labs, 4 benches, the log).
 source benchmarks/_h200_run.sh
 h200_run twentysixth
@@ -14,7 +15,9 @@ nvidia-smi -q | grep -iE "product name|driver version" | sed 's/  */ /g'
 python3 -m torchrefit native build >/dev/null && echo "native built" || echo "not built"
 echo "main at $(git rev-parse --short HEAD 2>/dev/null || echo '(no git)')"
 L="python3 benchmarks/watch_check_lab.py --preset qwen3-30b-a3b --layers 8"
-for run in "tiny_wait7 --wait-ms 7" "tiny_wait20 --wait-ms 20" "full_wait7 --wait-ms 7 --full-size"; do
+RUNS=("tiny_wait7 --wait-ms 7" "tiny_wait20 --wait-ms 20" "full_wait7 --wait-ms 7 --full-size") ROUNDS=2
+[ "${1:-}" = short ] && RUNS=("${RUNS[0]}" "${RUNS[2]}") ROUNDS=1
+for run in "${RUNS[@]}"; do
   set -- $run
   name=$1
   shift
@@ -23,7 +26,7 @@ for run in "tiny_wait7 --wait-ms 7" "tiny_wait20 --wait-ms 20" "full_wait7 --wai
     | grep -E "after_wait|matrix|native_views_us|every_refit_host_us|manual_refit_host_us"
 done
 B="python3 -m torchrefit bench --model gpt-4b --variant graph --warmup 3 --iters 20 --transport ipc"
-for i in 1 2; do
+for ((i = 1; i <= ROUNDS; i++)); do
   echo "=== ipc bench round $i ($(date +%T))"
   timeout 60 $B --mode non-collocated --nproc 2 --label noncolloc2 --json "$R/noncolloc2_$i.json" 2>&1 | tail -1
   timeout 60 $B --src tp2 --dst tp1 --nproc 2 --label colloc2 --json "$R/colloc2_$i.json" 2>&1 | tail -1
