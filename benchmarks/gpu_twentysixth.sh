@@ -8,12 +8,22 @@
 #    collocated), two rounds each, alternating.
 #   bash benchmarks/gpu_twentysixth.sh
 #   bash benchmarks/gpu_twentysixth.sh short   # ~1.5 min: no 20 ms wait, one bench round
+#   bash benchmarks/gpu_twentysixth.sh deepseek   # ~1 min, an H200 (needs_h200): the lab on
+#     deepseek-v3-moe (2 layers) at its own sizes, then its toy row under watch="every"
 # Nothing to carry. Results and log in $OUT (at most 8 files come back: 3 labs, 4 benches, the log).
 source benchmarks/_h200_run.sh
 h200_run twentysixth
 nvidia-smi -q | grep -iE "product name|driver version" | sed 's/  */ /g'
 python3 -m torchrefit native build >/dev/null && echo "native built" || echo "not built"
 echo "main at $(git rev-parse --short HEAD 2>/dev/null || echo '(no git)')"
+if [ "${1:-}" = deepseek ]; then
+  timeout 120 python3 benchmarks/watch_check_lab.py --preset deepseek-v3-moe --layers 2 --full-size \
+    --json "$R/lab_deepseek_full.json" 2>&1 | tail -1 | tr ' ' '\n' | grep -E "after_wait|matrix|native_views_us|every_refit_host_us"
+  timeout 90 python3 benchmarks/shape_matrix.py --no-megatron --only deepseek-v3-moe --json "$R/deepseek_row.json" \
+    2>&1 | grep -E "torchrefit .* floor|Error"
+  echo "=== done ($(date +%T))"
+  exit 0
+fi
 L="python3 benchmarks/watch_check_lab.py --preset qwen3-30b-a3b --layers 8"
 RUNS=("tiny_wait7 --wait-ms 7" "tiny_wait20 --wait-ms 20" "full_wait7 --wait-ms 7 --full-size") ROUNDS=2
 [ "${1:-}" = short ] && RUNS=("${RUNS[0]}" "${RUNS[2]}") ROUNDS=1
