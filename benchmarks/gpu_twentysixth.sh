@@ -8,7 +8,7 @@
 #    collocated), two rounds each, alternating.
 #   bash benchmarks/gpu_twentysixth.sh
 #   bash benchmarks/gpu_twentysixth.sh short   # ~1.5 min: no 20 ms wait, one bench round
-#   bash benchmarks/gpu_twentysixth.sh deepseek   # ~1 min, an H200 (needs_h200): the lab on
+#   bash benchmarks/gpu_twentysixth.sh deepseek   # (not run yet) an H200 (needs_h200): the lab on
 #     deepseek-v3-moe (2 layers) at its own sizes, then its toy row under watch="every"
 # Nothing to carry. Results and log in $OUT (at most 8 files come back: 3 labs, 4 benches, the log).
 source benchmarks/_h200_run.sh
