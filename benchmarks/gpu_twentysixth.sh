@@ -3,7 +3,7 @@
 # 1. where `watch="every"`'s cold host time goes: `watch_check_lab.py` on qwen3 (8 layers)
 #    with tiny tensors after a 7 ms and a 20 ms wait, then with the preset's own sizes (the
 #    shape matrix's toy row), each also timed as the matrix's host columns time it
-#    (`every_refit_host_matrix_cold_us`): the matrix's cold host time was 3x the lab's;
+#    (`every_refit_host_matrix_cold_us`): the H200 matrix's cold host time was 3-6x the lab's;
 # 2. issue 10's two 2-process ipc layouts (TP1 -> TP1 non-collocated, TP2 -> TP1
 #    collocated), two rounds each, alternating.
 #   bash benchmarks/gpu_twentysixth.sh
