@@ -46,3 +46,26 @@ h200_patched_tree() {
   python3 -m compileall -q "$dir/src" >/dev/null
   echo "$dir"
 }
+
+# `h200_card`: which card and driver this call got, whether the native checks built, and
+# the tree's commit (the log's first lines).
+h200_card() {
+  nvidia-smi -q | grep -iE "product name|driver version" | sed 's/  */ /g'
+  python3 -m torchrefit native build >/dev/null && echo "native built" || echo "not built"
+  echo "main at $(git rev-parse --short HEAD 2>/dev/null || echo '(no git)')"
+}
+
+# `h200_ipc_bench LAYOUT [ROUND]`: issue 10's ipc refit of the seed's model in one layout
+# (noncolloc2: TP1 -> TP1 non-collocated, 2 processes; colloc2 / colloc4: TP2 -> TP1
+# collocated, 2 / 4 processes), its result line; JSON in $R/LAYOUT[_ROUND].json.
+h200_ipc_bench() {
+  local layout=$1 args limit=60
+  case $layout in
+    noncolloc2) args="--mode non-collocated --nproc 2" ;;
+    colloc2) args="--src tp2 --dst tp1 --nproc 2" ;;
+    colloc4) args="--src tp2 --dst tp1 --nproc 4" limit=90 ;;
+    *) echo "unknown ipc layout: $layout"; return 2 ;;
+  esac
+  timeout "$limit" python3 -m torchrefit bench --model gpt-4b --variant graph --warmup 3 --iters 20 \
+    --transport ipc $args --label "$layout" --json "$R/$layout${2:+_$2}.json" 2>&1 | tail -1
+}

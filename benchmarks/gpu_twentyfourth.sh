@@ -24,9 +24,7 @@
 # Nothing to carry. Results and log in $OUT.
 source benchmarks/_h200_run.sh
 h200_run "twentyfourth_${1:?tests, bench, all, short, min, issue10, helper or dense}"
-nvidia-smi -q | grep -iE "product name|driver version" | sed 's/  */ /g'
-python3 -m torchrefit native build >/dev/null && echo "native built" || echo "not built"
-echo "main at $(git rev-parse --short HEAD 2>/dev/null || echo '(no git)')"
+h200_card
 # What each mode runs: GPU tests (pytest arguments; none: no tests) and their limit, the
 # stale-read test's waits removed, ipc bench rounds (0: none), and whether the 2-process
 # layouts run beside the 4-process one.
@@ -76,13 +74,12 @@ for wait in $BROKEN; do
   echo "=== $wait removed: these must FAIL ($(date +%T))"
   h200_broken_stale_read "$wait" -k ipc
 done
-B="python3 -m torchrefit bench --model gpt-4b --variant graph --warmup 3 --iters 20 --transport ipc"
 for ((i = 1; i <= ROUNDS; i++)); do
   echo "=== ipc bench round $i ($(date +%T))"
   if [ "$PAIRS" = 1 ]; then
-    timeout 60 $B --mode non-collocated --nproc 2 --label noncolloc2 --json "$R/noncolloc2_$i.json" 2>&1 | tail -1
-    timeout 60 $B --src tp2 --dst tp1 --nproc 2 --label colloc2 --json "$R/colloc2_$i.json" 2>&1 | tail -1
+    h200_ipc_bench noncolloc2 "$i"
+    h200_ipc_bench colloc2 "$i"
   fi
-  timeout 90 $B --src tp2 --dst tp1 --nproc 4 --label colloc4 --json "$R/colloc4_$i.json" 2>&1 | tail -1
+  h200_ipc_bench colloc4 "$i"
 done
 echo "=== done ($(date +%T))"

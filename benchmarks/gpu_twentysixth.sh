@@ -13,9 +13,7 @@
 # Nothing to carry. Results and log in $OUT (at most 8 files come back: 3 labs, 4 benches, the log).
 source benchmarks/_h200_run.sh
 h200_run twentysixth
-nvidia-smi -q | grep -iE "product name|driver version" | sed 's/  */ /g'
-python3 -m torchrefit native build >/dev/null && echo "native built" || echo "not built"
-echo "main at $(git rev-parse --short HEAD 2>/dev/null || echo '(no git)')"
+h200_card
 if [ "${1:-}" = deepseek ]; then
   timeout 120 python3 benchmarks/watch_check_lab.py --preset deepseek-v3-moe --layers 2 --full-size \
     --json "$R/lab_deepseek_full.json" 2>&1 | tail -1 | tr ' ' '\n' | grep -E "after_wait|matrix|native_views_us|every_refit_host_us"
@@ -35,10 +33,9 @@ for run in "${RUNS[@]}"; do
   timeout 120 $L "$@" --json "$R/lab_$name.json" 2>&1 | tail -1 | tr ' ' '\n' \
     | grep -E "after_wait|matrix|native_views_us|every_refit_host_us|manual_refit_host_us"
 done
-B="python3 -m torchrefit bench --model gpt-4b --variant graph --warmup 3 --iters 20 --transport ipc"
 for ((i = 1; i <= ROUNDS; i++)); do
   echo "=== ipc bench round $i ($(date +%T))"
-  timeout 60 $B --mode non-collocated --nproc 2 --label noncolloc2 --json "$R/noncolloc2_$i.json" 2>&1 | tail -1
-  timeout 60 $B --src tp2 --dst tp1 --nproc 2 --label colloc2 --json "$R/colloc2_$i.json" 2>&1 | tail -1
+  h200_ipc_bench noncolloc2 "$i"
+  h200_ipc_bench colloc2 "$i"
 done
 echo "=== done ($(date +%T))"
