@@ -30,7 +30,7 @@ import statistics
 import cupy as cp
 import torch
 
-from torchrefit.execute.copy_kernel import copy_kernel, plan_tiles
+from torchrefit.execute.copy_kernel import copy_kernel
 
 SOURCE = r"""
 #define LOAD_plain(p) (*(p))
@@ -106,7 +106,7 @@ def flat_lab(sms: int, reps: int) -> dict:
                     out[f"u{unroll} {load}/{store} t{threads} g{grid or 'all'}"] = ms / floor
     for threads, unroll in ((256, 1), (128, 4), (256, 4)):
         k = copy_kernel(torch.device("cuda"), threads, unroll)
-        table = plan_tiles([(dst.data_ptr(), src.data_ptr(), FLAT_BYTES)], k.tile_bytes).cuda()
+        table = k.tiles([(dst.data_ptr(), src.data_ptr(), FLAT_BYTES)], torch.device("cuda"))
         dst.zero_()
         ms = timed(k.launch, table, torch.cuda.current_stream(), reps=reps)
         assert torch.equal(dst, src), (threads, unroll)
@@ -133,7 +133,7 @@ def fragmented_lab(sms: int, reps: int) -> dict:
     for threads, unroll in ((128, 1), (128, 2), (128, 4), (128, 8), (256, 1), (256, 2), (256, 4), (512, 1),
                             (512, 2), (64, 4), (64, 8)):
         k = copy_kernel(torch.device("cuda"), threads, unroll)
-        table = plan_tiles([(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s in pairs], k.tile_bytes).cuda()
+        table = k.tiles([(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s in pairs], torch.device("cuda"))
         for d in dsts:
             d.zero_()
         ms = timed(k.launch, table, stream, reps=reps)

@@ -30,7 +30,7 @@ import torch
 
 from torchrefit.bench.timing import copy_bandwidth, median_ms
 from torchrefit.execute.batched import byte_runs
-from torchrefit.execute.copy_kernel import ByteRuns, copy_kernel, plan_tiles
+from torchrefit.execute.copy_kernel import ByteRuns, TileTable, copy_kernel
 
 
 def _weights(layers: int, hidden: int, ffn: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -66,8 +66,8 @@ def main() -> None:
     left, right = (ByteRuns.cat([byte_runs(d, s) for d, s in side]) for side in half)
     whole = [(f, torch.cat([a, b], dim=1)) for f, a, b in weights]
 
-    def table(runs: ByteRuns) -> torch.Tensor:
-        return plan_tiles(runs, kernel.tile_bytes).to(device)
+    def table(runs: ByteRuns) -> TileTable:
+        return kernel.tiles(runs, device)
 
     both, sorted_both = table(ByteRuns.cat([left, right])), table(_by_destination(ByteRuns.cat([left, right])))
     tl, tr = table(left), table(right)
@@ -103,7 +103,7 @@ def main() -> None:
         rows[name] = {"ms": ms, "x_floor": ms / floor}
         exact[name] = all(torch.equal(f.view(torch.int16), s.view(torch.int16)) for f, s in whole)
     print(f"{len(weights)} weights, {nbytes / 1e9:.2f} GB, floor {floor:.3f} ms at {bandwidth / 1e9:.0f} GB/s, "
-          f"{both.shape[0]} tiles of {kernel.tile_bytes} B")
+          f"{both.tiles} tiles of {kernel.tile_bytes} B")
     for name, r in rows.items():
         print(f"  {name:<34} {r['ms']:8.3f} ms  {r['x_floor']:.3f}x  exact: {exact[name]}")
     if args.json:

@@ -41,7 +41,7 @@ from diagnose_refit_phases import capture as capture_branches
 
 import torchrefit as tr
 from torchrefit.bench.timing import median_ms
-from torchrefit.execute.copy_kernel import copy_kernel, plan_tiles
+from torchrefit.execute.copy_kernel import copy_kernel
 
 SHAPES = [("qwen3-30b-a3b", 8), ("dense-0.5b", None), ("deepseek-v3-moe", 2)]
 #: (threads, 16-byte vectors per thread) of the batched kernel
@@ -78,8 +78,8 @@ def graph_of(fn) -> torch.cuda.CUDAGraph:
 
 def batched_launch(pairs, threads: int, unroll: int):
     kernel = copy_kernel(DEV, threads, unroll)
-    table = plan_tiles([(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s in pairs], kernel.tile_bytes).to(DEV)
-    return graph_of(lambda: kernel.launch(table, torch.cuda.current_stream())), table.shape[0]
+    table = kernel.tiles([(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s in pairs], DEV)
+    return graph_of(lambda: kernel.launch(table, torch.cuda.current_stream())), table.tiles
 
 
 def exact(pairs) -> bool:

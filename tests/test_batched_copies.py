@@ -28,7 +28,7 @@ from torchrefit.execute.batched import (
     plan_tiles,
     strided_runs,
 )
-from torchrefit.execute.copy_kernel import ByteRuns
+from torchrefit.execute.copy_kernel import ByteRuns, TileTable, plan_owners
 
 WORD = 4  # the buffers below are int32
 
@@ -184,12 +184,12 @@ def test_strided_runs_refused() -> None:
 def test_compile_batch_takes_the_runs_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
     """``compile_batch`` plans the runs a caller already cut (``compile_copies`` cuts a
     strided copy's rows once, to decide) and cuts the others itself: the table is the
-    tiles of both, in copy order (a CPU stand-in for the kernel's table builder)."""
+    tiles of both, in copy order (a CPU stand-in for the kernel's index builder)."""
     class Fake:
         tile_bytes = 4096
 
         def tiles(self, runs, device):
-            return plan_tiles(runs, self.tile_bytes)
+            return TileTable(*plan_owners(runs, self.tile_bytes))
 
     monkeypatch.setattr(batched, "copy_kernel", lambda device: Fake())
     b = torch.zeros(1 << 20, dtype=torch.uint8)
@@ -198,13 +198,13 @@ def test_compile_batch_takes_the_runs_it_is_given(monkeypatch: pytest.MonkeyPatc
     copies = [(*dense, "dense"), (*strided, "strided")]
     rows = strided_runs(*strided)
     cpu = torch.device("cpu")
-    want = plan_tiles(batched.ByteRuns.cat([batched.byte_runs(*dense), rows]), 4096)
-    assert torch.equal(batched.compile_batch(copies, cpu).table, want)
-    assert torch.equal(batched.compile_batch(copies, cpu, [None, rows]).table, want)
+    want = plan_owners(batched.ByteRuns.cat([batched.byte_runs(*dense), rows]), 4096)
+    for batch in (batched.compile_batch(copies, cpu), batched.compile_batch(copies, cpu, [None, rows])):
+        assert torch.equal(batch.table.runs, want[0]) and torch.equal(batch.table.owner, want[1])
     first_row = rows.head(1)
     given = batched.compile_batch(copies, cpu, [None, first_row])  # used as given, not cut again
-    assert given.runs == 2 and torch.equal(given.table, plan_tiles(batched.ByteRuns.cat(
-        [batched.byte_runs(*dense), first_row]), 4096))
+    assert given.runs == 2 and torch.equal(given.table.runs, plan_owners(batched.ByteRuns.cat(
+        [batched.byte_runs(*dense), first_row]), 4096)[0])
 
 
 @pytest.mark.parametrize("tile", [64, 4096])

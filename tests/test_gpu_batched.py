@@ -6,7 +6,7 @@ graph, moving copies spread over several allocations (runs merged across tensors
 ``execute.runs`` included, sizes below, at and past a 4 KB tile, and one of 16 MB),
 next to copies that must stay per-copy (casts, strided views, misaligned views).
 Every destination is compared with an oracle made by plain per-tensor copies; a
-replay after the sources changed copies the new values; the tile table the device
+replay after the sources changed copies the new values; the tile index the device
 builds equals the CPU planner's; the default rule
 batches a MoE-shaped program's copies and not a dense one's; and large strided copies
 (TP halves into and out of full weights) batch row by row in any program.
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from torchrefit.execute.batched import byte_runs, kernel_available
-from torchrefit.execute.copy_kernel import ByteRuns, plan_tiles
+from torchrefit.execute.copy_kernel import ByteRuns, plan_owners
 from torchrefit.execute.local import LANES, Copy, compile_copies
 from torchrefit.execute.streams import SideStreams
 
@@ -61,10 +61,10 @@ def test_batched_copies_exact(graph: bool, monkeypatch: pytest.MonkeyPatch) -> N
     side = SideStreams(torch.device("cuda"), LANES)
     local = compile_copies(copies, side, cuda_graph=graph)
     assert local.batch is not None and local.batch.tiles > len(local.batch.dst)
-    # the table built on the device is the pure planner's, row for row
-    want = plan_tiles([(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s in zip(local.batch.dst, local.batch.src)],
-                      local.batch.kernel.tile_bytes)
-    assert torch.equal(local.batch.table.cpu(), want)
+    # the tile index built on the device is the pure planner's, tile for tile
+    runs, owner = plan_owners([(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s in zip(local.batch.dst, local.batch.src)],
+                              local.batch.kernel.tile_bytes)
+    assert torch.equal(local.batch.table.runs.cpu(), runs) and torch.equal(local.batch.table.owner.cpu(), owner)
     per_copy = {n for _, _, n in local.big} | {n for g in local.small for n in g.names}
     assert {"cast", "strided", "misaligned"} <= per_copy and "large" not in per_copy
     assert (local.graph is not None) == graph
@@ -133,7 +133,8 @@ def test_strided_copies_batch_by_default(graph: bool, monkeypatch: pytest.Monkey
     # pitched runs: each 2-D strided copy is one run, its rows the kernel's to tile
     assert local.batch.runs == len(runs) == 6
     assert int(runs.rows.sum()) == 4 * 1024 + 2048 + 512
-    assert torch.equal(local.batch.table.cpu(), plan_tiles(runs, local.batch.kernel.tile_bytes))
+    want = plan_owners(runs, local.batch.kernel.tile_bytes)
+    assert torch.equal(local.batch.table.runs.cpu(), want[0]) and torch.equal(local.batch.table.owner.cpu(), want[1])
     assert not _exact(copies)
     local.run_on_caller(side)
     torch.cuda.synchronize()

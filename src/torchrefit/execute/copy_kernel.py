@@ -2,12 +2,22 @@
 
 Why a kernel of our own: on one H200 a plain CUDA copy kernel of 16-byte vectors, one
 block per 2-4 KB, copied 4 GiB in 1.003-1.009x the time of ``cudaMemcpyAsync``, where
-torch's elementwise copy took 1.046x and Triton tiles 1.04x; cut into tiles listed in a
-table, it copied 3072 separate 3 MiB tensors in 1.007-1.012x one memcpy of their bytes
-(``benchmarks/copy_kernel_lab.py``, BENCHMARKS.md "Tenth session"). Copies are cut
-into tiles, one table row each: (source address, destination address, 16-byte words);
-block ``b`` copies row ``b``. The table is built on the device by a second kernel from
-one row per copy (:meth:`CopyKernel.tiles`); :func:`plan_tiles` is its pure reference.
+torch's elementwise copy took 1.046x and Triton tiles 1.04x; cut into tiles, it copied
+3072 separate 3 MiB tensors in 1.007-1.012x one memcpy of their bytes
+(``benchmarks/copy_kernel_lab.py``, BENCHMARKS.md "Tenth session"). Copies are runs, one
+row each in a run table (:func:`plan_runs`: source, destination, 16-byte words per row,
+first tile, rows and both pitches), cut into tiles of ``TILE_BYTES``; block ``b`` copies
+tile ``b``, of the run ``owner[b]`` names: a 4-byte index per tile, built on the device
+by a second kernel from the run table (:meth:`CopyKernel.tiles`), from which the block
+computes its tile's addresses. :func:`plan_owners` is the pure reference of that index,
+:func:`plan_tiles` of what each tile copies.
+
+Why an index and not the tile's addresses: the streamed data evicts such a table from
+L2, so a block's first load is a DRAM round trip with none of its copy in flight; eight
+indices share a 32-byte sector where one 24-byte row of addresses did not, and the run
+rows (one per copy) stay cached. On one H100, against 24-byte rows: qwen3-shaped copies
+1.0047x against 1.0058x the floor, DeepSeek-shaped 0.9994x against 1.0020x
+(``benchmarks/tile_table_lab.py``, BENCHMARKS.md "Twenty-seventh session").
 
 Compiled with NVRTC (the CUDA runtime compiler torch's CUDA wheels ship, loaded through
 ctypes) for the device's own architecture, once per machine (``execute.kernel_cache``
@@ -34,7 +44,8 @@ import torch
 from .._cuda_driver import driver_function
 from . import kernel_cache
 
-__all__ = ["ByteRuns", "VECTOR", "THREADS", "UNROLL", "TILE_BYTES", "CopyKernel", "copy_kernel", "plan_runs", "plan_tiles", "SOURCE"]
+__all__ = ["ByteRuns", "VECTOR", "THREADS", "UNROLL", "TILE_BYTES", "MAX_TILES", "TileTable", "CopyKernel", "copy_kernel",
+           "plan_runs", "plan_owners", "plan_tiles", "SOURCE"]
 
 #: bytes each thread moves per access (one 16-byte vector load and store)
 VECTOR = 16
@@ -46,51 +57,52 @@ THREADS, UNROLL = 128, 2
 TILE_BYTES = THREADS * UNROLL * VECTOR
 
 SOURCE = r"""
-struct __align__(16) Vec { unsigned int x, y, z, w; };
+#define TILE (THREADS * UNROLL)
 
-// One block per tile; table row t: source address, destination address, 16-byte words
-// (at most THREADS * UNROLL). One row read per block: a tile's only serial step before
-// its copy (a binary search over runs instead cost 1.22x on 4 KB tiles).
-extern "C" __global__ void __launch_bounds__(THREADS) copy_tiles(const long long* __restrict__ table) {
-    const long long* row = table + 3 * (long long)blockIdx.x;
-    const Vec* __restrict__ src = (const Vec*)row[0];
-    Vec* __restrict__ dst = (Vec*)row[1];
-    const int words = (int)row[2];
-    Vec v[UNROLL];
+// Block t copies tile t of run owner[t]. Run row (plan_runs): source, destination, 16-byte
+// words per row, first tile, rows, source pitch, destination pitch, in bytes where not
+// words. Two dependent loads before the copy, both mostly cache hits: the index (eight a
+// 32-byte sector) and the run's row (one per copy).
+extern "C" __global__ void __launch_bounds__(THREADS) copy_tiles(const long long* __restrict__ runs,
+                                                                 const int* __restrict__ owner) {
+    const long long t = blockIdx.x;
+    const long long* r = runs + 7 * (long long)__ldg(owner + t);
+    const long long words = r[2], k = t - r[3];
+    long long row = 0, start = k * TILE;  // vectors into its row
+    if (r[4] != 1) {  // rows at a pitch: which row, then where in it
+        const long long per_row = (words + TILE - 1) / TILE;
+        row = k / per_row;
+        start = (k - row * per_row) * TILE;
+    }
+    const uint4* __restrict__ src = (const uint4*)(r[0] + row * r[5] + 16 * start);
+    uint4* __restrict__ dst = (uint4*)(r[1] + row * r[6] + 16 * start);
+    const long long left = words - start;
+    const int n = left < TILE ? (int)left : TILE;
+    uint4 v[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; u++) {  // every load before any store: UNROLL in flight
         const int j = u * THREADS + threadIdx.x;
-        if (j < words) v[u] = src[j];
+        if (j < n) v[u] = src[j];
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; u++) {
         const int j = u * THREADS + threadIdx.x;
-        if (j < words) dst[j] = v[u];
+        if (j < n) dst[j] = v[u];
     }
 }
 
-// The tile table from the run table (row r: source, destination, 16-byte words per row,
-// first tile, rows, source pitch, destination pitch in bytes), one thread per tile: once
-// per compile, so the host uploads one row per copy (a strided one's rows as a pitch),
-// not one per tile or per row.
+// Each tile's run (the last run whose first tile is at or before it), one thread per
+// tile: once per compile, so the host uploads one row per copy, not one per tile.
 extern "C" __global__ void expand_tiles(const long long* __restrict__ runs, int count, long long tiles,
-                                        long long* __restrict__ table) {
+                                        int* __restrict__ owner) {
     const long long t = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (t >= tiles) return;
-    int lo = 0, hi = count - 1;  // the last run whose first tile is at or before t
+    int lo = 0, hi = count - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
         if (runs[7 * mid + 3] <= t) lo = mid; else hi = mid - 1;
     }
-    const long long* r = runs + 7 * lo;
-    const long long per_row = (r[2] + THREADS * UNROLL - 1) / (THREADS * UNROLL);  // tiles per row
-    const long long k = t - r[3];
-    const long long row = k / per_row;
-    const long long start = (k - row * per_row) * (THREADS * UNROLL);  // vectors into the row
-    const long long left = r[2] - start;
-    table[3 * t] = r[0] + row * r[5] + 16 * start;
-    table[3 * t + 1] = r[1] + row * r[6] + 16 * start;
-    table[3 * t + 2] = left < THREADS * UNROLL ? left : THREADS * UNROLL;
+    owner[t] = lo;
 }
 """
 
@@ -164,25 +176,49 @@ def plan_runs(copies: Sequence[tuple[int, int, int]] | ByteRuns,
     return torch.stack([src, dst, n // VECTOR, first, rows, sp, dp], dim=1), int(tiles.sum())
 
 
+def plan_owners(copies: Sequence[tuple[int, int, int]] | ByteRuns,
+                tile_bytes: int = TILE_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`plan_runs`' run table of ``copies`` and each tile's run index (int32, one
+    per tile, runs in order): what one launch of ``copy_tiles`` reads. Pure, on the CPU:
+    the reference for the index :meth:`CopyKernel.tiles` builds on the device."""
+    runs, total = plan_runs(copies, tile_bytes)
+    counts = torch.diff(runs[:, 3], append=torch.tensor([total], dtype=torch.int64))
+    return runs, torch.repeat_interleave(torch.arange(len(runs), dtype=torch.int32), counts)
+
+
 def plan_tiles(copies: Sequence[tuple[int, int, int]] | ByteRuns, tile_bytes: int = TILE_BYTES) -> torch.Tensor:
-    """The tile table of ``copies`` (as for :func:`plan_runs`): one int64 row (source,
-    destination, 16-byte words) per tile of ``tile_bytes``, each run's rows in order and
-    each row's tiles in order, its last one the remainder. Pure, on the CPU: the
-    reference for the table :meth:`CopyKernel.tiles` builds on the device (a
-    qwen3-shaped preset's 9.7 GB are 2.4 million tiles, 57 MB: the device builds them
-    from one row per run rather than the host building and uploading them on the first
-    refit)."""
+    """What each tile of ``copies`` (as for :func:`plan_runs`) copies: one int64 row
+    (source, destination, 16-byte words) per tile of ``tile_bytes``, each run's rows in
+    order and each row's tiles in order, its last one the remainder. Pure, on the CPU:
+    the reference for the addresses ``copy_tiles`` computes from a tile's run."""
     runs, total = plan_runs(copies, tile_bytes)
     if not total:
         return torch.zeros((0, 3), dtype=torch.int64)
     src, dst, words, first, rows, sp, dp = runs.unbind(1)
     per_row = (words * VECTOR + tile_bytes - 1) // tile_bytes
-    owner = torch.repeat_interleave(torch.arange(len(runs)), per_row * rows)
+    owner = torch.repeat_interleave(torch.arange(len(runs)), per_row * rows)  # apart from plan_owners'
     k = torch.arange(total) - first[owner]
     row = k // per_row[owner]
     start = (k - row * per_row[owner]) * (tile_bytes // VECTOR)  # vectors into its row
     return torch.stack([src[owner] + row * sp[owner] + VECTOR * start, dst[owner] + row * dp[owner] + VECTOR * start,
                         torch.clamp(words[owner] - start, max=tile_bytes // VECTOR)], dim=1)
+
+
+#: blocks one launch may have (the grid's x limit): tiles of one batch, 8 TB at 4 KB
+MAX_TILES = (1 << 31) - 1
+
+
+@dataclass(frozen=True)
+class TileTable:
+    """What one launch copies, on the device: ``runs`` (:func:`plan_runs`' rows) and
+    ``owner``, each tile's run (int32): 4 bytes per tile of 4 KB and 56 per run."""
+
+    runs: torch.Tensor
+    owner: torch.Tensor
+
+    @property
+    def tiles(self) -> int:
+        return self.owner.numel()
 
 
 @dataclass(frozen=True)
@@ -202,22 +238,27 @@ class CopyKernel:
     def tile_bytes(self) -> int:
         return self.threads * self.unroll * VECTOR
 
-    def tiles(self, copies: Sequence[tuple[int, int, int]] | ByteRuns, device: torch.device) -> torch.Tensor:
-        """:func:`plan_tiles`' table of ``copies``, built on ``device`` from the run table
-        (on the current stream; no wait)."""
+    def tiles(self, copies: Sequence[tuple[int, int, int]] | ByteRuns, device: torch.device) -> TileTable:
+        """:func:`plan_owners`' run table and tile index of ``copies``, the index built
+        on ``device`` from the run table (on the current stream; no wait): the host
+        plans and uploads one row per run, not one per tile (a qwen3-shaped preset's
+        11 GB are 2.7 million tiles)."""
         runs, total = plan_runs(copies, self.tile_bytes)
-        table = torch.empty((total, 3), dtype=torch.int64, device=device)
+        if total > MAX_TILES:
+            raise ValueError(f"{total} tiles of {self.tile_bytes} bytes in one batch: more than one launch "
+                             f"takes ({MAX_TILES})")
+        runs = runs.to(device)
+        owner = torch.empty(total, dtype=torch.int32, device=device)
         if total:
-            runs = runs.to(device)
             _call(self.expand, -(-total // 256), 256, torch.cuda.current_stream(device),
                   ctypes.c_uint64(runs.data_ptr()), ctypes.c_int(len(runs)), ctypes.c_int64(total),
-                  ctypes.c_uint64(table.data_ptr()))
-        return table
+                  ctypes.c_uint64(owner.data_ptr()))
+        return TileTable(runs, owner)
 
-    def launch(self, table: torch.Tensor, stream: torch.cuda.Stream) -> None:
-        """Queue the copies of ``table`` (:func:`plan_tiles`' rows, on the device) on
-        ``stream``, one block per row. Capturable."""
-        _call(self.function, table.shape[0], self.threads, stream, ctypes.c_uint64(table.data_ptr()))
+    def launch(self, table: TileTable, stream: torch.cuda.Stream) -> None:
+        """Queue the copies of ``table`` on ``stream``, one block per tile. Capturable."""
+        _call(self.function, table.tiles, self.threads, stream, ctypes.c_uint64(table.runs.data_ptr()),
+              ctypes.c_uint64(table.owner.data_ptr()))
 
 
 def _call(function: int, blocks: int, threads: int, stream: torch.cuda.Stream, *args) -> None:
