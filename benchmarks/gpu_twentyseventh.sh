@@ -1,13 +1,34 @@
 #!/usr/bin/env bash
-# Twenty-seventh session, on whichever card comes (the log names it), about 3 minutes:
-# does the batched copy lose its last 1-2% on the device to its tile table?
-# `tile_table_lab.py` on qwen3-30b-a3b (8 layers), dense-0.5b and deepseek-v3-moe (1 layer):
-# the executor's table kernel against a kernel that reads a 4-byte run index per tile,
-# at several shapes, a table-free flat kernel, memcpy (flat and 8 branches).
-#   bash benchmarks/gpu_twentyseventh.sh
-# Nothing to carry. Results and log in $OUT.
+# Twenty-seventh session: does the batched copy lose its last 1-2% on the device to its
+# tile table?
+#   bash benchmarks/gpu_twentyseventh.sh lab   # call 1 (an H100, main at e9820a4, ~1.5 min):
+#     tile_table_lab.py on qwen3-30b-a3b (8 layers), dense-0.5b, deepseek-v3-moe (1 layer):
+#     the executor's kernel (then 24-byte tile rows) against a kernel reading a 4-byte run
+#     index per tile at several shapes, a table-free flat kernel, memcpy (flat, 8 branches)
+#   bash benchmarks/gpu_twentyseventh.sh h200   # an H200 (needs_h200: the deepseek rows need
+#     its memory), .whl/megatron carried, ~8 min: with the index kernel on main, the GPU
+#     tests of the batched copy and the refit, the shape matrix (megatron-core side by side),
+#     then the lab on the tree before the index (benchmarks/patches/tile_index.patch
+#     reverted: its "table 128x2" row is the 24-byte rows) with deepseek at the matrix's 2 layers
+# Results and log in $OUT.
 source benchmarks/_h200_run.sh
 h200_run twentyseventh
 h200_card
-(cd benchmarks && timeout 400 python3 tile_table_lab.py --json "$R/tile_table_lab.json")
+if [ "${1:-lab}" = lab ]; then
+  (cd benchmarks && timeout 400 python3 tile_table_lab.py --json "$R/tile_table_lab.json")
+  echo "=== done ($(date +%T))"
+  exit 0
+fi
+h200_with_megatron || echo "megatron-core not carried: toy models only"
+echo "=== 1. GPU tests ($(date +%T))"
+timeout 140 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_batched.py tests/test_gpu_refit.py \
+  tests/test_gpu_one_sided.py -k "two_processes and ipc" \
+  --timeout 100 2>&1 | tail -3
+echo "=== 2. shape matrix ($(date +%T))"
+timeout 300 python3 benchmarks/shape_matrix.py --watch-manual-too --json "$R/h200_shape_matrix.json" 2>&1 \
+  | grep -E "torchrefit .* floor|Error"
+echo "=== 3. lab, tile rows ($(date +%T))"
+DIR=$(h200_patched_tree benchmarks/patches/tile_index.patch -R) || exit 1
+(cd "$DIR/benchmarks" && LAB_DEEPSEEK_LAYERS=2 PYTHONPATH="$DIR/src" timeout 110 python3 tile_table_lab.py \
+  --only qwen3,deepseek --json "$R/tile_table_lab_rows.json")
 echo "=== done ($(date +%T))"

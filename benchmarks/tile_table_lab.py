@@ -8,7 +8,8 @@ flat copy of its bytes ran 0.996x (BENCHMARKS.md, twenty-sixth session); on an H
 1.010x. Variants, each one launch over the same runs, captured in a CUDA graph, device
 time queued behind GPU sleep, over the copy floor of the same run:
 
-- *table 128x2*: the executor's kernel and table as they are;
+- *table 128x2*: the executor's kernel and table as they are (24-byte tile rows up to
+  e9820a4; from the twenty-seventh session the executor's kernel is the owner kernel);
 - *owner TxU*: a kernel of this lab whose blocks read a 4-byte run index per tile
   (eight tiles a 32-byte sector, so one block in eight misses) and then the run's own row
   (runs: hundreds, cached), and compute their tile from the run; ``cs``: loads and stores
@@ -47,7 +48,9 @@ from torchrefit.execute.copy_kernel import (
     plan_runs,
 )
 
-SHAPES = [("qwen3-30b-a3b", 8), ("dense-0.5b", None), ("deepseek-v3-moe", 1)]
+#: deepseek at 1 layer fits an H100 (two toy models and the references); the shape
+#: matrix's 2 layers need an H200 (``LAB_DEEPSEEK_LAYERS=2``)
+SHAPES = [("qwen3-30b-a3b", 8), ("dense-0.5b", None), ("deepseek-v3-moe", int(os.environ.get("LAB_DEEPSEEK_LAYERS", 1)))]
 #: (threads, vectors per thread, streaming hints) of the owner kernel
 OWNER_SHAPES = [(128, 2, False), (128, 2, True), (64, 4, False), (256, 1, False), (128, 4, False), (256, 2, False)]
 
