@@ -34,7 +34,7 @@ import os
 import torch
 from diagnose_refit_phases import DEV, device_ms, run_shapes, toy_refit
 from diagnose_refit_phases import capture as capture_branches
-from mid_copy_lab import replays_exact
+from mid_copy_lab import graph_of, replays_exact
 
 from torchrefit.execute.batched import byte_runs
 from torchrefit.execute.copy_kernel import (
@@ -127,20 +127,6 @@ def owners(runs: torch.Tensor, total: int) -> torch.Tensor:
     first = runs[:, 3]
     counts = torch.diff(torch.cat([first, torch.tensor([total])]))
     return torch.repeat_interleave(torch.arange(len(runs), dtype=torch.int32), counts)
-
-
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    fn()  # outside the capture first: loads nothing new inside it
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        g.capture_begin(capture_error_mode="thread_local")
-        fn()
-        g.capture_end()
-    torch.cuda.current_stream().wait_stream(s)
-    return g
 
 
 def study(name: str, layers: int | None, bw: float, cycles: int, _args) -> dict:
