@@ -7,6 +7,9 @@
 #     index per tile at several shapes, a table-free flat kernel, memcpy (flat, 8 branches)
 #   bash benchmarks/gpu_twentyseventh.sh h100   # an H100, .whl/megatron carried, ~5 min: the GPU
 #     tests below and the matrix less deepseek-v3-moe (out of an H100's memory)
+#   (call 2 ran the h100 mode with `-k "two_processes and ipc"` on the tests, which kept only
+#   the two ipc cases of test_gpu_one_sided.py; call 3 ran all three files: 13 passed)
+#   bash benchmarks/gpu_twentyseventh.sh matrix   # an H200 (needs_h200), .whl/megatron: the matrix alone
 #   bash benchmarks/gpu_twentyseventh.sh h200   # an H200 (needs_h200: the deepseek rows need
 #     its memory), .whl/megatron carried, ~8 min: with the index kernel on main, the GPU
 #     tests of the batched copy and the refit, the shape matrix (megatron-core side by side),
@@ -23,18 +26,23 @@ if [ "${1:-lab}" = lab ]; then
 fi
 if [ "$1" = h100 ]; then  # an H100, ~5 min: the GPU tests, then the matrix less deepseek (its two models need an H200)
   h200_with_megatron || echo "megatron-core not carried: toy models only"
-  timeout 140 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_batched.py tests/test_gpu_refit.py \
-    tests/test_gpu_one_sided.py -k "two_processes and ipc" --timeout 100 2>&1 | tail -3
+  timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_batched.py tests/test_gpu_refit.py \
+    tests/test_gpu_one_sided.py --timeout 120 2>&1 | tail -3
   timeout 240 python3 benchmarks/shape_matrix.py --watch-manual-too --only qwen3-30b-a3b --only dense-0.5b \
     --only llama-8b --only gpt-4b --json "$R/h100_shape_matrix.json" 2>&1 | grep -E "torchrefit .* floor|Error"
   echo "=== done ($(date +%T))"
   exit 0
 fi
 h200_with_megatron || echo "megatron-core not carried: toy models only"
+if [ "$1" = matrix ]; then  # the H200 matrix alone, ~4 min
+  timeout 300 python3 benchmarks/shape_matrix.py --watch-manual-too --json "$R/h200_shape_matrix.json" 2>&1 \
+    | grep -E "torchrefit .* floor|Error"
+  echo "=== done ($(date +%T))"
+  exit 0
+fi
 echo "=== 1. GPU tests ($(date +%T))"
-timeout 140 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_batched.py tests/test_gpu_refit.py \
-  tests/test_gpu_one_sided.py -k "two_processes and ipc" \
-  --timeout 100 2>&1 | tail -3
+timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_batched.py tests/test_gpu_refit.py \
+  tests/test_gpu_one_sided.py --timeout 120 2>&1 | tail -3
 echo "=== 2. shape matrix ($(date +%T))"
 timeout 300 python3 benchmarks/shape_matrix.py --watch-manual-too --json "$R/h200_shape_matrix.json" 2>&1 \
   | grep -E "torchrefit .* floor|Error"
