@@ -10,6 +10,7 @@
 #   (call 2 ran the h100 mode with `-k "two_processes and ipc"` on the tests, which kept only
 #   the two ipc cases of test_gpu_one_sided.py; call 3 ran all three files: 13 passed)
 #   bash benchmarks/gpu_twentyseventh.sh matrix   # an H200 (needs_h200), .whl/megatron: the matrix alone
+#   bash benchmarks/gpu_twentyseventh.sh moe   # an H200 (needs_h200): qwen3's and deepseek's toy rows
 #   bash benchmarks/gpu_twentyseventh.sh h200   # an H200 (needs_h200: the deepseek rows need
 #     its memory), .whl/megatron carried, ~8 min: with the index kernel on main, the GPU
 #     tests of the batched copy and the refit, the shape matrix (megatron-core side by side),
@@ -34,6 +35,12 @@ if [ "$1" = h100 ]; then  # an H100, ~5 min: the GPU tests, then the matrix less
   exit 0
 fi
 h200_with_megatron || echo "megatron-core not carried: toy models only"
+if [ "$1" = moe ]; then  # an H200's MoE toy rows alone (needs_h200 for deepseek), ~2 min
+  timeout 200 python3 benchmarks/shape_matrix.py --no-megatron --watch-manual-too --only qwen3-30b-a3b \
+    --only deepseek-v3-moe --json "$R/h200_moe_rows.json" 2>&1 | grep -E "torchrefit .* floor|Error"
+  echo "=== done ($(date +%T))"
+  exit 0
+fi
 if [ "$1" = matrix ]; then  # the H200 matrix alone, ~4 min
   timeout 300 python3 benchmarks/shape_matrix.py --watch-manual-too --json "$R/h200_shape_matrix.json" 2>&1 \
     | grep -E "torchrefit .* floor|Error"
