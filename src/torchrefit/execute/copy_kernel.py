@@ -15,7 +15,8 @@ computes its tile's addresses. :func:`plan_owners` is the pure reference of that
 Why an index and not the tile's addresses: the streamed data evicts such a table from
 L2, so a block's first load is a DRAM round trip with none of its copy in flight; eight
 indices share a 32-byte sector where one 24-byte row of addresses did not, and the run
-rows (one per copy) stay cached. On one H100, against 24-byte rows: qwen3-shaped copies
+rows (one per copy) stay cached (finding the run by a binary search over the runs in each
+block instead cost 1.22x: twelve dependent loads). On one H100, against 24-byte rows: qwen3-shaped copies
 1.0047x against 1.0058x the floor, DeepSeek-shaped 0.9994x against 1.0020x
 (``benchmarks/tile_table_lab.py``, BENCHMARKS.md "Twenty-seventh session").
 
