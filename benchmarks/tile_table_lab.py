@@ -123,7 +123,9 @@ def kernels(threads: int, unroll: int, hint: bool) -> tuple[int, int]:
 
 
 def owners(runs: torch.Tensor, total: int) -> torch.Tensor:
-    """Each tile's run index (int32), from ``plan_runs``' run table. Pure."""
+    """Each tile's run index (int32), from ``plan_runs``' run table. Pure. The same as
+    ``copy_kernel.plan_owners`` (27a598a), kept here because the lab also runs on the tree
+    before it (``benchmarks/patches/tile_index.patch`` reverted), which has none."""
     first = runs[:, 3]
     counts = torch.diff(torch.cat([first, torch.tensor([total])]))
     return torch.repeat_interleave(torch.arange(len(runs), dtype=torch.int32), counts)

@@ -64,9 +64,6 @@ _log = logging.getLogger("torchrefit")
 
 SOURCE = r"""
 #include <torch/extension.h>
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 16
-#endif
 #include <algorithm>
 #include <thread>
 #include <vector>
@@ -138,7 +135,7 @@ struct Views {
   // decides): misses of objects further on overlap this one's compares. On the CPU VM
   // (qwen3's toy, 4182 views) the check took 42 us against 51 warm and 188-204 against
   // 244-262 after writing 256 MiB; 8, 16, 32 and 64 ahead did about the same.
-  static constexpr size_t kAhead = PREFETCH_AHEAD;
+  static constexpr size_t kAhead = 16;
 
   // Each 2 MiB-aligned region of memory holding a watched tensor's TensorImpl or its
   // storage's StorageImpl, made one huge page (MADV_COLLAPSE; a region the kernel cannot,
