@@ -20,41 +20,53 @@
 source benchmarks/_h200_run.sh
 h200_run twentyseventh
 h200_card
-if [ "${1:-lab}" = lab ]; then
-  (cd benchmarks && timeout 400 python3 tile_table_lab.py --json "$R/tile_table_lab.json")
-  echo "=== done ($(date +%T))"
-  exit 0
-fi
-if [ "$1" = h100 ]; then  # an H100, ~5 min: the GPU tests, then the matrix less deepseek (its two models need an H200)
-  h200_with_megatron || echo "megatron-core not carried: toy models only"
+
+# the GPU tests of the batched copy, the refit and the one-sided transports
+gpu_tests() {
   timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_batched.py tests/test_gpu_refit.py \
     tests/test_gpu_one_sided.py --timeout 120 2>&1 | tail -3
-  timeout 240 python3 benchmarks/shape_matrix.py --watch-manual-too --only qwen3-30b-a3b --only dense-0.5b \
-    --only llama-8b --only gpt-4b --json "$R/h100_shape_matrix.json" 2>&1 | grep -E "torchrefit .* floor|Error"
+}
+
+# `matrix LIMIT FILE [shape_matrix.py args]`: the shape matrix with watch="manual" rows too,
+# its result lines; JSON in $R/FILE
+matrix() {
+  local limit=$1 file=$2
+  shift 2
+  timeout "$limit" python3 benchmarks/shape_matrix.py --watch-manual-too "$@" --json "$R/$file" 2>&1 \
+    | grep -E "torchrefit .* floor|Error"
+}
+
+done_and_exit() {
   echo "=== done ($(date +%T))"
   exit 0
+}
+
+mode=${1:-lab}
+if [ "$mode" = lab ]; then
+  (cd benchmarks && timeout 400 python3 tile_table_lab.py --json "$R/tile_table_lab.json")
+  done_and_exit
 fi
 h200_with_megatron || echo "megatron-core not carried: toy models only"
-if [ "$1" = moe ]; then  # an H200's MoE toy rows alone (needs_h200 for deepseek), ~2 min
-  timeout 200 python3 benchmarks/shape_matrix.py --no-megatron --watch-manual-too --only qwen3-30b-a3b \
-    --only deepseek-v3-moe --json "$R/h200_moe_rows.json" 2>&1 | grep -E "torchrefit .* floor|Error"
-  echo "=== done ($(date +%T))"
-  exit 0
-fi
-if [ "$1" = matrix ]; then  # the H200 matrix alone, ~4 min
-  timeout 300 python3 benchmarks/shape_matrix.py --watch-manual-too --json "$R/h200_shape_matrix.json" 2>&1 \
-    | grep -E "torchrefit .* floor|Error"
-  echo "=== done ($(date +%T))"
-  exit 0
-fi
+case $mode in
+  h100)  # an H100, ~5 min: the GPU tests, then the matrix less deepseek (its two models need an H200)
+    gpu_tests
+    matrix 240 h100_shape_matrix.json --only qwen3-30b-a3b --only dense-0.5b --only llama-8b --only gpt-4b
+    done_and_exit ;;
+  moe)  # an H200's MoE toy rows alone (needs_h200 for deepseek), ~2 min
+    matrix 200 h200_moe_rows.json --no-megatron --only qwen3-30b-a3b --only deepseek-v3-moe
+    done_and_exit ;;
+  matrix)  # the H200 matrix alone, ~4 min
+    matrix 300 h200_shape_matrix.json
+    done_and_exit ;;
+  h200) ;;
+  *) echo "unknown mode: $mode"; exit 2 ;;
+esac
 echo "=== 1. GPU tests ($(date +%T))"
-timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_batched.py tests/test_gpu_refit.py \
-  tests/test_gpu_one_sided.py --timeout 120 2>&1 | tail -3
+gpu_tests
 echo "=== 2. shape matrix ($(date +%T))"
-timeout 300 python3 benchmarks/shape_matrix.py --watch-manual-too --json "$R/h200_shape_matrix.json" 2>&1 \
-  | grep -E "torchrefit .* floor|Error"
+matrix 300 h200_shape_matrix.json
 echo "=== 3. lab, tile rows ($(date +%T))"
 DIR=$(h200_patched_tree benchmarks/patches/tile_index.patch -R) || exit 1
 (cd "$DIR/benchmarks" && LAB_DEEPSEEK_LAYERS=2 PYTHONPATH="$DIR/src" timeout 110 python3 tile_table_lab.py \
   --only qwen3,deepseek --json "$R/tile_table_lab_rows.json")
-echo "=== done ($(date +%T))"
+done_and_exit
