@@ -14,6 +14,7 @@ Run (GPU machine, megatron-core importable)::
     python benchmarks/shape_matrix.py --batched --json F  # every plain aligned copy batched (TORCHREFIT_BATCHED_COPY=1)
     python benchmarks/shape_matrix.py --no-megatron --only dense-0.5b --json F  # toy models, one preset
     python benchmarks/shape_matrix.py --watch-manual-too --json F  # toy rows also with Refitter(watch="manual")
+    python benchmarks/shape_matrix.py --layers deepseek-v3-moe=1 --json F  # another layer count (an H100's memory)
     python benchmarks/shape_matrix.py --report benchmarks/results/h200/h200_shape_matrix.json
 
 The second form writes the table into BENCHMARKS.md (between the ``shape_matrix``
@@ -74,9 +75,11 @@ def run(args) -> None:
            "torch": torch.__version__, "target_x_floor": TARGET,
            "batched_copy": cuda and kernel_available(torch.device("cuda")), "shapes": []}
     megatron = cuda and megatron_available() and not args.no_megatron
+    layers_of = _layer_counts(args.layers or [])
     for name, layers in MATRIX:
         if args.only and name not in args.only:
             continue
+        layers = layers_of.get(name, layers)
         # --watch-manual-too: toy models both ways (with megatron-core, its rows come first)
         toys = (False, True) if (args.also_toy or args.watch_manual_too) and megatron else (False,)
         runs = [(toy, "every") for toy in toys]
@@ -88,6 +91,19 @@ def run(args) -> None:
             print(_line(out["shapes"][-1]), flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+
+
+def _layer_counts(given: list[str]) -> dict[str, int]:
+    """``--layers PRESET=N`` arguments as {preset: N}; a malformed one or an unknown preset
+    stops the run before any model is built."""
+    out = {}
+    names = {name for name, _ in MATRIX}
+    for arg in given:
+        name, _, n = arg.partition("=")
+        if name not in names or not n.isdigit() or int(n) < 1:
+            raise SystemExit(f"--layers {arg!r}: expected PRESET=N with N >= 1 and PRESET one of {sorted(names)}")
+        out[name] = int(n)
+    return out
 
 
 def _run_one(name: str, cfg, toy: bool) -> dict:
@@ -197,6 +213,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (plumbing check)")
     ap.add_argument("--only", action="append", help="run only this preset (repeatable)")
     ap.add_argument("--no-megatron", action="store_true", help="torchrefit only")
+    ap.add_argument("--layers", action="append", metavar="PRESET=N",
+                    help="this many layers for PRESET instead of the matrix's (repeatable)")
     ap.add_argument("--also-toy", action="store_true",
                     help="after each megatron-core shape, torchrefit on toy models of the same shape")
     ap.add_argument("--watch-manual-too", action="store_true",
