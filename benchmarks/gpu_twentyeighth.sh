@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # Twenty-eighth session: two questions the H100 can answer while no H200 starts.
-#   bash benchmarks/gpu_twentyeighth.sh h100   # an H100, nothing carried, ~5 min
+#   bash benchmarks/gpu_twentyeighth.sh h100   # an H100, nothing carried, ~5 min (call 1)
+#   bash benchmarks/gpu_twentyeighth.sh h200   # an H200 (needs_h200: deepseek's 2 layers),
+#     .whl/megatron carried, ~7 min: the GPU tests of the batched copy, the refit and the
+#     one-sided transports; the shape matrix with megatron-core side by side (the tile index
+#     has not run on an H200); question 2 at deepseek's 2 layers, where its memcpy nodes took
+#     1.014-1.020x on an H200, once each
 # 1. Does the views check's prefetch (fc1d338) help on a GPU host? watch_check_lab.py on
 #    qwen3-30b-a3b's toy (8 layers, 4182 views), main against main with
 #    benchmarks/patches/views_prefetch.patch reverted (its own native build: the source is
@@ -23,11 +28,12 @@ lab() {
   echo " [$tag]"
 }
 
-# `large TAG [shape_matrix.py args]`: the toy rows of the presets made of large copies
+# `large TAG LAYERS [shape_matrix.py args]`: the toy rows of the presets made of large
+# copies, deepseek-v3-moe at LAYERS layers
 large() {
-  local tag=$1
-  shift
-  timeout 150 python3 benchmarks/shape_matrix.py --no-megatron --layers deepseek-v3-moe=1 --only deepseek-v3-moe \
+  local tag=$1 layers=$2
+  shift 2
+  timeout 150 python3 benchmarks/shape_matrix.py --no-megatron --layers "deepseek-v3-moe=$layers" --only deepseek-v3-moe \
     --only llama-8b --only gpt-4b "$@" --json "$R/large_$tag.json" 2>&1 | grep -E "torchrefit .* floor|Error"
 }
 
@@ -42,9 +48,20 @@ case ${1:-h100} in
     done
     echo "=== 2. large copies, memcpy nodes or batched ($(date +%T))"
     for round in 1 2; do
-      large "auto_$round"
-      large "batched_$round" --batched
+      large "auto_$round" 1
+      large "batched_$round" 1 --batched
     done ;;
+  h200)
+    h200_with_megatron || echo "megatron-core not carried: toy models only"
+    echo "=== 1. GPU tests ($(date +%T))"
+    timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_batched.py tests/test_gpu_refit.py \
+      tests/test_gpu_one_sided.py --timeout 120 2>&1 | tail -3
+    echo "=== 2. shape matrix ($(date +%T))"
+    timeout 330 python3 benchmarks/shape_matrix.py --watch-manual-too --json "$R/h200_shape_matrix.json" 2>&1 \
+      | grep -E "torchrefit .* floor|Error"
+    echo "=== 3. large copies, memcpy nodes or batched ($(date +%T))"
+    large auto_h200 2
+    large batched_h200 2 --batched ;;
   *) echo "unknown mode: $1"; exit 2 ;;
 esac
 echo "=== done ($(date +%T))"
