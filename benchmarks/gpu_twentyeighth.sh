@@ -6,10 +6,13 @@
 #     one-sided transports; the shape matrix with megatron-core side by side (the tile index
 #     has not run on an H200); question 2 at deepseek's 2 layers, where its memcpy nodes took
 #     1.014-1.020x on an H200, once each
-# 1. Does the views check's prefetch (fc1d338) help on a GPU host? watch_check_lab.py on
-#    qwen3-30b-a3b's toy (8 layers, 4182 views), main against main with
-#    benchmarks/patches/views_prefetch.patch reverted (its own native build: the source is
-#    its key), alternating, twice each; the *_after_wait_us figures are the ones that count.
+# 1. Does the views check's prefetch help on a GPU host? watch_check_lab.py on
+#    qwen3-30b-a3b's toy (8 layers, 4182 views), with benchmarks/patches/views_prefetch.patch
+#    applied (fc1d338's prefetch; its own native build: the source is its key) against
+#    without, alternating, twice each; the *_after_wait_us figures are the ones that count.
+#    (Call 1 ran at 118c8b0, whose main had the prefetch and whose script reverted the patch
+#    for "none"; main dropped the prefetch after it, and the script now applies the patch
+#    for "prefetch": the same two trees.)
 # 2. Would the batched copy beat memcpy nodes on large copies too? The toy matrix rows of
 #    deepseek-v3-moe (1 layer: two models of 2 fit 80 GB no more), llama-8b and gpt-4b, whose
 #    copies (16-1000 MB) auto leaves as memcpy graph nodes, against the same with every copy
@@ -39,12 +42,12 @@ large() {
 
 case ${1:-h100} in
   h100)
-    DIR=$(h200_patched_tree benchmarks/patches/views_prefetch.patch -R) || exit 1
-    PYTHONPATH="$DIR/src" python3 -m torchrefit native build >/dev/null && echo "native built without prefetch"
+    DIR=$(h200_patched_tree benchmarks/patches/views_prefetch.patch) || exit 1
+    PYTHONPATH="$DIR/src" python3 -m torchrefit native build >/dev/null && echo "native built with prefetch"
     echo "=== 1. views check, prefetch or not ($(date +%T))"
     for round in 1 2; do
-      lab "prefetch_$round"
-      lab "none_$round" "$DIR/src"
+      lab "prefetch_$round" "$DIR/src"
+      lab "none_$round"
     done
     echo "=== 2. large copies, memcpy nodes or batched ($(date +%T))"
     for round in 1 2; do

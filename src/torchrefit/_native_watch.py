@@ -131,11 +131,6 @@ struct Views {
   }
 
   static constexpr uintptr_t kHuge = uintptr_t(1) << 21;  // a huge page: 2 MiB
-  // How many tensors ahead each pass asks for the next objects (a hint, never a read that
-  // decides): misses of objects further on overlap this one's compares. On the CPU VM
-  // (qwen3's toy, 4182 views) the check took 42 us against 51 warm and 188-204 against
-  // 244-262 after writing 256 MiB; 8, 16, 32 and 64 ahead did about the same.
-  static constexpr size_t kAhead = 16;
 
   // Each 2 MiB-aligned region of memory holding a watched tensor's TensorImpl or its
   // storage's StorageImpl, made one huge page (MADV_COLLAPSE; a region the kernel cannot,
@@ -178,16 +173,9 @@ struct Views {
     const size_t n = watched.size();
     try {
       for (size_t i = 0; i < n; ++i) {  // each storage as compiled: alive (refs), so readable
-        if (i + kAhead < n && storages[i + kAhead] != nullptr) __builtin_prefetch(storages[i + kAhead]);
         if (!readable[i] || reinterpret_cast<intptr_t>(storages[i]->data()) != datas[i]) return false;
       }
       for (size_t i = 0; i < n; ++i) {  // each tensor still views that storage as compiled
-        if (i + kAhead < n) {
-          const char* next = reinterpret_cast<const char*>(watched[i + kAhead].unsafeGetTensorImpl());
-          __builtin_prefetch(next);
-          __builtin_prefetch(next + 64);
-          __builtin_prefetch(next + 128);
-        }
         const auto* a = watched[i].unsafeGetTensorImpl();
         if (!a->has_storage() || a->storage().unsafeGetStorageImpl() != storages[i]
             || a->storage_offset() != offsets[i] || a->dtype() != dtypes[i]) return false;
