@@ -6,6 +6,8 @@
 #     one-sided transports; the shape matrix with megatron-core side by side (the tile index
 #     has not run on an H200); question 2 at deepseek's 2 layers, where its memcpy nodes took
 #     1.014-1.020x on an H200, once each
+#   bash benchmarks/gpu_twentyeighth.sh moe    # an H200 (needs_h200), nothing carried, ~3 min:
+#     the MoE presets' toy rows (every and manual) and question 2 at deepseek's 2 layers
 # 1. Does the views check's prefetch help on a GPU host? watch_check_lab.py on
 #    qwen3-30b-a3b's toy (8 layers, 4182 views), with benchmarks/patches/views_prefetch.patch
 #    applied (fc1d338's prefetch; its own native build: the source is its key) against
@@ -63,6 +65,13 @@ case ${1:-h100} in
     timeout 330 python3 benchmarks/shape_matrix.py --watch-manual-too --json "$R/h200_shape_matrix.json" 2>&1 \
       | grep -E "torchrefit .* floor|Error"
     echo "=== 3. large copies, memcpy nodes or batched ($(date +%T))"
+    large auto_h200 2
+    large batched_h200 2 --batched ;;
+  moe)
+    echo "=== 1. MoE toy rows ($(date +%T))"
+    timeout 200 python3 benchmarks/shape_matrix.py --no-megatron --watch-manual-too --only qwen3-30b-a3b \
+      --only deepseek-v3-moe --json "$R/h200_moe_rows.json" 2>&1 | grep -E "torchrefit .* floor|Error"
+    echo "=== 2. large copies, memcpy nodes or batched ($(date +%T))"
     large auto_h200 2
     large batched_h200 2 --batched ;;
   *) echo "unknown mode: $1"; exit 2 ;;
