@@ -69,3 +69,19 @@ h200_ipc_bench() {
   timeout "$limit" python3 -m torchrefit bench --model gpt-4b --variant graph --warmup 3 --iters 20 \
     --transport ipc $args --label "$layout" --json "$R/$layout${2:+_$2}.json" 2>&1 | tail -1
 }
+
+# `h200_gpu_tests`: the GPU tests of the batched copy, the refit and the one-sided
+# transports, their summary lines
+h200_gpu_tests() {
+  timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_batched.py tests/test_gpu_refit.py \
+    tests/test_gpu_one_sided.py --timeout 120 2>&1 | tail -3
+}
+
+# `h200_matrix LIMIT FILE [shape_matrix.py args]`: the shape matrix with watch="manual" rows
+# too, its result lines; JSON in $R/FILE
+h200_matrix() {
+  local limit=$1 file=$2
+  shift 2
+  timeout "$limit" python3 benchmarks/shape_matrix.py --watch-manual-too "$@" --json "$R/$file" 2>&1 \
+    | grep -E "torchrefit .* floor|Error"
+}

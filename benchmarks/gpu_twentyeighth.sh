@@ -59,18 +59,15 @@ case ${1:-h100} in
   h200)
     h200_with_megatron || echo "megatron-core not carried: toy models only"
     echo "=== 1. GPU tests ($(date +%T))"
-    timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_batched.py tests/test_gpu_refit.py \
-      tests/test_gpu_one_sided.py --timeout 120 2>&1 | tail -3
+    h200_gpu_tests
     echo "=== 2. shape matrix ($(date +%T))"
-    timeout 330 python3 benchmarks/shape_matrix.py --watch-manual-too --json "$R/h200_shape_matrix.json" 2>&1 \
-      | grep -E "torchrefit .* floor|Error"
+    h200_matrix 330 h200_shape_matrix.json
     echo "=== 3. large copies, memcpy nodes or batched ($(date +%T))"
     large auto_h200 2
     large batched_h200 2 --batched ;;
   moe)
     echo "=== 1. MoE toy rows ($(date +%T))"
-    timeout 200 python3 benchmarks/shape_matrix.py --no-megatron --watch-manual-too --only qwen3-30b-a3b \
-      --only deepseek-v3-moe --json "$R/h200_moe_rows.json" 2>&1 | grep -E "torchrefit .* floor|Error"
+    h200_matrix 200 h200_moe_rows.json --no-megatron --only qwen3-30b-a3b --only deepseek-v3-moe
     echo "=== 2. large copies, memcpy nodes or batched ($(date +%T))"
     large auto_h200 2
     large batched_h200 2 --batched ;;

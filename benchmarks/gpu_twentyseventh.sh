@@ -5,8 +5,8 @@
 #     tile_table_lab.py on qwen3-30b-a3b (8 layers), dense-0.5b, deepseek-v3-moe (1 layer):
 #     the executor's kernel (then 24-byte tile rows) against a kernel reading a 4-byte run
 #     index per tile at several shapes, a table-free flat kernel, memcpy (flat, 8 branches)
-#   bash benchmarks/gpu_twentyseventh.sh h100   # an H100, .whl/megatron carried, ~5 min: the GPU
-#     tests below and the matrix less deepseek-v3-moe (out of an H100's memory)
+#   bash benchmarks/gpu_twentyseventh.sh h100   # an H100, .whl/megatron carried, ~5 min: the GPU tests
+#     (h200_gpu_tests) and the matrix less deepseek-v3-moe (out of an H100's memory)
 #   (call 2 ran the h100 mode with `-k "two_processes and ipc"` on the tests, which kept only
 #   the two ipc cases of test_gpu_one_sided.py; call 3 ran all three files: 13 passed)
 #   bash benchmarks/gpu_twentyseventh.sh matrix   # an H200 (needs_h200), .whl/megatron: the matrix alone
@@ -21,21 +21,6 @@ source benchmarks/_h200_run.sh
 h200_run twentyseventh
 h200_card
 
-# the GPU tests of the batched copy, the refit and the one-sided transports
-gpu_tests() {
-  timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_batched.py tests/test_gpu_refit.py \
-    tests/test_gpu_one_sided.py --timeout 120 2>&1 | tail -3
-}
-
-# `matrix LIMIT FILE [shape_matrix.py args]`: the shape matrix with watch="manual" rows too,
-# its result lines; JSON in $R/FILE
-matrix() {
-  local limit=$1 file=$2
-  shift 2
-  timeout "$limit" python3 benchmarks/shape_matrix.py --watch-manual-too "$@" --json "$R/$file" 2>&1 \
-    | grep -E "torchrefit .* floor|Error"
-}
-
 done_and_exit() {
   echo "=== done ($(date +%T))"
   exit 0
@@ -49,22 +34,22 @@ fi
 h200_with_megatron || echo "megatron-core not carried: toy models only"
 case $mode in
   h100)  # an H100, ~5 min: the GPU tests, then the matrix less deepseek (its two models need an H200)
-    gpu_tests
-    matrix 240 h100_shape_matrix.json --only qwen3-30b-a3b --only dense-0.5b --only llama-8b --only gpt-4b
+    h200_gpu_tests
+    h200_matrix 240 h100_shape_matrix.json --only qwen3-30b-a3b --only dense-0.5b --only llama-8b --only gpt-4b
     done_and_exit ;;
   moe)  # an H200's MoE toy rows alone (needs_h200 for deepseek), ~2 min
-    matrix 200 h200_moe_rows.json --no-megatron --only qwen3-30b-a3b --only deepseek-v3-moe
+    h200_matrix 200 h200_moe_rows.json --no-megatron --only qwen3-30b-a3b --only deepseek-v3-moe
     done_and_exit ;;
   matrix)  # the H200 matrix alone, ~4 min
-    matrix 300 h200_shape_matrix.json
+    h200_matrix 300 h200_shape_matrix.json
     done_and_exit ;;
   h200) ;;
   *) echo "unknown mode: $mode"; exit 2 ;;
 esac
 echo "=== 1. GPU tests ($(date +%T))"
-gpu_tests
+h200_gpu_tests
 echo "=== 2. shape matrix ($(date +%T))"
-matrix 300 h200_shape_matrix.json
+h200_matrix 300 h200_shape_matrix.json
 echo "=== 3. lab, tile rows ($(date +%T))"
 DIR=$(h200_patched_tree benchmarks/patches/tile_index.patch -R) || exit 1
 (cd "$DIR/benchmarks" && LAB_DEEPSEEK_LAYERS=2 PYTHONPATH="$DIR/src" timeout 110 python3 tile_table_lab.py \
