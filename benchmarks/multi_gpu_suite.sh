@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 4's runs on one host with 2, 4 or 8 GPUs (not yet run: multi-GPU machines were withheld).
+# Refits between GPUs of one host with 2, 4 or 8 GPUs (nccl, gloo, ipc), and the GPU tests.
 # Usage: bash benchmarks/multi_gpu_suite.sh N   (N = number of GPUs on this machine)
 # Each bench run also measures the NCCL link between GPUs 0 and 1 and reports the floor per
 # GPU (remote bytes / link bandwidth vs local bytes / HBM copy bandwidth) and link utilization.

@@ -10,7 +10,7 @@ Runs, each in a fresh process (``python -m torchrefit plan ... --json``):
   TP32 x DP8 on 256 GPUs (collocated), and Perplexity's Kimi-K2 from 256 training
   GPUs to 128 inference GPUs (separate GPUs).
 
-Writes ``benchmarks/results/plan_16k.json`` (and each case's raw ``--json`` beside it)
+Writes ``benchmarks/results/cpu/plan/plan_16k.json`` (and each case's raw ``--json`` beside it)
 and the section of BENCHMARKS.md between its markers. Usage: ``python
 benchmarks/plan_16k.py``; ``--reuse`` reads cases' JSON left by earlier runs of the same
 commands (e.g. run side by side).
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "plan_16k.json"
+RESULTS = ROOT / "benchmarks" / "results" / "cpu" / "plan" / "plan_16k.json"
 MARK_BEGIN = "<!-- plan_16k: begin (benchmarks/plan_16k.py writes this section) -->"
 MARK_END = "<!-- plan_16k: end -->"
 
@@ -232,7 +232,7 @@ def section(results: dict) -> str:
         MARK_BEGIN,
         "## 16384 ranks, and predicted refit times",
         "",
-        f"`torchrefit plan` at {m.get('commit', '9b4fded')} on {m['machine']} "
+        f"`torchrefit plan` at {m.get('commit', '?')} on {m['machine']} "
         f"({m['cpus']} cores shared with other jobs, no GPU, "
         f"{m['when']}), Python {m['python']}, torch {m['torch']}. Rosters: distinct source + "
         "destination rosters. Gathered: bytes every rank receives in the deduplicated gather "
@@ -256,16 +256,12 @@ def section(results: dict) -> str:
         "DeepSeek-V3) is summed per holder set and destination rank in closed form from the "
         "planner's share lines (`torchrefit.simulate.traffic`; equal pair by pair to every "
         "rank's own plan, `tests/test_plan_scale.py`): about 3 CPU s of the DeepSeek-V3 run. "
-        "Dealing it region by region and rank by rank had not finished in 7.8 CPU minutes, "
-        "and the whole command not in 15 minutes of wall time, before this change. "
-        "Per-rank planning is sensitive to the load: on this machine's two hyperthreads, CPU "
-        "seconds inflate with the other jobs' too (at 9b4fded, before the speed-up below, the largest of "
-        "the sampled DeepSeek-V3 ranks took 0.78 CPU s in a run at load 17 and 1.28 - 1.61 in "
-        "two others; planning alone at 9623f86, load 3: 1.11 - 1.17 CPU s). Planning alone below runs the planner of an earlier commit interleaved with "
-        "this one, so that both columns see the same load.",
+        "Per-rank planning is sensitive to the load: on two hyperthreads, CPU seconds inflate "
+        "with the other jobs' too. `--quick --against COMMIT` runs another commit's planner "
+        "interleaved with this one, so that both columns see the same load.",
         "",
         *_quick_lines(),
-        "Reproduce: `python benchmarks/plan_16k.py` (writes `benchmarks/results/plan_16k.json` and "
+        "Reproduce: `python benchmarks/plan_16k.py` (writes `benchmarks/results/cpu/plan/plan_16k.json` and "
         "this section), or one case: "
         + "; ".join(f"`{r['command']}`" for _, r in big) + ".",
         "",
@@ -365,10 +361,10 @@ def main() -> int:
     p.add_argument("--reuse", action="store_true",
                    help="read a case's JSON where a run of the same command left it")
     p.add_argument("--section-only", action="store_true",
-                   help="rewrite the BENCHMARKS.md section from benchmarks/results/plan_16k.json")
+                   help="rewrite the BENCHMARKS.md section from benchmarks/results/cpu/plan/plan_16k.json")
     p.add_argument("--quick", action="store_true",
                    help="16k metadata and three ranks' planning only (no whole-world traffic): "
-                        "benchmarks/results/plan_16k_metadata.json")
+                        "benchmarks/results/cpu/plan/plan_16k_metadata.json")
     p.add_argument("--against", metavar="COMMIT",
                    help="with --quick: also plan with this commit's planner, interleaved, and "
                         "check its plans are the same")

@@ -43,7 +43,7 @@ import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "plan_scaling.json"
+RESULTS = ROOT / "benchmarks" / "results" / "cpu" / "plan" / "plan_scaling.json"
 MARK_BEGIN = "<!-- plan_scaling: begin (benchmarks/plan_scaling.py writes this section) -->"
 MARK_END = "<!-- plan_scaling: end -->"
 
@@ -262,7 +262,7 @@ def _section(results: dict) -> str:
         *rows,
         "",
         "Reproduce: `python benchmarks/plan_scaling.py --megatron-path DIR` (see the script's "
-        "docstring); figures in `benchmarks/results/plan_scaling.json`. The DeepSeek-V3 "
+        "docstring); figures in `benchmarks/results/cpu/plan/plan_scaling.json`. The DeepSeek-V3 "
         "figures below come from `torchrefit plan` (torchrefit only).",
         "",
         *results.get("extra", []),

@@ -1,6 +1,6 @@
 """Write the GPU section of BENCHMARKS.md from the JSON files of a reference run.
 
-    python benchmarks/report.py benchmarks/results/h200 > /tmp/gpu.md
+    python benchmarks/report.py benchmarks/results/h200/fp8 > /tmp/gpu.md
 
 Each table row is one configuration and variant from ``torchrefit bench --json``.
 """

@@ -1,24 +1,23 @@
-"""The model-shape matrix on one GPU (issue 16): every preset refit TP1 -> TP1 by
+"""The refit matrix on one GPU: every preset refit TP1 -> TP1 by
 torchrefit (CUDA graph, the default) and by megatron-core's ``swap_model_weights``
 side by side, on the same megatron-core ``GPTModel``s (toy models where megatron-core
 is not installed), against the copy floor measured in the same run.
 
-Shapes: the seed's ``gpt-4b``, ``llama-8b``, ``dense-0.5b`` and the MoE stacks
+Shapes: ``gpt-4b`` (a 4.4 B GPT), ``llama-8b``, ``dense-0.5b`` and the MoE stacks
 ``qwen3-30b-a3b`` and ``deepseek-v3-moe`` with their layers scaled down so that two
 models (source and destination) fit one H200 next to each other.
 
 Run (GPU machine, megatron-core importable)::
 
-    python benchmarks/shape_matrix.py --json benchmarks/results/h200/h200_shape_matrix.json
+    python benchmarks/shape_matrix.py --json benchmarks/results/h200/matrix/shape_matrix.json
     python benchmarks/shape_matrix.py --also-toy --json F  # and torchrefit on toy models of each shape
     python benchmarks/shape_matrix.py --batched --json F  # every plain aligned copy batched (TORCHREFIT_BATCHED_COPY=1)
     python benchmarks/shape_matrix.py --no-megatron --only dense-0.5b --json F  # toy models, one preset
     python benchmarks/shape_matrix.py --watch-manual-too --json F  # toy rows also with Refitter(watch="manual")
     python benchmarks/shape_matrix.py --layers deepseek-v3-moe=1 --json F  # another layer count (an H100's memory)
-    python benchmarks/shape_matrix.py --report benchmarks/results/h200/h200_shape_matrix.json
+    python benchmarks/shape_matrix.py --report benchmarks/results/h200/matrix/shape_matrix.json
 
-The second form writes the table into BENCHMARKS.md (between the ``shape_matrix``
-markers). ``--smoke`` runs tiny versions of the shapes on CPU (the plumbing only).
+The last form prints the BENCHMARKS.md table of a JSON file. ``--smoke`` runs tiny versions of the shapes on CPU (the plumbing only).
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import time
 import traceback
 from pathlib import Path
@@ -41,8 +39,7 @@ MATRIX = [
     ("llama-8b", None),
     ("gpt-4b", None),
 ]
-TARGET = 1.03  # x the copy floor (issue 16)
-BEGIN, END = "<!-- shape_matrix: begin", "<!-- shape_matrix: end -->"
+TARGET = 1.03  # x the copy floor: the matrix's bar for a refit of local copies
 
 
 def _config(name: str, layers: int | None, args, toy: bool = False, watch: str = "every"):
@@ -176,9 +173,7 @@ def table(data: dict, source: str) -> str:
                  _x(t["host_ms"]), _x(t.get("host_cold_ms")), _x(t["first_refit_s"]), _x(m and m["median_ms"], ".2f"),
                  _x(m and m["ratio_to_floor"], ".2f"), _x(t.get("ratio_to_megatron"))]
         lines.append("| " + " | ".join(cells) + " |")
-    return (f"{BEGIN} (benchmarks/shape_matrix.py writes this section) -->\n"
-            f"### Model shapes on one GPU (issue 16)\n\n"
-            f"{data['device']}, torch {data['torch']}; TP1 -> TP1 collocated, bf16; torchrefit with its "
+    return (f"{data['device']}, torch {data['torch']}; TP1 -> TP1 collocated, bf16; torchrefit with its "
             f"defaults (CUDA graph) and megatron-core's `swap_model_weights` on the same megatron-core "
             f"GPTModels (local spec) in the same process, and torchrefit on toy models of the same shape "
             f"(*models* column); figures from `{source}`. Target: <= {TARGET}x the floor. *x floor*: wall "
@@ -190,24 +185,17 @@ def table(data: dict, source: str) -> str:
             f"*x flat copy*: wall time over one copy of the same bytes between two flat buffers, timed "
             f"the same way (launch and synchronisation included; '-' where two more buffers do not fit)."
             f"{_WATCH_NOTE if any(_watch(e) for e in data['shapes']) else ''}\n\n"
-            + "\n".join(lines) + f"\n\n{END}")
+            + "\n".join(lines))
 
 
-def report(path: str, bench_md: Path) -> None:
-    data = json.loads(Path(path).read_text())
-    text = bench_md.read_text()
-    section = table(data, path)
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
-    text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section + "\n"
-    bench_md.write_text(text)
-    print(section)
+def report(path: str) -> None:
+    print(table(json.loads(Path(path).read_text()), path))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", help="write every figure here")
-    ap.add_argument("--report", help="write the table of this JSON into BENCHMARKS.md")
-    ap.add_argument("--benchmarks-md", default=str(Path(__file__).resolve().parents[1] / "BENCHMARKS.md"))
+    ap.add_argument("--report", help="print the BENCHMARKS.md table of this JSON")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=12)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (plumbing check)")
@@ -225,7 +213,7 @@ def main() -> None:
                     help="batch every plain aligned copy (TORCHREFIT_BATCHED_COPY=1; default: auto)")
     args = ap.parse_args()
     if args.report:
-        report(args.report, Path(args.benchmarks_md))
+        report(args.report)
     else:
         run(args)
 

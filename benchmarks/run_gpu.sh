@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Every one-GPU benchmark behind BENCHMARKS.md, and the GPU tests, on this machine's card.
+# Usage (repo root, one GPU, e.g. an H100 80GB or an H200):
+#   bash benchmarks/run_gpu.sh [all|tests|matrix|transports|fp8|reliability]
+# Results go to benchmarks/results/<card>/<benchmark>/ ($OUT replaces benchmarks/results/<card>),
+# each with its run.log. megatron-core importable puts its swap_model_weights beside
+# torchrefit in the matrix (pip install --no-deps megatron-core); without it, toy models only.
+# deepseek-v3-moe's two models need more than 80 GB: on a smaller card the matrix skips it.
+set -u
+cd "$(dirname "$0")/.."
+CARD=$(bash benchmarks/card.sh)
+BASE=${OUT:-benchmarks/results/$CARD}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:${PYTHONPATH:-}
+python3 -m torchrefit native build >/dev/null 2>&1 || echo "native watch checks not built"
+
+# `folder NAME`: $R = the benchmark's results folder, its output also into run.log there
+folder() {
+  R=$BASE/$1
+  mkdir -p "$R"
+  exec > >(tee -a "$R/run.log") 2>&1
+  echo "=== $1 on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)," \
+    "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u +%FT%TZ)"
+}
+
+tests() {
+  folder tests
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/
+  echo "--- the stale-read tests with a wait removed: these must FAIL"
+  TORCHREFIT_BREAK_PRODUCER_WAIT=1 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_gpu_stale_read.py -k "stale_weights" 2>&1 | tail -3
+  TORCHREFIT_BREAK_DONE_WAIT=1 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_gpu_stale_read.py -k "overwrites" 2>&1 | tail -3
+}
+
+matrix() {
+  folder matrix
+  local only=()
+  memory=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  if [ "${memory:-0}" -lt 120000 ]; then
+    only=(--only qwen3-30b-a3b --only dense-0.5b --only llama-8b --only gpt-4b)
+  fi
+  python3 benchmarks/shape_matrix.py --watch-manual-too "${only[@]}" --json "$R/shape_matrix.json"
+  python3 benchmarks/shape_matrix.py --report "$R/shape_matrix.json"
+}
+
+transports() {
+  folder transports
+  R=$R bash benchmarks/transports.sh 3
+}
+
+fp8() {
+  folder fp8
+  python3 benchmarks/fp8_kernel.py --json "$R/fp8_kernel.json"
+  python3 -m torchrefit bench --model gpt-4b --map hf --fp8 --variant graph --variant plain \
+    --warmup 3 --iters 20 --json "$R/gpt4b_map_hf_fp8.json"
+}
+
+reliability() {
+  folder reliability
+  python3 benchmarks/reliability.py --model gpt-4b --refits 1000 --iters 5 --json "$R/reliability_gpt4b.json"
+}
+
+case ${1:-all} in
+  all) (tests); (matrix); (transports); (fp8); (reliability) ;;
+  tests|matrix|transports|fp8|reliability) "$1" ;;
+  *) echo "unknown benchmark: $1"; exit 2 ;;
+esac
