@@ -230,7 +230,7 @@ def section(results: dict) -> str:
     hw = next(iter(results["cases"].values()))["prediction"]["hardware"]
     return "\n".join([
         MARK_BEGIN,
-        "## 16384 ranks, and predicted refit times",
+        "### 16384 ranks, and predicted refit times",
         "",
         f"`torchrefit plan` at {m.get('commit', '?')} on {m['machine']} "
         f"({m['cpus']} cores shared with other jobs, no GPU, "
@@ -265,7 +265,7 @@ def section(results: dict) -> str:
         "this section), or one case: "
         + "; ".join(f"`{r['command']}`" for _, r in big) + ".",
         "",
-        "### Predicted refit time against published refits",
+        "#### Predicted refit time against published refits",
         "",
         f"`torchrefit plan` turns the plan's bytes into a time (`torchrefit.simulate.predict`): "
         f"ranks are GPUs of {hw['gpus_per_node']}-GPU nodes; a rank's time is the largest of "
@@ -332,7 +332,7 @@ NOTES = [
     "FSDP on 256 GPUs (simulated as `pp16ep16`, each GPU holding about 1/256 of the experts) "
     "and served it on 128 GPUs in a layout not given (simulated as TP8 x EP16).",
     "",
-    "NeMo-RL, DeepSeek-V3 PP16 x EP16 -> TP32 x DP8: REFERENCE.md files the 2.4 - 2.8 s "
+    "NeMo-RL, DeepSeek-V3 PP16 x EP16 -> TP32 x DP8: NeMo-RL reports the 2.4 - 2.8 s "
     "under NeMo-RL's `nccl_reshard` (shard to shard, Megatron -> vLLM), which NeMo-RL "
     "documents as non-colocated only, so the row simulates 256 training GPUs (ranks 0-255) "
     "and 256 generation GPUs (ranks 256-511): every byte crosses the network. The hardware "

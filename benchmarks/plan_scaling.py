@@ -2,7 +2,7 @@
 ``build_plan_from_rosters``, on the same simulated rosters.
 
 The model is the Llama-70B shape (80 layers, hidden 8192), trained TP8 x PP4 and
-served TP4, collocated: the case whose Megatron-core figures REFERENCE.md quotes.
+served TP4, collocated: a case for which Megatron-core's planning time is published.
 Both planners get the metadata every rank would gather; each (planner, world)
 runs in a fresh process, which reports the slowest sampled rank's planning time,
 its peak resident memory (torch and the simulated rosters included) and the
@@ -243,7 +243,7 @@ def _section(results: dict) -> str:
             f"{_ratio(meg, ours)} | {_same(ours, meg)} |")
     return "\n".join([
         MARK_BEGIN,
-        "## Planning",
+        "### Planning cost against megatron-core's planner",
         "",
         f"Pure planning from gathered rosters for one rank, {m['model']} shape, "
         f"`{m['src']}` -> `{m['dst']}` collocated, measured on {m['machine']} "
