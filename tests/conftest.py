@@ -1,4 +1,5 @@
-"""Shared pytest setup: the ``gpu`` marker skips with a reason where no CUDA GPU is present."""
+"""Shared pytest setup: the ``gpu`` marker skips with a reason where no CUDA GPU is
+present; the native watch checks compiled once per test run for the tests that need them."""
 
 import pytest
 import torch
@@ -11,3 +12,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def native_cache(tmp_path_factory) -> str:
+    """A kernel cache (``TORCHREFIT_KERNEL_CACHE``) holding the native watch checks,
+    compiled once per test run; skips where no C++ compiler builds them."""
+    from torchrefit import _native_watch as native
+
+    cache = str(tmp_path_factory.mktemp("native") / "kernels")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("TORCHREFIT_KERNEL_CACHE", cache)
+    patch.delenv(native.NATIVE_ENV, raising=False)
+    try:
+        native.build()
+    except Exception as e:  # noqa: BLE001 (no C++ compiler here)
+        pytest.skip(f"the native watch check could not be built here: {type(e).__name__}: {e}")
+    finally:
+        patch.undo()
+    return cache

@@ -1,6 +1,7 @@
 """The optional C++ form of ``watch="every"``'s per-refit checks (``torchrefit._native_watch``).
 
-Built once here into a temporary cache (skipped where no C++ compiler builds it). Its
+Built once per test run into a temporary cache (``conftest.native_cache``; skipped where
+no C++ compiler builds it). Its
 two answers must be "unchanged" exactly when the Python checks' are, for every way a
 tensor or its holder changes (the Python expressions are the oracle, computed apart);
 and a Refitter that has it must use it and still refit exactly after each change
@@ -23,18 +24,12 @@ from torchrefit.testing import run_world
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> str:
-    cache = str(tmp_path_factory.mktemp("native") / "kernels")
+def built(native_cache: str) -> str:
     patch = pytest.MonkeyPatch()
-    patch.setenv("TORCHREFIT_KERNEL_CACHE", cache)
+    patch.setenv("TORCHREFIT_KERNEL_CACHE", native_cache)
     patch.delenv(native.NATIVE_ENV, raising=False)
-    try:
-        native.build()
-    except Exception as e:  # noqa: BLE001 (no C++ compiler here)
-        patch.undo()
-        pytest.skip(f"the native watch check could not be built here: {type(e).__name__}: {e}")
-    assert native.module() is not None
-    yield cache
+    assert native.module(fresh=True) is not None
+    yield native_cache
     patch.undo()
 
 

@@ -354,15 +354,21 @@ def _library(where: Path) -> Path:
     return where / f"{_NAME}.so"
 
 
-def module() -> ModuleType | None:
+def enabled() -> bool:
+    """False where ``TORCHREFIT_NATIVE_WATCH=0`` asks for the Python checks only."""
+    return os.environ.get(NATIVE_ENV, "").strip() != "0"
+
+
+def module(fresh: bool = False) -> ModuleType | None:
     """The built module, imported once per process; None where it was not built for this
-    environment, cannot be imported, or ``TORCHREFIT_NATIVE_WATCH=0``."""
-    if os.environ.get(NATIVE_ENV, "").strip() == "0":
+    environment, cannot be imported, or ``TORCHREFIT_NATIVE_WATCH=0``. ``fresh``: look
+    again where an earlier call found nothing (a build landed since)."""
+    if not enabled():
         return None
     where = built_path()
     if where is None:
         return None
-    if where not in _loaded:
+    if where not in _loaded or (fresh and _loaded[where] is None):
         _loaded[where] = _import(_library(where))
     return _loaded[where]
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ._caller_state import caller_state, outside_inference, set_aside
 from ._collectives import all_gather_pickled, all_gather_rosters
 from ._gc_pause import gc_paused
+from ._native_background import BUILD_MIN_TENSORS, BackgroundBuild, start_background_build
 from .connect import Connection
 from .errors import LayoutError, PlanError, RefitError, TransportError, VerificationError
 from .execute.program import Program, RunStats
@@ -171,8 +172,12 @@ class Refitter:
             described tensor is still the one its module (or mapping) holds and that each
             compiled tensor still views the storage it did (same storage, offset, sizes and
             strides), and follows a replaced, moved or re-viewed tensor (see :meth:`rebind`);
-            O(tensors) host time per refit (on a 2-core CPU ~65 ns per tensor for the first
-            check, ~280 ns for the second: a data pointer and a view compared).
+            both checks are one C++ call each where the native checks are built for this
+            environment (``torchrefit native build``; a rank watching
+            ``_native_background.BUILD_MIN_TENSORS`` tensors or more starts that build in
+            the background by itself, once per machine and environment, and switches to
+            it at the first refit after it landed), else two C-level passes each
+            (a 2-core CPU: ~65 ns per tensor for the first check, ~280 ns for the second).
             ``"manual"``: ``refit()`` checks neither; the caller calls :meth:`rebind` on a
             rank after anything there that may replace or re-allocate a described tensor of
             either side (an engine's sleep / wake, re-wrapping modules, ``param.data =
@@ -257,6 +262,7 @@ class Refitter:
                                              _resolved(dst_layout, self._kinds[1]))
             self._src, self._dst = src, dst
             self._bindings = _bindings(src_model, src, dst_model, dst)
+        self._native_build = _native_build(watch, self._bindings)
         infos = self._gather_infos(src, dst, error, staging_bytes)
         _raise_layout_errors(infos)
         _check_offsets(infos, src_rank_offset, dst_rank_offset)
@@ -377,6 +383,8 @@ class Refitter:
         try:
             check = self.watch == "every"
             if check:
+                if self._native_build is not None and self._native_build.ready():
+                    self._use_native()
                 self._rebind()
             elif self._unbound is not None:  # the model no longer fits: never write the old storage
                 raise self._unbound
@@ -444,6 +452,15 @@ class Refitter:
         """Every compiled program held, each once (the first bucket's is ``_program`` too)."""
         held = [self._program, *(self._phase_programs or ()), self._verifier]
         return list({id(p): p for p in held if p is not None}.values())
+
+    def _use_native(self) -> None:
+        """The background build landed: every check from now on is one C++ call."""
+        self._native_build = None
+        for binding in self._bindings.values():
+            binding.renew_native()
+        for program in self._programs():
+            program.renew_native()
+        _log.info("rank %d: the native watch checks are built: refits use them from now on", self.rank)
 
     def _rebind(self) -> None:
         """This rank, before each refit or in ``rebind()`` (no collective): where the
@@ -609,6 +626,14 @@ class Refitter:
     def __repr__(self) -> str:
         return (f"Refitter(rank {self.rank}/{self.world}, transport={self.transport_name}, "
                 f"version={self.version})\n{self.plan}")
+
+
+def _native_build(watch: str, bindings: dict[str, Binding]) -> BackgroundBuild | None:
+    """The background build of the native checks this rank waits for, if it watches
+    enough tensors to gain from them and they are not built (``_native_background``)."""
+    if watch != "every" or sum(map(len, bindings.values())) < BUILD_MIN_TENSORS:
+        return None
+    return start_background_build()
 
 
 def _bindings(src_model, src: Described | None, dst_model, dst: Described | None) -> dict[str, Binding]:

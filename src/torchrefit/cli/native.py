@@ -13,12 +13,17 @@ def add_parser(sub) -> None:
                    help="build: compile it for this torch and Python (a C++ compiler "
                         "needed); status: whether it is built and will be used")
     p.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    p.add_argument("--background", action="store_true",
+                   help="as a Refitter starts it: quietly, leaving any error in the build folder")
     p.set_defaults(run=_run)
 
 
 def _run(args) -> int:
     from torchrefit import _native_watch as native
+    from torchrefit._native_background import failure_marker, run_background_build
 
+    if args.action == "build" and args.background:
+        return run_background_build()
     if args.action == "build":
         try:
             path = native.build(verbose=args.verbose)
@@ -28,6 +33,12 @@ def _run(args) -> int:
             return 1
         print(f"torchrefit native: built {path}")
     where = native.built_path()
+    failed = None if where is None else failure_marker(where)
+    if failed is not None and failed.exists():
+        if args.action == "build":  # built by hand now: later Refitters may build again
+            failed.unlink()
+        else:
+            print(f"torchrefit native: the last background build failed: {failed.read_text().strip()}")
     used = native.module() is not None
     print(f"torchrefit native: {'used' if used else 'not used'} "
           f"({where if where is not None else 'the kernel cache is off'}"

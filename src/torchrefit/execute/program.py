@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -201,6 +201,12 @@ class Program:
             return False
         return (list(map(torch.Tensor.data_ptr, c.watched)) != c.pointers
                 or not all(map(torch.Tensor.is_set_to, c.watched, c.refs)))
+
+    def renew_native(self) -> None:
+        """Take the native views check now (a build landed since this program compiled)."""
+        c = self.compiled
+        if c.native is None:
+            self.compiled = replace(c, native=views_check(c.watched, c.refs))
 
     def check_storage(self) -> None:
         """Recompile where storage moved or was re-viewed; raise :class:`LayoutError`

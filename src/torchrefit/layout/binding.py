@@ -102,6 +102,15 @@ class Binding:
         self._native = self._native_check()  # the old one holds the old tensors
         return out
 
+    def renew_native(self) -> None:
+        """Take the native check now (a build landed since this binding was made)."""
+        self._native = self._native_check()
+
+    @property
+    def native(self) -> bool:
+        """Whether ``changed()`` asks the native check first."""
+        return self._native is not None
+
     def _native_check(self):
         """The same check as one C++ call where it was built (``_native_watch``), over
         the tensors held now: plain dicts holding the described tensors themselves
