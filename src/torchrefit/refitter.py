@@ -23,14 +23,16 @@ import torch
 import torch.distributed as dist
 
 from ._caller_state import caller_state, outside_inference, set_aside
-from ._collectives import all_gather_pickled, all_gather_rosters
+from ._collectives import all_gather_pickled, all_gather_rosters, collective, collective_device
 from ._gc_pause import gc_paused
 from ._native_background import BUILD_MIN_TENSORS, BackgroundBuild, start_background_build
+from ._stage import CommitReport, StageHandle, Stager, StageReport
 from .connect import Connection
 from .errors import LayoutError, PlanError, RefitError, TransportError, VerificationError
 from .execute.program import Program, RunStats
 from .execute.quantize import fp8_buffers
 from .execute.rounds import Staging
+from .execute.staged import STAGING, Commit, compile_commit, make_twins, written_boxes
 from .layout import NAMED_LAYOUTS, Described, LayoutArg, describe, layout_kind
 from .layout.binding import Binding
 from .layout.sink import SinkDescribed
@@ -168,6 +170,11 @@ class Refitter:
             raises too.
         verify: ``"never"`` (default), ``"first"`` or ``"every"``: run :meth:`verify`
             after the first refit or after every refit (it reads both models once).
+        staging: where :meth:`stage` puts the next version until :meth:`commit`:
+            ``"device"`` (default: twins of the destination tensors the plan writes, on
+            their device; the commit is a device-memory copy) or ``"host"`` (pinned host
+            memory: no extra device memory, the commit crosses PCIe). Allocated by the
+            first stage, once; unused by :meth:`refit`.
         watch: ``"every"`` (default): before every refit, this rank checks that each
             described tensor is still the one its module (or mapping) holds and that each
             compiled tensor still views the storage it did (same storage, offset, sizes and
@@ -216,8 +223,12 @@ class Refitter:
         verify: str = "never",
         watch: str = "every",
         timeout: float | None = DEFAULT_TIMEOUT,
+        staging: str = "device",
     ) -> None:
         t0 = perf_counter()
+        if staging not in STAGING:  # every rank has the same arguments: all raise, none hangs
+            raise ValueError(f"staging must be one of {STAGING}, not {staging!r}")
+        self.staging = staging
         self.cuda_graph = cuda_graph
         self.share_storage = share_storage
         if isinstance(group, Connection):
@@ -254,6 +265,13 @@ class Refitter:
         self.watch = watch
         self._unbound: LayoutError | None = None  # what the last rebind() raised, if it did
         self._held_device: torch.device | None = None  # where this rank's described tensors live
+        self._pools = Staging()  # packed-message pools of the refit's and the stage's programs
+        self._stager: Stager | None = None  # stage() and commit(): made by the first stage
+        self._stage_program: Program | None = None  # the plan compiled into the twins
+        self._twins: dict[str, torch.Tensor] | None = None  # allocated once, kept across rebinds
+        self._commit: Commit | None = None
+        self._stage_boxes: dict = {}  # per destination key the plan writes, its boxes
+        self._staged_version = 0  # the newest version a stage() was asked for
         with shared_walks():  # describing and binding each model walk its modules once
             self._kinds = (layout_kind(src_model, src_layout), layout_kind(dst_model, dst_layout))
             # the detected kind, not None: a detection reads every tensor of the model
@@ -378,6 +396,9 @@ class Refitter:
         raises leaves the previous stamp.
         """
         t0 = perf_counter()
+        if self._stager is not None:  # stages are collective too: one thing at a time
+            self._stager.settle()
+            self._stager.drop()  # a staged older version must never be committed over this one
         self._raise_if_failed()
         version = self._next_version(version)
         try:
@@ -417,6 +438,137 @@ class Refitter:
                    report.bytes_sent, report.bytes_received)
         return report
 
+    # ------------------------------------------------------------ stage and commit
+    @set_aside
+    def stage(self, version: int | None = None, *, wait: bool = True) -> StageHandle:
+        """Move the source's current weights into this rank's staging, leaving the live
+        destination weights (and their version) untouched. Collective over the group, like
+        :meth:`refit`: every rank calls ``stage`` the same number of times, in the same order.
+
+        ``version`` (default: one more than the newest committed or staged version) is what
+        :meth:`commit` will stamp. With ``wait=False`` the stage runs on this Refitter's
+        worker thread and ``stage`` returns at once; the returned handle's ``wait()`` gives
+        the :class:`StageReport` or raises the stage's error. With ``wait=True`` (default)
+        ``stage`` returns once the stage finished (and raises its error).
+
+        The source is read as the caller's stream leaves it at this call, and must not be
+        written before the handle is waited (``wait()`` orders the caller's stream after the
+        stage's reads). A stage requested before the previous one was committed supersedes
+        it (the commit installs the newest complete stage); a stage that fails leaves the
+        live weights and version as they were and nothing to commit. Not with
+        ``share_storage`` or a ``load_weights`` sink (both write the destination directly).
+        See docs/staging.md.
+        """
+        self._raise_if_failed()
+        if self._phases is not None:
+            raise RefitError("stage(): a load_weights sink hands each bucket to the engine as it "
+                             "arrives; there are no live tensors to stage for (use refit())")
+        if self.share_storage:
+            raise RefitError("stage(): share_storage=True makes destination tensors alias the "
+                             "source; there is nothing to stage (use refit())")
+        if self._stager is None:
+            self._stager = Stager(self.staging, self._device())
+        stager = self._stager
+        version = self._staged_version = self._next_version(version)
+        handle = stager.submit(version, lambda: self._stage_now(version))
+        if wait:
+            handle.wait()
+        return handle
+
+    def _stage_now(self, version: int) -> StageReport:
+        """On the stage worker, staging marked as written: run the plan into the twins, then
+        agree with every rank that each staged all its bytes (one small all-reduce, off the
+        engine's path): a stage completes on every rank or on none, so engine ranks never
+        commit different versions. A failed stage leaves the group unusable, as a failed
+        refit does (messages of its unfinished rounds may still be in flight)."""
+        t0 = perf_counter()
+        error, compiled, stats = None, False, None
+        try:
+            check = self.watch == "every"
+            if check:
+                self._rebind()
+            elif self._unbound is not None:
+                raise self._unbound
+            compiled = self._stage_program is None
+            if compiled:
+                self._stage_program = self._compile_stage()
+            stats = self._stage_program.run(check and not compiled)
+        except TransportError as e:  # a peer gone: no agreement to reach
+            self._failed = e
+            raise
+        except Exception as e:  # told to every rank below
+            error = e
+        try:
+            _agree_stage(error, self.group, self.timeout)
+        except TransportError as e:
+            if error is not None:  # a peer still waits for this rank's unfinished rounds
+                e = TransportError(f"stage failed on rank {self.rank} ({_failure(error)[1].splitlines()[0]}), "
+                                   f"then agreeing on it with the other ranks failed: {e}",
+                                   ranks=(self.rank,), rule="stage")
+            self._failed = e
+            raise e from error
+        except RefitError as e:
+            self._failed = e
+            raise e from error
+        self._transport.watch()
+        twins = sum(t.nbytes for t in (self._twins or {}).values())
+        return StageReport(version, perf_counter() - t0, self.plan.bytes_local, self.plan.bytes_sent,
+                           self.plan.bytes_received, self.transport_name, stats.rounds,
+                           stats.messages_sent, stats.messages_received, self.staging, twins,
+                           stats.staging_bytes, compiled)
+
+    @gc_paused
+    def _compile_stage(self) -> Program:
+        """The whole plan with every destination tensor it writes replaced by its twin
+        (made once: a recompile after a rebind keeps the staged bytes)."""
+        dst = self._dst.tensors if self._dst else {}
+        shadows, _ = self._fp8(self._src.tensors if self._src else {}, dst)
+        self._stage_boxes = written_boxes(self.plan, frozenset(shadows))
+        if self._twins is None:
+            self._twins = make_twins(self._stage_boxes, dst, self.staging)
+        return self._compile_plan(self.plan, False, self._pools, twins=self._twins)
+
+    @set_aside
+    def commit(self) -> CommitReport:
+        """Install the staged version: copy staging into the live destination tensors, in
+        place, on the caller's current stream, and stamp its version. Local to this rank (no
+        collective); an engine calls it at the point it chooses, e.g. between two forward
+        passes. Waits for the newest requested stage to finish first (on CUDA the copies
+        are also ordered after the stage's completion on the caller's stream). Raises
+        :class:`RefitError`, with the live weights and version unchanged, where that stage
+        failed or nothing is staged. A source-only rank has nothing to commit (it returns
+        a report of zero bytes)."""
+        t0 = perf_counter()
+        stager = self._stager
+        if stager is None:
+            raise RefitError("commit() before any stage(): nothing staged to commit")
+        staged = stager.wait_staged()  # rule 1: every byte of the newest stage arrived
+        waited = perf_counter() - t0
+        done = None
+        try:  # no stage writes staging until the copies are queued (committed() below)
+            if self.watch == "every":
+                self._rebind()  # a live tensor replaced since: write the model's own
+            elif self._unbound is not None:
+                raise self._unbound
+            commit = self._commit_copies()
+            commit.run()
+            done = staged.version
+        finally:
+            stager.committed(done)
+        self.version = staged.version
+        stamp_version([c for ref in self._dst_chunks if (c := ref()) is not None], staged.version)
+        if self._dst is not None and self._dst.after_refit is not None:
+            with caller_state():
+                self._dst.after_refit()
+        return CommitReport(staged.version, perf_counter() - t0, waited, commit.nbytes, self.staging,
+                            sum(t.nbytes for t in (self._twins or {}).values()))
+
+    def _commit_copies(self) -> Commit:
+        live = self._dst.tensors if self._dst else {}
+        if self._commit is None or not self._commit.current(live):
+            self._commit = compile_commit(self._stage_boxes, live, self._twins or {})
+        return self._commit
+
     @set_aside
     def rebind(self) -> None:
         """Follow tensors replaced or re-allocated since the last refit, now. This rank
@@ -450,7 +602,7 @@ class Refitter:
 
     def _programs(self) -> list[Program]:
         """Every compiled program held, each once (the first bucket's is ``_program`` too)."""
-        held = [self._program, *(self._phase_programs or ()), self._verifier]
+        held = [self._program, *(self._phase_programs or ()), self._verifier, self._stage_program]
         return list({id(p): p for p in held if p is not None}.values())
 
     def _use_native(self) -> None:
@@ -483,7 +635,8 @@ class Refitter:
                                self.rank, len(changed), side, next(iter(changed)))
         finally:  # one side adopted, the other raised: no program may keep the first's old tensors
             if stale:
-                self._program = self._phase_programs = self._verifier = None
+                self._program = self._phase_programs = self._verifier = self._stage_program = None
+                self._commit = None
                 self._fp8_buffers, self._fp8_held_bytes = None, (0, 0)
 
     def _run_phases(self, check: bool = True) -> RunStats:
@@ -505,8 +658,10 @@ class Refitter:
         return RunStats(rounds, sent, received, staging)
 
     def _next_version(self, version: int | None) -> int:
+        """``version``, or one more than the newest refitted, committed or staged (the same
+        on every rank: each makes the same calls, and a commit installs a staged version)."""
         if version is None:
-            return self.version + 1
+            return max(self.version, self._staged_version) + 1
         if isinstance(version, bool) or not isinstance(version, int):
             raise TypeError(f"refit(version=...) takes an int, not {type(version).__name__}")
         return version
@@ -522,27 +677,35 @@ class Refitter:
             self._phase_programs = [p if p.staging_current else self._compile_plan(plan, compare, staging)
                                     for p, (_, plan) in zip(programs, self._phases)]
             return self._phase_programs[0]
-        return self._compile_plan(self.plan, compare)
+        return self._compile_plan(self.plan, compare, None if compare else self._pools)
 
-    def _compile_plan(self, plan: RankPlan, compare: bool, staging: Staging | None = None) -> Program:
+    def _compile_plan(self, plan: RankPlan, compare: bool, staging: Staging | None = None,
+                      twins: dict[str, torch.Tensor] | None = None) -> Program:
         src = self._src.tensors if self._src else {}
         dst = self._dst.tensors if self._dst else {}
-        if self._fp8_buffers is None:  # once: verify compares against the refit's shadows
-            self._fp8_buffers = fp8_buffers(self.plan, src, dst)
-            # every refit's report carries their bytes: summed here, not per refit
-            self._fp8_held_bytes = tuple(sum(t.nbytes for t in d.values()) for d in reversed(self._fp8_buffers))
-        shadows, fp8_staging = self._fp8_buffers
+        shadows, fp8_staging = self._fp8(src, dst)
         return Program(
             plan,
             {**src, **fp8_staging},
-            {**dst, **shadows},
+            {**dst, **shadows, **(twins or {})},
             self._verify_transport() if compare else self._transport, self.message_limit, compare=compare,
-            cuda_graph=self.cuda_graph and not compare,
+            # graphs of copies into pinned host twins are not captured
+            cuda_graph=self.cuda_graph and not compare and (twins is None or self.staging == "device"),
             # a sink's tensors are views of one reused buffer: they must not alias sources
-            share_storage=self.share_storage and self._phases is None,
+            share_storage=self.share_storage and self._phases is None and twins is None,
             staging=staging,
             fp8_block=self._planner.fp8_block,
+            device=self._device() if twins is not None else None,
         )
+
+    def _fp8(self, src, dst) -> tuple[dict, dict]:
+        """The FP8 shadows and sender staging, made once: verify compares against the
+        shadows the last refit filled."""
+        if self._fp8_buffers is None:
+            self._fp8_buffers = fp8_buffers(self.plan, src, dst)
+            # every refit's report carries their bytes: summed here, not per refit
+            self._fp8_held_bytes = tuple(sum(t.nbytes for t in d.values()) for d in reversed(self._fp8_buffers))
+        return self._fp8_buffers
 
     def _verify_transport(self) -> Transport:
         """The FP8 verify moves the bytes into scratch buffers and compares: a push
@@ -572,6 +735,8 @@ class Refitter:
         shadows and the torch quantization of them: the refit's own path, not an
         independent one), and its error says so.
         """
+        if self._stager is not None:  # collective: after the stages requested before
+            self._stager.settle()
         self._raise_if_failed()
         self._rebind()  # compare what the model holds now
         if self._phases is not None:
@@ -615,9 +780,12 @@ class Refitter:
         """Release compiled programs and staging memory. Not collective, except with
         ``transport="nvshmem"``: NVSHMEM frees its symmetric inbox collectively, so
         every rank of the group calls ``close()`` then."""
+        if self._stager is not None:
+            self._stager.close()
         self._program = None
         self._phase_programs = None
         self._verifier = None
+        self._stage_program = self._twins = self._commit = None
         self._witness = None
         for t in (self._transport, self._gloo):
             if t is not None:
@@ -693,6 +861,17 @@ def _held_device(src: Described | None, dst: Described | None, rank: int) -> tor
         raise LayoutError(f"rank {rank}: the models' tensors on this rank live on several devices ({where}); "
                           "torchrefit runs one rank's copies on one device", ranks=(rank,), rule="device")
     return next(iter(first), None)
+
+
+def _agree_stage(error: BaseException | None, group: dist.ProcessGroup, timeout: float | None) -> None:
+    """Collective: raise on every rank where a stage failed on any (the lowest failing
+    rank's error class, naming the ranks); one all-reduce of a flag when none failed."""
+    flag = torch.tensor([int(error is not None)], dtype=torch.int32, device=collective_device(group))
+    collective("agreeing that a stage completed", dist.all_reduce, flag, group=group, timeout=timeout,
+               op=dist.ReduceOp.MAX)
+    if int(flag.item()):
+        errors = all_gather_pickled(_failure(error) if error is not None else None, group, timeout)
+        _raise_agreed(errors, RefitError, "stage failed, nothing staged", "stage")
 
 
 def _raise_layout_errors(infos: list[_RankInfo]) -> None:

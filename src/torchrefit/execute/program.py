@@ -116,6 +116,7 @@ class Program:
         share_storage: bool = False,
         staging: Staging | None = None,
         fp8_block: tuple[int, int] = (128, 128),
+        device: torch.device | None = None,
     ) -> None:
         self.plan = plan
         self.src_tensors = src_tensors
@@ -128,7 +129,8 @@ class Program:
         self.share_storage = share_storage and not compare
         self.staging = staging  # pools shared with programs run one after another, or None
         self.fp8_block = fp8_block
-        self.device = _device_of(plan, src_tensors, dst_tensors)
+        # given where destination tensors are staged in host memory: the rank's device
+        self.device = device if device is not None else _device_of(plan, src_tensors, dst_tensors)
         self.side = SideStreams(self.device, LANES)
         self.compiled = self._compile()
 
