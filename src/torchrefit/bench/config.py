@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..execute.staged import STAGING
 from ..refitter import WATCH_MODES
 from ..simulate.meshes import Mesh, min_ranks, parse_mesh
 from ..simulate.shapes import preset
@@ -59,6 +60,8 @@ class BenchConfig:
     name_map: str | None = None  # "hf": a Hugging Face-named engine through megatron_to_hf
     fp8: bool = False  # with name_map "hf": block FP8 projections and experts
     watch: str = "every"  # Refitter(watch=...): "manual" skips the per-refit tensor checks
+    stage: bool = False  # also time stage() and commit() against a plain refit, in one run
+    staging: str = "device"  # Refitter(staging=...) for the staged row: "device" | "host"
 
     def __post_init__(self) -> None:
         if self.mode not in ("collocated", "non-collocated"):
@@ -69,6 +72,8 @@ class BenchConfig:
             raise ValueError("--fp8 quantizes a Hugging Face-named engine: pass --map hf too")
         if self.name_map and (self.dst != "tp1" or self.compare):
             raise ValueError("--map hf builds a whole engine on every rank (--dst tp1, no --compare)")
+        if self.staging not in STAGING:
+            raise ValueError(f"--staging must be one of {STAGING}, not {self.staging!r}")
         if self.watch not in WATCH_MODES:
             raise ValueError(f"--watch must be one of {WATCH_MODES}, not {self.watch!r}")
         for v in self.variants:

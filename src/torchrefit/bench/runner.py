@@ -5,8 +5,10 @@ filled on the device, or megatron-core ``GPTModel``s for ``--compare
 megatron-core``), then for every variant: times construction plus the first
 refit, warms up, times ``iters`` refits with the device idle before each, times
 the host side while the GPU is busy, records peak extra device memory, and
-verifies the result. Rows are per variant; times are the slowest rank's per
-iteration.
+verifies the result. With ``--stage``, one more row times, on one Refitter, plain
+refits, then stages and the commit after each (the engine's stall), and compares
+the commit with the copy floor of the bytes it copies. Rows are per variant; times
+are the slowest rank's per iteration.
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ def _bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
         out["rows"].append(_time_refitter(tr, src, dst, cfg, variant, device))
     if cfg.compare == "megatron-core":
         out["rows"].append(_time_megatron(src, dst, cfg, device))
+    if cfg.stage:
+        out["rows"].append(_time_staged(tr, src, dst, cfg, device))
     if "share" in cfg.variants:  # last: aliasing rewires the destination model
         out["rows"].append(_time_refitter(tr, src, dst, cfg, "share", device))
     if cfg.nproc == 1 and out["rows"] and out["rows"][0].get("bytes_local"):
@@ -200,6 +204,41 @@ def _time_refitter(tr, src, dst, cfg: BenchConfig, variant: str, device: torch.d
     return row
 
 
+def _time_staged(tr, src, dst, cfg: BenchConfig, device: torch.device) -> dict:
+    """One Refitter: ``iters`` plain refits (``times``), then ``iters`` stages each
+    followed by its commit, each call timed from aligned ranks and an idle device to
+    finished device work. A commit is local: ``commit_times`` are this rank's, with the
+    bytes it copied (zero on a source-only rank)."""
+    made: dict = {}
+    kwargs = dict(VARIANTS["graph" if device.type == "cuda" else "plain"], watch=cfg.watch,
+                  staging=cfg.staging)
+
+    def first() -> None:
+        made["r"] = tr.Refitter(src, dst, transport=cfg.transport, **kwargs)
+        made["r"].refit()
+
+    row = _measure(first, lambda: made["r"].refit(), cfg, device, lambda: False)
+    r = made["r"]
+    committed: list = []
+    stage_times = time_calls(r.stage, cfg.warmup, cfg.iters, device)  # warm-up: compiles, allocates
+    commit_times = []
+    for i in range(cfg.warmup + cfg.iters):  # each commit right after its own stage
+        r.stage()
+        t = time_calls(lambda: committed.append(r.commit()), 0, 1, device)[0]
+        if i >= cfg.warmup:
+            commit_times.append(t)
+    r.verify()  # the source did not change since: the last commit installed it whole
+    row.update({"impl": "torchrefit", "variant": f"stage ({cfg.staging})", "transport": r.transport_name,
+                "watch": r.watch, "staging": cfg.staging, "stage_times": stage_times,
+                "commit_times": commit_times, "commit_bytes": committed[-1].bytes_committed,
+                "staged_bytes": committed[-1].staging_bytes, "staging_bytes": 0,
+                "bytes_local": r.plan.bytes_local,
+                "bytes_sent": r.plan.bytes_sent, "bytes_received": r.plan.bytes_received,
+                "plan_seconds": r.plan_seconds})
+    r.close()
+    return row
+
+
 def _time_megatron(src, dst, cfg: BenchConfig, device: torch.device) -> dict:
     method = "gloo" if cfg.transport == "gloo" else "nccl"
 
@@ -217,7 +256,8 @@ def _aggregate(cfg: BenchConfig, per_rank: list[dict]) -> list[dict]:
     for i, row0 in enumerate(per_rank[0]["rows"]):
         ranks = [r["rows"][i] for r in per_rank]
         times = [max(t) for t in zip(*(r["times"] for r in ranks))]  # slowest rank per iteration
-        row = {k: v for k, v in row0.items() if k not in ("times", "hosts", "hosts_cold", "devices")}
+        row = {k: v for k, v in row0.items() if k not in ("times", "hosts", "hosts_cold", "devices",
+                                                         "stage_times", "commit_times")}
         row.update(summarize(times))
         devices = [d for r in ranks for d in r.get("devices", ())]
         row["device_ms"] = summarize(devices)["median_ms"] if devices else None
@@ -226,6 +266,8 @@ def _aggregate(cfg: BenchConfig, per_rank: list[dict]) -> list[dict]:
             row[key] = summarize(hosts)["median_ms"] if hosts else None
         row["first_refit_s"] = max(r["first_refit_s"] for r in ranks)
         row["peak_extra_bytes"] = max(r["peak_extra_bytes"] for r in ranks)
+        if "stage_times" in row0:
+            row.update(_staged_fields(ranks, times, bandwidth))
         if "bytes_local" in row0:  # every remote byte counted once, where it is sent
             row["bytes_local"] = sum(r["bytes_local"] for r in ranks)
             row["bytes_remote"] = sum(r["bytes_sent"] for r in ranks)
@@ -258,6 +300,27 @@ def _aggregate(cfg: BenchConfig, per_rank: list[dict]) -> list[dict]:
             r["megatron_median_ms"] = meg["median_ms"]
             r["ratio_to_megatron"] = r["median_ms"] / meg["median_ms"]
     return rows
+
+
+def _staged_fields(ranks: list[dict], refit_times: list[float], bandwidth: float | None) -> dict:
+    """The stage row's figures: the plain refit's, the stage's (slowest rank per
+    iteration) and the commit's (slowest committing rank per iteration: the engine's
+    stall), and on a GPU with device staging the commit over the copy floor of the bytes
+    it copies (read once, written once, at the copy bandwidth measured in this run)."""
+    stage = [max(t) for t in zip(*(r["stage_times"] for r in ranks))]
+    engines = [r for r in ranks if r["commit_bytes"]] or ranks
+    commit = [max(t) for t in zip(*(r["commit_times"] for r in engines))]
+    out = {"refit_ms": summarize(refit_times)["median_ms"], "stage_ms": summarize(stage)["median_ms"],
+           "commit_ms": summarize(commit)["median_ms"], "commit_min_ms": min(commit) * 1e3,
+           "commit_bytes": max(r["commit_bytes"] for r in ranks),
+           "staged_bytes": max(r["staged_bytes"] for r in ranks)}
+    out["refit_over_commit"] = out["refit_ms"] / out["commit_ms"] if out["commit_ms"] else None
+    floor = None
+    if bandwidth and torch.cuda.is_available() and ranks[0]["staging"] == "device":
+        floor = 2 * out["commit_bytes"] / bandwidth * 1e3
+    out["commit_floor_ms"] = floor
+    out["commit_to_floor"] = out["commit_ms"] / floor if floor else None
+    return out
 
 
 def _flat_copy_fields(flat: dict | None) -> dict:

@@ -9,6 +9,10 @@ the GPU is busy (warm: calls back to back; cold: the first call after the host
 waited for the device), peak extra device memory and first-refit time.
 ``--watch manual`` times ``Refitter(watch="manual")`` (no per-refit check for replaced
 tensors or moved storage); rows say which in their ``watch`` column and key.
+``--stage`` adds a row per configuration timing, on one Refitter, plain refits, then
+``stage()`` and the ``commit()`` after each: ``refit_ms``, ``stage_ms``, ``commit_ms``
+(the engine's stall) and, on a GPU with device staging, ``commit_to_floor`` (the
+commit over the copy floor of the bytes it copies).
 """
 
 from __future__ import annotations
@@ -58,6 +62,12 @@ def add_parser(sub) -> None:
                    help="Refitter(watch=...): every (default) checks for replaced tensors and moved "
                         "storage before each refit; manual skips that O(tensors) host work (the "
                         "bench's models never change between refits)")
+    p.add_argument("--stage", action="store_true",
+                   help="also time stage() and commit() against a plain refit in the same run "
+                        "(refit_ms, stage_ms, commit_ms, commit_to_floor on a GPU)")
+    p.add_argument("--staging", default="device", choices=["device", "host"],
+                   help="with --stage: Refitter(staging=...), twins on the device (default) or in "
+                        "pinned host memory")
     p.add_argument("--compare", choices=["megatron-core"], help="also time megatron-core's "
                                                                  "swap_model_weights on the same models")
     p.add_argument("--map", dest="name_map", choices=["hf"],
@@ -125,7 +135,8 @@ def run(args) -> int:
         cfg = BenchConfig(spec=_spec(args, layers), src=args.src, dst=args.dst, mode=args.mode,
                           transport=args.transport, nproc=args.nproc, warmup=args.warmup,
                           iters=args.iters, variants=variants, compare=args.compare, label=args.label,
-                          name_map=args.name_map, fp8=args.fp8, watch=args.watch)
+                          name_map=args.name_map, fp8=args.fp8, watch=args.watch, stage=args.stage,
+                          staging=args.staging)
         got = run_bench(cfg)
         _print(cfg, got)
         rows.extend(got)
@@ -160,6 +171,11 @@ _COLUMNS = (
     ("floor ms", 9, lambda r: r.get("floor_ms"), _num(".2f")),
     ("vs floor", 9, lambda r: r.get("ratio_to_floor"), _num(".3f", "x")),
     ("vs mcore", 9, lambda r: r.get("ratio_to_megatron"), _num(".3f", "x")),
+    ("refit ms", 9, lambda r: r.get("refit_ms"), _num(".2f")),
+    ("stage ms", 9, lambda r: r.get("stage_ms"), _num(".2f")),
+    ("commit ms", 10, lambda r: r.get("commit_ms"), _num(".3f")),
+    ("refit/commit", 13, lambda r: r.get("refit_over_commit"), _num(".1f", "x")),
+    ("commit/floor", 13, lambda r: r.get("commit_to_floor"), _num(".3f", "x")),
     ("host ms", 8, lambda r: r.get("host_ms"), _num(".3f")),
     ("cold ms", 8, lambda r: r.get("host_cold_ms"), _num(".3f")),
     ("first s", 8, lambda r: r["first_refit_s"], _num(".3f")),
