@@ -2,7 +2,8 @@
 and issue 5 rely on (median, floor and ratio, first refit, peak memory), for the plain and
 shared-storage variants; its table names its columns plainly and leaves out what a CPU
 run cannot have (the CUDA-graph variant, host-time and megatron-core columns).
-``--watch manual`` reaches the bench's config and Refitter, and rows record it. The wait
+``--watch manual`` reaches the bench's config and Refitter, and rows record it. ``--stage`` adds
+a row with the plain refit's, the stage's and the commit's times. The wait
 that ends each timed call is torch's C synchronize where the device is current."""
 
 import json
@@ -141,3 +142,23 @@ def test_the_bench_waits_for_its_own_device_with_torchs_c_call(monkeypatch) -> N
     for device in ("cuda:0", "cuda:1", "cpu"):
         timing._sync(torch.device(device))
     assert calls == ["c", "torch cuda:1"], calls
+
+
+def test_bench_stage_times_refit_stage_and_commit(tmp_path, capsys) -> None:
+    """``--stage``: one more row, timed on one Refitter in the same run, with the plain
+    refit's, the stage's and the commit's figures; every destination byte committed."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--stage", "--nproc", "2", "--mode", "non-collocated", "--transport", "gloo",
+                 "--layers", "1", "--hidden", "64", "--heads", "4", "--ffn", "128", "--vocab", "256",
+                 "--warmup", "1", "--iters", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["configs"]
+    assert [r["variant"] for r in rows] == ["plain", "stage (device)"]
+    staged = rows[1]
+    for key in ("refit_ms", "stage_ms", "commit_ms", "refit_over_commit"):
+        assert staged[key] > 0, key
+    assert staged["commit_to_floor"] is None  # a GPU's figure
+    # every byte of the engine crosses gloo into staging, and all of it is committed
+    assert staged["commit_bytes"] == staged["staged_bytes"] == staged["bytes_remote"] > 0
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("impl"))
+    assert "stage ms" in header and "commit ms" in header and "refit/commit" in header
+    assert "commit/floor" not in header
