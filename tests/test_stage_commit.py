@@ -9,7 +9,8 @@ for a stage still in flight; a stage requested while a commit reads staging wait
 it (no torn commit); a stage that fails mid-way, on one rank, raises on every rank and
 leaves live weights, version and nothing committable; supersede (a newer stage
 replaces an uncommitted one, never mixing), explicit versions, and a plain refit
-discarding a staged version; arguments refused up front.
+discarding a staged version; arguments refused up front; a stage through a one-sided
+(pull) transport, receivers reading the senders' memory into their staging.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import threading
 import time
 
 import pytest
+import shm_transport  # noqa: F401  (registers the CPU one-sided test transports)
 import torch
 
 import torchrefit as tr
@@ -291,3 +293,28 @@ def test_refused_arguments() -> None:
         assert "staging must be one of" in got["bad_staging"]
         assert "share_storage" in got["share_storage"]
         assert "before any stage" in got["commit_first"]
+
+
+# ------------------------------------------------------- through a one-sided transport
+def _one_sided(rank: int, world: int) -> dict:
+    src, dst, smesh, dmesh = _models(rank, collocated=True)
+    for m in (src, dst):
+        m.share_memory()  # the test transport reads peers' shared memory
+    r = tr.Refitter(src, dst, transport="shm-pull")
+    before = _snapshot(dst)
+    r.stage()
+    out = {"live_untouched": _equal(dst, before)}
+    load_seed(src, SPEC, smesh, rank, 3)
+    r.commit()
+    out["installed"] = _equal(dst, expected_local(SPEC, dmesh, rank, 1))
+    r.stage()
+    r.commit()
+    out["second"] = _equal(dst, expected_local(SPEC, dmesh, rank, 3))
+    out["received"] = r.plan.bytes_received
+    return out
+
+
+def test_stage_through_a_one_sided_transport() -> None:
+    for got in run_world(_one_sided, 2, timeout=120):
+        assert got["received"] > 0
+        assert got["live_untouched"] and got["installed"] and got["second"]
