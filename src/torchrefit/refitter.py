@@ -6,7 +6,9 @@ once: bytes that grow with the distinct layouts, not the world), every rank vali
 whole refit and plans its own part, and one more small gather makes sure all
 ranks agree before any byte moves (a rank that failed makes every rank raise).
 ``refit()`` is collective too: the first call compiles the plan against the
-local tensors, later calls only replay it.
+local tensors, later calls only replay it. ``stage()`` (collective) and ``commit()``
+(local) split a refit so that an engine stalls only for a local copy (``_stage``,
+docs/staging.md).
 """
 
 from __future__ import annotations
@@ -445,7 +447,7 @@ class Refitter:
         destination weights (and their version) untouched. Collective over the group, like
         :meth:`refit`: every rank calls ``stage`` the same number of times, in the same order.
 
-        ``version`` (default: one more than the newest committed or staged version) is what
+        ``version`` (default: one more than the newest refitted, committed or staged one) is what
         :meth:`commit` will stamp. With ``wait=False`` the stage runs on this Refitter's
         worker thread and ``stage`` returns at once; the returned handle's ``wait()`` gives
         the :class:`StageReport` or raises the stage's error. With ``wait=True`` (default)
@@ -482,7 +484,7 @@ class Refitter:
         commit different versions. A failed stage leaves the group unusable, as a failed
         refit does (messages of its unfinished rounds may still be in flight)."""
         t0 = perf_counter()
-        error, compiled, stats = None, False, None
+        error, failure, compiled, stats = None, None, False, None
         try:
             check = self.watch == "every"
             if check:
@@ -497,12 +499,12 @@ class Refitter:
             self._failed = e
             raise
         except Exception as e:  # told to every rank below
-            error = e
+            error, failure = e, _failure(e)  # its traceback, while it is being handled
         try:
-            _agree_stage(error, self.group, self.timeout)
+            _agree_stage(failure, self.group, self.timeout)
         except TransportError as e:
-            if error is not None:  # a peer still waits for this rank's unfinished rounds
-                e = TransportError(f"stage failed on rank {self.rank} ({_failure(error)[1].splitlines()[0]}), "
+            if failure is not None:  # a peer still waits for this rank's unfinished rounds
+                e = TransportError(f"stage failed on rank {self.rank} ({failure[1].splitlines()[0]}), "
                                    f"then agreeing on it with the other ranks failed: {e}",
                                    ranks=(self.rank,), rule="stage")
             self._failed = e
@@ -863,14 +865,15 @@ def _held_device(src: Described | None, dst: Described | None, rank: int) -> tor
     return next(iter(first), None)
 
 
-def _agree_stage(error: BaseException | None, group: dist.ProcessGroup, timeout: float | None) -> None:
-    """Collective: raise on every rank where a stage failed on any (the lowest failing
-    rank's error class, naming the ranks); one all-reduce of a flag when none failed."""
-    flag = torch.tensor([int(error is not None)], dtype=torch.int32, device=collective_device(group))
+def _agree_stage(failure: tuple[str, str] | None, group: dist.ProcessGroup, timeout: float | None) -> None:
+    """Collective: raise on every rank where a stage failed on any (``failure``: this
+    rank's, as :func:`_failure` made it; the lowest failing rank's error class, naming the
+    ranks); one all-reduce of a flag when none failed."""
+    flag = torch.tensor([int(failure is not None)], dtype=torch.int32, device=collective_device(group))
     collective("agreeing that a stage completed", dist.all_reduce, flag, group=group, timeout=timeout,
                op=dist.ReduceOp.MAX)
     if int(flag.item()):
-        errors = all_gather_pickled(_failure(error) if error is not None else None, group, timeout)
+        errors = all_gather_pickled(failure, group, timeout)
         _raise_agreed(errors, RefitError, "stage failed, nothing staged", "stage")
 
 
