@@ -10,7 +10,9 @@ it (no torn commit); a stage that fails mid-way, on one rank, raises on every ra
 leaves live weights, version and nothing committable; supersede (a newer stage
 replaces an uncommitted one, never mixing), explicit versions, and a plain refit
 discarding a staged version; arguments refused up front; a stage through a one-sided
-(pull) transport, receivers reading the senders' memory into their staging.
+(pull) transport, receivers reading the senders' memory into their staging; the
+commit's copies of a tensor the plan writes only in part (padding keeps its live values),
+following a live tensor whose storage moved.
 """
 
 from __future__ import annotations
@@ -318,3 +320,26 @@ def test_stage_through_a_one_sided_transport() -> None:
     for got in run_world(_one_sided, 2, timeout=120):
         assert got["received"] > 0
         assert got["live_untouched"] and got["installed"] and got["second"]
+
+
+# ------------------------------------------------------------ the commit's copies
+def test_commit_copies_only_written_regions_and_follows_moved_storage() -> None:
+    from torchrefit.execute.staged import compile_commit
+    from torchrefit.layout import Box
+
+    whole = torch.nn.Parameter(torch.zeros(4, 3))
+    padded = torch.nn.Parameter(torch.full((6, 3), -1.0))  # rows 4-5: padding no source covers
+    live = {"whole": whole, "padded": padded}
+    boxes = {"whole": (Box((0, 0), (4, 3)),), "padded": (Box((0, 0), (2, 3)), Box((2, 0), (2, 3)))}
+    twins = {"whole": torch.ones(4, 3), "padded": torch.full((6, 3), 7.0)}
+    commit = compile_commit(boxes, live, twins)
+    assert commit.nbytes == (12 + 12) * 4
+    commit.run()
+    assert torch.equal(whole, torch.ones(4, 3))
+    assert torch.equal(padded[:4], torch.full((4, 3), 7.0)) and torch.equal(padded[4:], torch.full((2, 3), -1.0))
+    assert commit.current(live)
+    with torch.no_grad():
+        padded.data = torch.full((6, 3), -2.0)  # an engine re-allocated its weight
+    assert not commit.current(live)  # its views would write the old storage: compiled again
+    compile_commit(boxes, live, twins).run()
+    assert torch.equal(padded[:4], torch.full((4, 3), 7.0)) and torch.equal(padded[4:], torch.full((2, 3), -2.0))
