@@ -15,6 +15,7 @@ application configures logging.
 import logging as _logging
 
 from . import maps
+from ._stage import CommitReport, StageHandle, StageReport
 from .connect import Connection, connect
 from .errors import (
     ConnectError,
@@ -36,6 +37,8 @@ __version__ = "0.1.0"
 __all__ = [
     # refitting
     "Refitter", "RefitReport", "swap_model_weights", "clear_caches",
+    # refit while the engine serves: stage, then commit
+    "StageHandle", "StageReport", "CommitReport",
     # describing what a rank holds
     "Explicit", "TensorSpec", "Box", "Piece", "shard_pieces", "vllm_tp_layout",
     # name maps
