@@ -23,6 +23,7 @@ from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..errors import PlanError
 from ..layout._types import Box
 
 __all__ = ["Segment", "NameMap", "Identity", "Rename", "Compose", "relocate"]
@@ -146,14 +147,26 @@ class Compose(NameMap):
         out: list[Segment] = []
         for seg in outer:
             box = relocate(seg.dst_box, seg.dst_box.offset, seg.src_offset)
-            if any(box.offset):
-                raise AssertionError(f"{dst_name}: Compose needs whole intermediate tensors")
+            whole = self.inner.source_shape(seg.src_name, src_names, src_aliases)
+            if any(box.offset) or (whole is not None and box.size != whole):
+                raise self._part_error(dst_name, seg.src_name, box, whole)
             inner = self.inner.segments(seg.src_name, box.size, src_names, src_aliases)
             if inner is None:
                 return None
             out.extend(Segment(relocate(s.dst_box, box.offset, seg.dst_box.offset), s.src_name,
                                s.src_offset, part=True) for s in inner)
         return out
+
+    def _part_error(self, dst_name: str, name: str, box: Box,
+                    whole: tuple[int, ...] | None) -> PlanError:
+        size = f" of {list(whole)}" if whole is not None else ""
+        return PlanError(
+            f"{dst_name}: {type(self.outer).__name__} reads {box} of the intermediate tensor "
+            f"{name}{size}, a part of it; Compose(outer, inner) needs each of the outer "
+            "map's segments to cover a whole tensor of the inner map's naming. Adapt: let "
+            "the outer map read whole intermediate tensors (split or fuse in one map), or "
+            "write one NameMap from the source names to the destination's",
+            tensor=dst_name, rule="compose")
 
     def padding(self, dst_name, dst_shape, src_names, src_aliases):
         through = _Through(self.inner, src_names, src_aliases)
