@@ -23,6 +23,12 @@ In one spawned world of 2 gloo ranks (one process pair for every case):
   grouped experts, which torchtitan computes in bfloat16, run in float32 here);
 * FSDP2 (``fully_shard`` per block and root) over both ranks into whole
   ``transformers`` models on each rank, every tensor equal to the oracle;
+* tensor parallel over both ranks (torch's ``parallelize_module`` with the plan
+  torchtitan's Llama applies: the fused ``wqkv``, ``w1``, ``w3`` by rows, ``wo``, ``w2``
+  by columns) into whole ``transformers`` models. torchtitan 0.3.0's own
+  ``parallelize_*`` functions do not build a CPU trainer (its default ``spmd_types``
+  backend: ``fully_shard`` finds plain tensors; its meshes ask for CUDA), so they are
+  not run here;
 * FSDP2 into a vLLM-style TP2 engine (``vllm_tp_layout`` over plain modules) through
   ``torchtitan_to_vllm``, every shard equal to the oracle's;
 * a trainer whose modules are named another way: every rank raises the same
@@ -276,9 +282,32 @@ def _fsdp2(case: Case, config):
     return fully_shard(model, mesh=mesh), want
 
 
-def _run_fsdp2(case: Case) -> dict:
+def _tp2(case: Case, config):
+    """Tensor parallel over both ranks with torch's ``parallelize_module``, the plan
+    torchtitan's Llama applies: the fused ``wqkv`` (per kv head ``[q; k; v]`` rows, so
+    each rank holds whole kv groups), ``w1`` and ``w3`` split by rows; ``wo`` and ``w2``
+    by columns."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    model = titan_model(case, config)
+    want = oracle(case, config, model)
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+    plan = {"attention.qkv_linear.wqkv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel()}
+    for block in model.layers.values():
+        parallelize_module(block, mesh, plan)
+    return model, want
+
+
+def _run_fsdp2(case: Case, shard=_fsdp2) -> dict:
     config = titan_config(case)
-    src, want = _fsdp2(case, config)
+    src, want = shard(case, config)
     dst = hf_model(case, DST_SEED)
     r = tr.Refitter(src, dst, name_map=tr.maps.torchtitan_to_hf(config))
     r.refit()
@@ -349,6 +378,7 @@ def _world(rank: int, world: int) -> dict[str, dict]:
     runs = [(f"whole/{c.id}", lambda c=c: _run_whole(c, own[rank]))
             for i, c in enumerate(CASES) if i % world == rank]
     runs += [(f"fsdp2/{c.id}", lambda c=c: _run_fsdp2(c)) for c in CASES]
+    runs += [("tp2/llama3-fused", lambda: _run_fsdp2(CASES[0], shard=_tp2))]
     runs += [(f"vllm/{c.id}", lambda c=c: _run_vllm(c, rank))
              for c in CASES if c.id in VLLM_CASES]
     runs += [("renamed", lambda: _run_renamed(CASES[0]))]
@@ -390,6 +420,12 @@ def test_whole_trainer_refits_exactly_as_torchtitans_converter(case: Case, resul
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_fsdp2_trainer_refits_exactly(case: Case, results) -> None:
     for rank, got in _one(results, f"fsdp2/{case.id}"):
+        assert got["wrong"] == [], f"rank {rank}: differ from to_hf: {got['wrong']}"
+        assert got["remote"] > 0, "the refit moved nothing between ranks"
+
+
+def test_tensor_parallel_trainer_with_fused_qkv_refits_exactly(results) -> None:
+    for rank, got in _one(results, "tp2/llama3-fused"):
         assert got["wrong"] == [], f"rank {rank}: differ from to_hf: {got['wrong']}"
         assert got["remote"] > 0, "the refit moved nothing between ranks"
 
