@@ -5,8 +5,9 @@ own converter.
 The trainers are real torchtitan models built with torchtitan's own config builders
 (2 layers, float32, CPU): Llama 3 with the fused ``qkv_linear.wqkv`` and with the
 unfused ``qkv_linear.wq/wk/wv`` (grouped-query attention), Qwen 3 (q/k norms),
-Qwen 3 MoE (stacked experts, router) and DeepSeek V3 (multi-head latent attention,
-a dense and a MoE layer, shared experts, ``expert_bias_E``, grouped routing).
+Qwen 3 MoE (stacked experts, router) and DeepSeek V3 (multi-head latent attention
+with and without q LoRA, a dense and a MoE layer, shared experts, ``expert_bias_E``,
+grouped routing).
 
 The oracle is torchtitan's ``state_dict_adapter.to_hf(model.state_dict())``, its
 per-expert tensors stacked as ``transformers`` 5 holds them (``torch.stack`` /
@@ -75,11 +76,12 @@ class Case:
     id: str
     family: str  # "llama3" | "qwen3" | "qwen3_moe" | "deepseek_v3"
     fused: bool = True
+    q_lora_rank: int = 0  # DeepSeek V3: q through wq_a / q_norm / wq_b
 
 
 CASES = [Case("llama3-fused", "llama3"), Case("llama3-unfused", "llama3", fused=False),
          Case("qwen3", "qwen3"), Case("qwen3-moe", "qwen3_moe"),
-         Case("deepseek-v3", "deepseek_v3")]
+         Case("deepseek-v3", "deepseek_v3"), Case("deepseek-v3-q-lora", "deepseek_v3", q_lora_rank=24)]
 VLLM_CASES = ["llama3-fused", "qwen3-moe"]
 
 
@@ -116,7 +118,7 @@ def titan_config(case: Case):
                                   param_init=tt_qwen._LINEAR_INIT),
             layers=layers)
     layers = tt_deepseek._build_dsv3_layers(
-        n_layers=LAYERS, n_dense_layers=1, dim=DIM, n_heads=HEADS, q_lora_rank=0,
+        n_layers=LAYERS, n_dense_layers=1, dim=DIM, n_heads=HEADS, q_lora_rank=case.q_lora_rank,
         kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, mscale=1.0,
         dense_hidden_dim=96, moe_hidden_dim=EXPERT_FF, num_experts=EXPERTS,
         num_shared_experts=1, router_top_k=TOP_K, router_score_func="sigmoid",
@@ -154,7 +156,7 @@ def hf_config(case: Case):
         intermediate_size=96, num_key_value_heads=HEADS, rms_norm_eps=1e-5,
         moe_intermediate_size=EXPERT_FF, n_routed_experts=EXPERTS, n_shared_experts=1,
         num_experts_per_tok=TOP_K, n_group=2, topk_group=1, norm_topk_prob=True,
-        routed_scaling_factor=1.0, first_k_dense_replace=1, q_lora_rank=None,
+        routed_scaling_factor=1.0, first_k_dense_replace=1, q_lora_rank=case.q_lora_rank or None,
         kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
         rope_theta=10000.0, **common)
 
