@@ -463,6 +463,17 @@ def test_map_from_torchtitan_config_equals_map_from_transformers_config(case: Ca
     assert a.permute_rope == (case.family == "llama3")
 
 
+def test_a_tensor_the_trainer_may_lack_is_left_to_the_planner() -> None:
+    """DeepSeek's expert bias exists only with load balancing: no source (``skip=``
+    may allow it), where a renamed projection is a naming error."""
+    m = tr.maps.torchtitan_to_hf(titan_config(CASES[4]))
+    src = {"layers.1.moe.router.gate.weight": _Shape((EXPERTS, DIM))}
+    assert m.segments("model.layers.1.mlp.gate.e_score_correction_bias", (EXPERTS,), src, {}) is None
+    with pytest.raises(tr.PlanError, match="reads it from .layers.1.moe.router.gate.weight., which no source rank holds; the trainer holds layers.1.moe.router.weight"):
+        m.segments("model.layers.1.mlp.gate.weight", (EXPERTS, DIM), {
+            "layers.1.moe.router.weight": _Shape((EXPERTS, DIM))}, {})
+
+
 def test_compose_over_parts_of_intermediate_tensors_says_how_to_adapt() -> None:
     config = titan_config(CASES[1])  # unfused: q_proj's rows are one region each
     inner = tr.maps.Rename({"layers.{}.attention.qkv_linear.wq.weight": "layers.{}.attention.q.weight"})

@@ -13,7 +13,9 @@ versions (``attention.wq`` became ``attention.qkv_linear.wq`` or the fused
 ``qkv_linear.wqkv``; ``output`` became ``lm_head``), so a rename is a new name in
 the table, not a new map. Rules:
 
-* ``whole``: a rename;
+* ``whole``: a rename; ``optional``: a rename of a tensor a trainer may lack
+  (DeepSeek's expert bias exists only with load balancing), left to the planner's
+  "no source" rule, which ``skip=[...]`` may relax;
 * ``q`` / ``k`` / ``v``: the heads of a query, key or value projection, from the
   unfused ``wq`` / ``wk`` / ``wv`` or from the fused ``wqkv``, whose rows torchtitan
   groups per key-value head as ``[q x heads per kv head; k; v]``. Where the model's
@@ -89,8 +91,8 @@ HF_FROM_TORCHTITAN: dict[str, tuple[str, tuple[str, ...]]] = {
     "model.layers.{}.mlp.down_proj.weight": ("whole", (_L + "feed_forward.w2.weight",)),
     # mixture of experts
     "model.layers.{}.mlp.gate.weight": ("whole", (_L + "moe.router.gate.weight",)),
-    "model.layers.{}.mlp.gate.e_score_correction_bias": (
-        "whole", (_L + "moe.expert_bias_E", _L + "moe.expert_bias")),
+    "model.layers.{}.mlp.gate.e_score_correction_bias": (  # absent without load balancing
+        "optional", (_L + "moe.expert_bias_E", _L + "moe.expert_bias")),
     "model.layers.{}.mlp.experts.gate_up_proj": ("gate_up", (_E + "w1_EFD", _E + "w3_EFD")),
     "model.layers.{}.mlp.experts.down_proj": ("whole", (_E + "w2_EDF",)),
     "model.layers.{}.mlp.experts.{}.gate_proj.weight": ("expert", (_E + "w1_EFD",)),
@@ -140,9 +142,11 @@ class TorchtitanToHF(NameMap):
                 raise _naming_error(dst_name, templates, layer_indices, src_names, held)
             return _gate_up(dst_name, dst_shape, held, src_names)
         src = next((h for h in held if h is not None), None)
+        if src is None and kind == "optional":
+            return None  # the planner's "no source", which skip=[...] may allow
         if src is None:
             raise _naming_error(dst_name, templates, layer_indices, src_names, held)
-        if kind == "whole":
+        if kind in ("whole", "optional"):
             return [Segment(Box.whole(dst_shape), src, (0,) * len(dst_shape))]
         if kind == "expert":
             return _one_expert(dst_name, dst_shape, src, int(indices[1]), src_names)
@@ -187,7 +191,7 @@ class TorchtitanToHF(NameMap):
         if rule is None:
             return super().source_shape(dst_name, src_names, src_aliases)
         kind, templates, indices = rule
-        if kind != "whole":
+        if kind not in ("whole", "optional"):
             return None
         for t in templates:
             name = held_name(t.format(*indices), src_names, src_aliases)
