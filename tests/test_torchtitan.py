@@ -24,12 +24,11 @@ In one spawned world of 2 gloo ranks (one process pair for every case):
   grouped experts, which torchtitan computes in bfloat16, run in float32 here);
 * FSDP2 (``fully_shard`` per block and root) over both ranks into whole
   ``transformers`` models on each rank, every tensor equal to the oracle;
-* tensor parallel over both ranks (torch's ``parallelize_module`` with the plan
-  torchtitan's Llama applies: the fused ``wqkv``, ``w1``, ``w3`` by rows, ``wo``, ``w2``
-  by columns) into whole ``transformers`` models. torchtitan 0.3.0's own
-  ``parallelize_*`` functions do not build a CPU trainer (its default ``spmd_types``
-  backend: ``fully_shard`` finds plain tensors; its meshes ask for CUDA), so they are
-  not run here;
+* trainers sharded by torchtitan's own ``parallelize_*`` functions (its sharding
+  configs set, the ``partial_dtensor`` backend: the default ``spmd_types`` does not
+  shard on CPU): Llama 3 with FSDP2 + TP2 (the fused ``wqkv`` split by rows across
+  ranks), Qwen 3 MoE and DeepSeek V3 with FSDP2 + EP2 (experts split across ranks),
+  into whole ``transformers`` models, every tensor equal to the oracle;
 * FSDP2 into a vLLM-style TP2 engine (``vllm_tp_layout`` over plain modules) through
   ``torchtitan_to_vllm``, every shard equal to the oracle's;
 * a trainer whose modules are named another way: every rank raises the same
@@ -83,6 +82,10 @@ CASES = [Case("llama3-fused", "llama3"), Case("llama3-unfused", "llama3", fused=
          Case("qwen3", "qwen3"), Case("qwen3-moe", "qwen3_moe"),
          Case("deepseek-v3", "deepseek_v3"), Case("deepseek-v3-q-lora", "deepseek_v3", q_lora_rank=24)]
 VLLM_CASES = ["llama3-fused", "qwen3-moe"]
+# torchtitan's own parallelize functions: (kind, case index, (TP, EP) degrees)
+PARALLEL = [("fsdp2-tp2", 0, (2, 1)), ("fsdp2-ep2", 3, (1, 2)), ("fsdp2-ep2", 5, (1, 2))]
+WANT_SHARDED = {"fsdp2-tp2": "layers.0.attention.qkv_linear.wqkv.weight",
+                "fsdp2-ep2": "layers.1.moe.routed_experts.inner_experts.w1_EFD"}
 
 
 # ------------------------------------------------------------- the two models
@@ -284,37 +287,71 @@ def _fsdp2(case: Case, config):
     return fully_shard(model, mesh=mesh), want
 
 
-def _tp2(case: Case, config):
-    """Tensor parallel over both ranks with torch's ``parallelize_module``, the plan
-    torchtitan's Llama applies: the fused ``wqkv`` (per kv head ``[q; k; v]`` rows, so
-    each rank holds whole kv groups), ``w1`` and ``w3`` split by rows; ``wo`` and ``w2``
-    by columns."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
+def _titan_parallel(case: Case, config, tp: int, ep: int):
+    """The trainer as torchtitan's own ``parallelize_*`` function shards it (FSDP2 with
+    TP or EP over both ranks), built on the meta device as torchtitan's trainer builds
+    it, then filled with the whole trainer's tensors."""
+    import tempfile
 
-    model = titan_model(case, config)
-    want = oracle(case, config, model)
-    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
-    plan = {"attention.qkv_linear.wqkv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel()}
-    for block in model.layers.values():
-        parallelize_module(block, mesh, plan)
-    return model, want
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+
+    whole = titan_model(case, config)
+    want = oracle(case, config, whole)
+    parallel_dims_module.device_type = "cpu"  # torchtitan asks for CUDA where it finds no GPU
+    backend = "partial_dtensor"  # spmd_types, the default, does not shard on CPU
+    dims = ParallelDims(dp_replicate=1, dp_shard=WORLD // tp, cp=1, tp=tp, pp=1, ep=ep,
+                        world_size=WORLD, spmd_backend=backend)
+    dims.build_mesh()
+    config = titan_config(case)  # the sharding setters below write into the config
+    if case.family == "llama3":
+        from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+        set_llama3_sharding_config(config, enable_sp=False)
+        parallelize = tt_llama.parallelize_llama
+    elif case.family == "qwen3_moe":
+        from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+        set_qwen3_sharding_config(config, enable_sp=False, enable_ep=ep > 1)
+        parallelize = tt_qwen.parallelize_qwen3
+    else:
+        from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
+        set_deepseek_v3_sharding_config(config, enable_sp=False, enable_ep=ep > 1)
+        parallelize = tt_deepseek.parallelize_deepseekv3
+    with torch.device("meta"):
+        model = config.build()
+    model = parallelize(
+        model, parallel_dims=dims, training=TrainingConfig(),
+        parallelism=ParallelismConfig(tensor_parallel_degree=tp, expert_parallel_degree=ep,
+                                      spmd_backend=backend),
+        compile_config=CompileConfig(), ac_config=None, dump_folder=tempfile.gettempdir())
+    model.to_empty(device="cpu")
+    full = dict([*whole.named_parameters(), *whole.named_buffers()])
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            value = full[name]
+            if isinstance(t, DTensor):
+                value = distribute_tensor(value, t.device_mesh, t.placements)
+            t.copy_(value)
+    placements = {n: str(getattr(t, "placements", "")) for n, t in model.named_parameters()}
+    return model, want, placements
 
 
-def _run_fsdp2(case: Case, shard=_fsdp2) -> dict:
+def _run_fsdp2(case: Case, parallel: tuple[int, int] | None = None) -> dict:
+    """FSDP2 alone (``fully_shard`` per block and root), or torchtitan's parallelize
+    function with ``parallel`` = (TP, EP) degrees."""
     config = titan_config(case)
-    src, want = shard(case, config)
+    placements = {}
+    if parallel is None:
+        src, want = _fsdp2(case, config)
+    else:
+        src, want, placements = _titan_parallel(case, config, *parallel)
     dst = hf_model(case, DST_SEED)
     r = tr.Refitter(src, dst, name_map=tr.maps.torchtitan_to_hf(config))
     r.refit()
     r.verify()
-    return {"wrong": _differing(dst, want), "n": len(want),
+    return {"wrong": _differing(dst, want), "n": len(want), "placements": placements,
             "remote": r.plan.bytes_sent + r.plan.bytes_received}
 
 
@@ -380,7 +417,8 @@ def _world(rank: int, world: int) -> dict[str, dict]:
     runs = [(f"whole/{c.id}", lambda c=c: _run_whole(c, own[rank]))
             for i, c in enumerate(CASES) if i % world == rank]
     runs += [(f"fsdp2/{c.id}", lambda c=c: _run_fsdp2(c)) for c in CASES]
-    runs += [("tp2/llama3-fused", lambda: _run_fsdp2(CASES[0], shard=_tp2))]
+    runs += [(f"{kind}/{CASES[i].id}", lambda i=i, p=p: _run_fsdp2(CASES[i], parallel=p))
+             for kind, i, p in PARALLEL]
     runs += [(f"vllm/{c.id}", lambda c=c: _run_vllm(c, rank))
              for c in CASES if c.id in VLLM_CASES]
     runs += [("renamed", lambda: _run_renamed(CASES[0]))]
@@ -426,10 +464,15 @@ def test_fsdp2_trainer_refits_exactly(case: Case, results) -> None:
         assert got["remote"] > 0, "the refit moved nothing between ranks"
 
 
-def test_tensor_parallel_trainer_with_fused_qkv_refits_exactly(results) -> None:
-    for rank, got in _one(results, "tp2/llama3-fused"):
+@pytest.mark.parametrize("kind,i,parallel", PARALLEL, ids=[f"{k}-{CASES[i].id}" for k, i, _ in PARALLEL])
+def test_trainer_parallelized_by_torchtitan_refits_exactly(kind, i, parallel, results) -> None:
+    for rank, got in _one(results, f"{kind}/{CASES[i].id}"):
         assert got["wrong"] == [], f"rank {rank}: differ from to_hf: {got['wrong']}"
         assert got["remote"] > 0, "the refit moved nothing between ranks"
+        sharded = WANT_SHARDED[kind]
+        # two mesh dims (FSDP and TP or EP), each splitting dim 0
+        assert got["placements"].get(sharded, "").count("Shard(dim=0") == 2, (
+            f"{sharded} is not sharded as {kind} shards it: {got['placements'].get(sharded)}")
 
 
 @pytest.mark.parametrize("case_id", VLLM_CASES)
