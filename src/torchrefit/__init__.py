@@ -28,7 +28,8 @@ from .errors import (
 from .layout import Box, Explicit, Piece, TensorSpec, shard_pieces
 from .layout.sink import load_weights_sink
 from .layout.vllm import vllm_tp_layout
-from .refitter import RefitReport, Refitter, clear_caches, swap_model_weights
+from .refitter import RefitReport, Refitter
+from .swap import clear_caches, swap_model_weights
 from .transport import Transport, register_transport, transport_names
 from .versions import weight_version
 

@@ -1,4 +1,4 @@
-"""``Refitter`` and ``swap_model_weights``: the public entry points.
+"""``Refitter``: the public entry point (``swap`` wraps it in Megatron's drop-in).
 
 Construction is collective over ``group``: every rank describes what it holds,
 the rosters are gathered deduplicated (a digest per rank, then each distinct roster
@@ -17,7 +17,6 @@ import logging
 import os
 import socket
 import traceback
-import weakref
 from dataclasses import astuple, dataclass, replace
 from time import perf_counter
 
@@ -29,6 +28,7 @@ from ._collectives import all_gather_pickled, all_gather_rosters, collective, co
 from ._gc_pause import gc_paused
 from ._native_background import BUILD_MIN_TENSORS, BackgroundBuild, start_background_build
 from ._stage import CommitReport, StageHandle, Stager, StageReport
+from ._weak_models import weak
 from .connect import Connection
 from .errors import LayoutError, PlanError, RefitError, TransportError, VerificationError
 from .execute.program import Program, RunStats
@@ -50,7 +50,7 @@ from .transport.one_sided import OneSidedTransport
 from .verify import Witness, check
 from .versions import stamp_version
 
-__all__ = ["Refitter", "RefitReport", "swap_model_weights", "clear_caches", "DEFAULT_STAGING_BYTES",
+__all__ = ["Refitter", "RefitReport", "DEFAULT_STAGING_BYTES",
            "VERIFY_MODES", "WATCH_MODES"]
 
 #: ``Refitter(verify=...)``: never check automatically, after the first refit, after every one
@@ -251,7 +251,7 @@ class Refitter:
         self._failed: RefitError | None = None  # a refit that failed leaves the group unusable
         # stamped with each refit's version; held weakly, so that swap_model_weights'
         # cache (which holds this Refitter) drops its entry when the engine goes
-        self._dst_chunks = _weak(dst_model, None)
+        self._dst_chunks = weak(dst_model, None)
         self._program: Program | None = None
         self._phase_programs: list[Program] | None = None  # with a load_weights sink
         self._verifier: Program | None = None  # FP8 destinations: compared through the plan
@@ -975,132 +975,3 @@ def _misfit(cls: type[Transport], infos: list[_RankInfo], backend: str) -> str |
         return (f"needs a process group with a {cls.backend} backend; the refit group's is {backend!r} "
                 f"(create it with backend='cpu:gloo,cuda:nccl')")
     return None
-
-
-# ------------------------------------------------------------------------ drop-in
-@dataclass
-class _Cached:
-    """A cached Refitter and weak references to the models it was built for."""
-
-    src: tuple
-    dst: tuple
-    refitter: Refitter
-
-
-_CACHE: dict[tuple, _Cached] = {}
-_GLOO_GROUPS: dict[tuple, dist.ProcessGroup] = {}
-
-
-def swap_model_weights(
-    src_model,
-    target_model,
-    refit_method: str | Transport = "nccl",
-    group: dist.ProcessGroup | Connection | None = None,
-    src_rank_offset: int = 0,
-    dst_rank_offset: int = 0,
-    timeout: float | None = DEFAULT_TIMEOUT,
-    **kwargs,
-) -> RefitReport:
-    """Drop-in for Megatron-core's ``swap_model_weights``: refit ``target_model`` from
-    ``src_model``, planning once and caching the plan per model pair. Collective.
-
-    The cache is keyed by the models' identities, the transport, the group, the offsets
-    and every keyword (lists and name maps included); it holds the models weakly and
-    drops an entry as soon as one of its models is garbage collected. Every rank must
-    hit or miss it together: a rank that replaces its model must do so on all ranks, or
-    call :func:`clear_caches` everywhere.
-
-    ``refit_method="gloo"`` on a group without a Gloo backend (an NCCL world) builds a
-    Gloo group over the same ranks once, and reuses it, as megatron-core does.
-    """
-    if refit_method == "gloo":
-        group = _gloo_group(group)
-    key = (_identity(src_model), _identity(target_model), _freeze(refit_method), id(group),
-           src_rank_offset, dst_rank_offset, timeout, _freeze(kwargs))
-    hit = _CACHE.get(key)
-    if hit is None or not (_alive(hit.src, src_model) and _alive(hit.dst, target_model)):
-        refitter = Refitter(src_model, target_model, transport=refit_method, group=group,
-                            src_rank_offset=src_rank_offset, dst_rank_offset=dst_rank_offset,
-                            timeout=timeout, **kwargs)
-        drop = _dropper(key)
-        hit = _CACHE[key] = _Cached(_weak(src_model, drop), _weak(target_model, drop), refitter)
-    return hit.refitter.refit()
-
-
-def _gloo_group(group):
-    """``group`` if it has a Gloo backend, else a Gloo group over the same ranks (made
-    once per group; collective over its ranks only)."""
-    if isinstance(group, Connection):
-        return group  # tr.connect's group: its backend was chosen there
-    group = group if group is not None else dist.group.WORLD
-    if "gloo" in str(dist.get_backend(group)):
-        return group
-    ranks = tuple(dist.get_process_group_ranks(group))
-    got = _GLOO_GROUPS.get(ranks)
-    if got is None:
-        got = _GLOO_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo",
-                                                   use_local_synchronization=True)
-    return got
-
-
-def _chunks(model) -> tuple:
-    return tuple(model) if isinstance(model, (list, tuple)) else (model,)
-
-
-def _identity(model) -> tuple:
-    return () if model is None else tuple(id(m) for m in _chunks(model))
-
-
-def _weak(model, callback) -> tuple:
-    if model is None:
-        return ()
-    refs = []
-    for m in _chunks(model):
-        try:
-            refs.append(weakref.ref(m, callback))
-        except TypeError:  # not weakly referenceable: held strongly (then never dropped)
-            refs.append(lambda m=m: m)
-    return tuple(refs)
-
-
-def _alive(refs: tuple, model) -> bool:
-    now = () if model is None else _chunks(model)
-    return len(refs) == len(now) and all(r() is m for r, m in zip(refs, now))
-
-
-def _dropper(key: tuple):
-    def drop(_ref) -> None:  # a model of this entry was garbage collected
-        entry = _CACHE.pop(key, None)
-        if entry is not None:
-            entry.refitter.close()
-    return drop
-
-
-def _freeze(value) -> object:
-    """A hashable, equal-for-equal-values form of a keyword value, for the cache key."""
-    if isinstance(value, (str, bytes, int, float, bool, type(None))):
-        return value
-    if isinstance(value, NameMap):
-        if type(value).cache_key is NameMap.cache_key and type(value) is not Identity:
-            return ("map", id(value))  # a map that does not say what identifies it
-        return ("map", value.cache_key())
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, tuple(_freeze(v) for v in value))
-    if isinstance(value, (set, frozenset)):
-        return ("set", tuple(sorted(map(repr, value))))
-    if isinstance(value, dict):
-        return ("dict", tuple(sorted((repr(k), _freeze(v)) for k, v in value.items())))
-    try:
-        hash(value)
-        return value
-    except TypeError:
-        return ("id", id(value))  # an unhashable object: the same object hits
-
-
-def clear_caches() -> None:
-    """Drop every cached Refitter of :func:`swap_model_weights` (and with it its plan,
-    programs and staging memory). Not collective, but call it on every rank, since ranks
-    must hit or miss the cache together."""
-    for entry in list(_CACHE.values()):
-        entry.refitter.close()
-    _CACHE.clear()
