@@ -14,7 +14,6 @@ docs/staging.md).
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import traceback
 from dataclasses import astuple, dataclass, replace
@@ -23,6 +22,7 @@ from time import perf_counter
 import torch
 import torch.distributed as dist
 
+from . import settings
 from ._caller_state import caller_state, outside_inference, set_aside
 from ._collectives import all_gather_pickled, all_gather_rosters, collective, collective_device
 from ._gc_pause import gc_paused
@@ -55,9 +55,6 @@ __all__ = ["Refitter", "RefitReport", "DEFAULT_STAGING_BYTES",
 
 #: ``Refitter(verify=...)``: never check automatically, after the first refit, after every one
 VERIFY_MODES = ("never", "first", "every")
-#: environment variable: the transport ``transport="auto"`` means on this rank (set it
-#: alike on every rank of a refit group), for jobs that cannot pass ``transport=``
-TRANSPORT_ENV = "TORCHREFIT_TRANSPORT"
 #: ``Refitter(watch=...)``: look for replaced or moved tensors before every refit, or only
 #: when the caller says so (``rebind()``)
 WATCH_MODES = ("every", "manual")
@@ -118,7 +115,7 @@ class _RankInfo:
     host: str  # the machine, for transports that only work within one (ipc)
     kinds: tuple[str, str] = ("", "")  # how the source and destination layouts were found
     bucket_bytes: int | None = None  # a load_weights sink's budget (layout.sink)
-    auto: str = ""  # what "auto" means on this rank: TORCHREFIT_TRANSPORT, or "" (the preferred)
+    auto: str = ""  # what "auto" means on this rank: settings.transport, or "" (the preferred)
 
 
 class Refitter:
@@ -131,9 +128,9 @@ class Refitter:
             rank: ``ipc``, ``nccl``, ``nvshmem``, ``nixl``, then ``gloo``; for CPU
             tensors ``gloo``; ``report.transport`` says which), a registered name
             (``"nccl"``, ``"gloo"``, ``"ipc"``, ``"nvshmem"``, ``"nixl"``), or a
-            :class:`Transport`. Where the environment variable ``TORCHREFIT_TRANSPORT``
-            names one (alike on every rank: else every rank raises ``TransportError``),
-            ``"auto"`` means that one, checked like a name. ``"ipc"`` and ``"nixl"`` are
+            :class:`Transport`. Where ``settings.transport`` (environment:
+            ``TORCHREFIT_TRANSPORT``) names one (alike on every rank: else every rank
+            raises ``TransportError``), ``"auto"`` means that one, checked like a name. ``"ipc"`` and ``"nixl"`` are
             one-sided (receivers read, or senders write, the peer's registered memory:
             GPU memory, or for ``"nixl"`` CPU memory too) and exchange small control
             messages over the group's Gloo backend (e.g. ``"cpu:gloo,cuda:nccl"``).
@@ -325,7 +322,7 @@ class Refitter:
         info = _RankInfo(error, None, None, int(staging_bytes), device, unavailable,
                          socket.gethostname(), self._kinds,
                          dst.bucket_bytes if isinstance(dst, SinkDescribed) else None,
-                         _auto_env())
+                         _auto_setting())
         # The rosters travel deduplicated (each distinct one once); the rest as a plain tuple.
         extras, (srcs, dsts), self.metadata = all_gather_rosters(
             astuple(info), (enc_src, enc_dst), self.group, self.timeout)
@@ -939,14 +936,14 @@ def _choose_transport(transport: str | Transport, infos: list[_RankInfo], backen
     return transport
 
 
-def _auto_env() -> str:
-    """This rank's ``TORCHREFIT_TRANSPORT`` ("" where unset or "auto")."""
-    env = os.environ.get(TRANSPORT_ENV, "").strip()
-    return "" if env == "auto" else env
+def _auto_setting() -> str:
+    """What ``"auto"`` means on this rank: ``settings.transport`` ("" where unset or "auto")."""
+    named = settings.current().transport.strip()
+    return "" if named == "auto" else named
 
 
 def _auto_named(infos: list[_RankInfo]) -> str:
-    """The transport ``TORCHREFIT_TRANSPORT`` names for ``"auto"`` ("" where unset), the
+    """The transport ``settings.transport`` names for ``"auto"`` ("" where unset), the
     same on every rank or a TransportError on every rank (each decides from the same
     gathered infos, so none goes ahead with another transport and hangs)."""
     named: dict[str, list[int]] = {}
@@ -954,7 +951,8 @@ def _auto_named(infos: list[_RankInfo]) -> str:
         named.setdefault(i.auto, []).append(r)
     if len(named) > 1:
         views = "; ".join(f"ranks {ranks[:8]}: {name or 'unset'}" for name, ranks in sorted(named.items()))
-        raise TransportError(f"{TRANSPORT_ENV} differs between ranks ({views}); set it alike on every "
+        raise TransportError(f"settings.transport ({settings.ENV['transport']}) differs between ranks "
+                             f"({views}); set it alike on every "
                              "rank of the refit group, or on none", ranks=tuple(named[min(named)])[:8],
                              rule="transport")
     return next(iter(named))

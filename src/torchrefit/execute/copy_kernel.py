@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import settings
 from .._cuda_driver import driver_function
 from . import kernel_cache
 
@@ -362,7 +363,7 @@ def _nvrtc() -> ctypes.CDLL:
     """NVRTC of the CUDA torch was built with (torch's wheels depend on it and load it)."""
     major = (torch.version.cuda or "").split(".")[0]
     names = [f"libnvrtc.so.{major}", "libnvrtc.so"] if major else ["libnvrtc.so"]
-    override = os.environ.get("TORCHREFIT_NVRTC")
+    override = settings.current().nvrtc  # environment: TORCHREFIT_NVRTC
     # torch's CUDA wheels keep it in site-packages/nvidia/.../lib, found by its soname once
     # torch loaded it, else by path
     wheels = sorted(p for d in sys.path for p in glob.glob(os.path.join(d, "nvidia", "*", "lib", "libnvrtc.so.*"))

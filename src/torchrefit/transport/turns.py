@@ -21,15 +21,14 @@ wait for its readers' done tokens follows its own turn word.
 
 Where every rank copying on a GPU can hand its copies over, one of them copies for all
 instead (``transport.delegates``, the default); turns are for the others (a rank that
-quantizes to FP8, or ``TORCHREFIT_DELEGATE=0``). Found once per Refitter by two small
+quantizes to FP8, or all of them with ``settings.delegate_copies`` off). Found once per Refitter by two small
 gathers in ``OneSidedTransport.prepare`` (each rank's host and GPU, whether it copies
 and whether it can hand its copies over; then the turn mailboxes of the ranks that take
-turns); ``TORCHREFIT_DEVICE_TURNS=0`` turns it off.
+turns).
 """
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,9 +37,8 @@ import torch
 
 from .mailbox import Mailbox
 
-__all__ = ["Turn", "TURNS_ENV", "device_key", "chain_of", "shared_devices"]
+__all__ = ["Turn", "device_key", "chain_of", "shared_devices"]
 
-TURNS_ENV = "TORCHREFIT_DEVICE_TURNS"
 _WORD = 0  # the one word of a turn mailbox: the number of this rank's finished turns
 
 
@@ -105,6 +103,3 @@ class Turn:
         else:
             self.own.store(_WORD, self.taken)
 
-
-def enabled() -> bool:
-    return os.environ.get(TURNS_ENV, "1").strip() != "0"
