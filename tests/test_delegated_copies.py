@@ -200,7 +200,7 @@ def test_delegated_copies_pair_tables_by_member_and_refuse_what_disagrees() -> N
     import pytest
 
     from torchrefit.errors import TransportError
-    from torchrefit.execute.one_sided import Delegation, Work, delegated_copies
+    from torchrefit.execute.one_sided_program import Delegation, Work, delegated_copies
 
     t = {k: torch.zeros(n) for k, n in (("a", 2), ("b", 3), ("own_dst", 2), ("m_src", 4), ("m_dst", 4),
                                         ("m_dst2", 3), ("d_src", 5), ("m_dst3", 5))}

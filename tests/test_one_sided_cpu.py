@@ -455,7 +455,7 @@ def test_initiator_refuses_regions_that_disagree_once_per_generation() -> None:
     copy: on the first header of each target generation (a generation's regions never
     change, so a refit within it skips the check). Oracle: the numels of the two sides."""
     from torchrefit.errors import TransportError
-    from torchrefit.execute.one_sided import Initiated, OneSided, OneSidedProgram
+    from torchrefit.execute.one_sided_program import Initiated, OneSided, OneSidedProgram
 
     mine = (torch.zeros(4), torch.zeros(6))
     pair = Initiated(1, mine, ("w[0:4] from rank 1", "v[0:6] from rank 1"))

@@ -44,7 +44,7 @@ import torchrefit as tr
 from torchrefit import settings
 from torchrefit.layout._types import Box, ModelLayout, Piece, TensorLayout
 from torchrefit.layout.vllm import vllm_tp_layout
-from torchrefit.plan.simulate import plan_world
+from torchrefit.plan.world_plan import plan_world
 from torchrefit.testing import (
     Mesh,
     ModelSpec,

@@ -15,6 +15,7 @@ application configures logging.
 import logging as _logging
 
 from . import maps
+from . import settings as settings  # tr.settings: every tunable, documented there
 from ._stage import CommitReport, StageHandle, StageReport
 from .connect import Connection, connect
 from .errors import (

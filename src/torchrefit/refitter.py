@@ -728,7 +728,7 @@ class Refitter:
         differing tensors, regions and ranks. Costs reading both models once.
 
         FP8 destinations: the witness's source side quantizes every block that one
-        source rank holds whole (``torchrefit.verify.fp8``) and compares values and
+        source rank holds whole (``torchrefit.verify.fp8_units``) and compares values and
         scales; blocks that no single source rank holds are then compared through the
         plan (the same bytes as a refit moved into scratch buffers and compared with the
         shadows and the torch quantization of them: the refit's own path, not an

@@ -1,7 +1,7 @@
 """Copies between tensors this rank can address, compiled once and replayed.
 
 Used for the plan's local copies and for a pull transport's copies out of mapped
-peer memory (``execute.one_sided``). In a program of many mid-sized copies (MoE
+peer memory (``execute.one_sided_program``). In a program of many mid-sized copies (MoE
 experts; ``settings.batched_copy`` decides, see ``execute.batched``), every plain
 aligned large copy runs in one batched kernel launch on a stream of its own; large
 copies otherwise run one by one on parallel side streams (graph branches), as memcpy

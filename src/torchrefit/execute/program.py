@@ -7,7 +7,7 @@ types in :meth:`Program._compile`, the one place compiled state is built:
   into one copy by ``execute.runs``, large ones on parallel side-stream branches,
   small ones fused per dtype pair; with ``cuda_graph`` captured once);
 * ``execute.rounds``: message rounds through a rounds transport (nccl, gloo, nvshmem);
-* ``execute.one_sided``: reads or writes of peers' registered memory through a
+* ``execute.one_sided_program``: reads or writes of peers' registered memory through a
   one-sided transport (ipc, nixl), with the cross-process ordering;
 * ``execute.quantize``: the plan's FP8 quantize steps, before the exchange (from the
   source) and after it (from shadows), on the caller's stream.
@@ -38,7 +38,7 @@ from ..plan.types import LocalCopy, RankPlan
 from ..transport.base import RoundsTransport, Transport
 from ..transport.one_sided import OneSidedTransport
 from .local import LANES, Copy, LocalCopies, compile_copies, differing
-from .one_sided import OneSidedProgram, compile_one_sided
+from .one_sided_program import OneSidedProgram, compile_one_sided
 from .quantize import Quantizes, compile_quantize
 from .rounds import Rounds, Staging, compile_rounds, run_rounds, unpack_round
 from .streams import SideStreams

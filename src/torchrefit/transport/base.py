@@ -2,7 +2,7 @@
 
 Every transport is one module with one class registered here by name. A class
 speaks one of two protocols, and the executor compiles one program per protocol
-(``execute.rounds`` and ``execute.one_sided``):
+(``execute.rounds`` and ``execute.one_sided_program``):
 
 * :class:`RoundsTransport`, message rounds (``nccl``, ``gloo``, ``nvshmem``): per
   round a list of (peer, uint8 tensor) to send and one to receive into; the

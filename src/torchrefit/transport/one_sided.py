@@ -6,7 +6,7 @@ remotely) and the other the *initiator* (it moves the bytes). A pull transport
 A push transport (``nixl``) makes the sender the initiator: it writes
 into the receiver's destination tensors.
 
-The order of one refit is written once, in ``execute.one_sided``; a transport
+The order of one refit is written once, in ``execute.one_sided_program``; a transport
 supplies the primitives it calls, and this base class the small control messages
 (over the group's Gloo backend; for a one-host transport with ``mailbox``, after a
 pair's first exchange only when they carry a new table or token, otherwise as words
@@ -78,7 +78,7 @@ WORD = b"stream word"
 
 class OneSidedTransport(Transport):
     """Base of one-sided transports. Subclasses implement the primitives below; the
-    executor (``execute.one_sided``) calls them in the protocol's order."""
+    executor (``execute.one_sided_program``) calls them in the protocol's order."""
 
     protocol = "one_sided"
     #: True: receivers read senders' memory (ipc); False: senders write receivers' memory
@@ -309,7 +309,7 @@ class OneSidedTransport(Transport):
         if size:
             table, handle = pickle.loads(self._recv(peer, _TABLE, fixed=False))
             regions[generation] = self._attach_table(peer, table[:2])
-            if len(table) > 2:  # a rank this one copies for: what to copy (execute.one_sided.Work)
+            if len(table) > 2:  # a rank this one copies for: what to copy (execute.one_sided_program.Work)
                 self._tasks[peer, generation] = table[2]
             if handle is not None:
                 box = self._peer_boxes[peer] = self._open_mailbox(peer, handle)
