@@ -1,4 +1,5 @@
-"""The seed's stale-read test, on a real GPU, for every transport that runs on one GPU.
+"""The stale-read test, on a real GPU, for every transport that runs on one GPU: no copy
+may read a source before the producer's step that wrote it has finished.
 
 The producer's update of the source weights is queued on the caller's stream
 behind a ~50 ms gate (``torch.cuda._sleep``, its cycle count converted from a
@@ -73,7 +74,7 @@ def _break_producer_wait() -> None:
             return
         used = self.streams[: n or len(self.streams)]
         caller = torch.cuda.current_stream(self.device)
-        outer, self._open = self._open, len(used)  # no stream.wait_stream(caller): the seed's bug
+        outer, self._open = self._open, len(used)  # no stream.wait_stream(caller): the stale read
         try:
             yield self
         finally:

@@ -14,7 +14,7 @@ imports, and checks that
   ``verify``, ``cli``, ``bench``, ``simulate``, ``testing``, the package itself) sit
   above all of them, and none of the layers imports them.
 
-DESIGN.md's chain layout -> plan -> execute -> transport is the order of the calls;
+The chain layout -> plan -> execute -> transport is the order of the calls;
 imports run the other way at each step (the executor imports the transport
 interfaces it drives; no transport imports the executor).
 """

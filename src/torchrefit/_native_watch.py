@@ -4,9 +4,9 @@ Before every refit a rank checks that each tensor it was described with is still
 one its module holds (``layout.binding.Binding.changed``) and that each compiled view
 still has its storage, offset, sizes, strides and address
 (``execute.program.Program.storage_moved``). In Python that is one C call per tensor
-and check: on an H200's host the qwen3-shaped toy's 2091 tensors a side took 2.1 ms per
-refit (BENCHMARKS.md "Twentieth session"), 40% over its 5.2 ms copy floor. Here the same
-two answers come from one call each, a loop over handles taken when compiling.
+and check, which for an MoE model of thousands of tensors is a sizeable share of a
+refit's time next to its copies. Here the same two answers come from one call each, a
+loop over handles taken when compiling.
 
 It is optional: ``torchrefit native build`` (or :func:`build`; a Refitter watching many
 tensors starts one in the background, ``_native_background``) compiles it once per
@@ -30,7 +30,7 @@ the check then no longer walks page tables per object.
 Each native answer is a fast path only: True means nothing changed (the same conditions
 as ``Tensor.is_set_to`` plus the address and the dtype, and the same identity as the
 Python binding check); False sends the caller to the Python check, which finds what changed and
-raises or recompiles as before. So a wrong "changed" costs time, never a byte.
+raises or recompiles as it does without this module. So a wrong "changed" costs time, never a byte.
 """
 
 from __future__ import annotations
@@ -151,8 +151,8 @@ struct Views {
   std::pair<size_t, size_t> collapse() const { return {regions.size(), collapse_regions(regions)}; }
 
   // The first unchanged() (the second refit's; the first refit compiled) starts collapse()
-  // on a detached thread with its own copy of the regions, and returns: collapsing took
-  // 7-99 ms on the CPU VM, which no refit waits for; until it is done the answers are
+  // on a detached thread with its own copy of the regions, and returns: collapsing takes
+  // tens of milliseconds, which no refit waits for; until it is done the answers are
   // the same, only slower.
   void start_collapse() const {
     collapse_later = false;
@@ -167,8 +167,8 @@ struct Views {
     // Two passes, each a short independent load per tensor, rather than one pass whose
     // every tensor is a chain (TensorImpl, then its StorageImpl): right after the host
     // waited for the GPU, as refits are timed, these objects are out of the core's
-    // caches, and short independent loads keep many misses in flight at once (qwen3's
-    // toy on the CPU VM, 4182 views, after writing 256 MiB: 204-309 us against 436-464).
+    // caches, and short independent loads keep many misses in flight at once (about half
+    // the time of the chained pass for a qwen3-shaped toy's 4182 views, caches cold).
     const size_t n = watched.size();
     try {
       for (size_t i = 0; i < n; ++i) {  // each storage as compiled: alive (refs), so readable
@@ -196,8 +196,8 @@ struct Views {
 // clear, update, ...; CPython notifies each, as its own specializations rely on).
 // Holders whose dicts saw no change since their last full look are unchanged without
 // looking again: one comparison per refit while nothing replaces a parameter. (Right
-// after the host waited for the GPU, as refits are timed, the full look at qwen3's toy
-// took 0.2-0.6 ms: its 4182 dicts, names and tables out of the core's caches.)
+// after the host waited for the GPU, as refits are timed, a full look at thousands of
+// dicts, names and tables finds them out of the core's caches.)
 static uint64_t dict_changes = 0;
 static int watcher_id = -2;  // -2: not asked for yet; -1: none to be had (all taken)
 

@@ -288,9 +288,8 @@ class StreamWords:
     def __call__(self, index: int, value: int) -> None:
         # The stream's raw handle and the driver's query, not torch's Stream object and
         # its query(): a sender's ready word is on the refit's critical path, right after
-        # its host waited, caches cold. torch.cuda.current_stream's Python alone took 18 us
-        # so on the CPU VM (benchmarks/cold_host_calls.py); post_header, whose one CUDA
-        # step this is, took 42 us on an H100 host (twenty-second session)
+        # its host waited, caches cold, where torch.cuda.current_stream's Python alone
+        # costs tens of microseconds
         stream = self._stream()
         rc = self._query(stream)
         if rc == _CUDA_SUCCESS:

@@ -152,7 +152,7 @@ class NixlTransport(OneSidedTransport):
     pull = False
     preference = 10
     # CPU tensors by name only: "auto" keeps gloo there (a process's first NIXL agent
-    # costs ~0.4 s, BENCHMARKS.md "Thirteenth session")
+    # costs a large part of a second to start, more than gloo's whole refit of a small model)
     auto_on_cpu = False
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, progress_thread: bool = False) -> None:

@@ -116,8 +116,8 @@ class OneSidedTransport(Transport):
         self.delegates: dict[int, int] = {}  # rank -> the rank copying for it on a shared GPU
         self._tasks: dict[tuple[int, int], object] = {}  # (peer, generation) -> its work for this delegate
         self.waits = Waits()  # host polls, each spinning where the same wait ended last time
-        # read once: ``ready()`` asks on every refit, and reading the environment there cost
-        # 8 us right after the host waited (benchmarks/cold_host_calls.py)
+        # read once: ``ready()`` asks on every refit, right after the host waited, where
+        # every Python step costs several times its warm time
         self._mailbox_on = self.mailbox and settings.current().mailbox
 
     def prepare(self, plan, message_limit: int) -> None:

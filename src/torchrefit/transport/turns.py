@@ -3,10 +3,7 @@ after another, not at once.
 
 Without MPS a GPU runs one process's kernels at a time and switches between processes
 with work queued; copies from several processes at once then cost more than the same
-copies one process after another. On one H200, pure copies from two and four
-processes at once took 1.08x and 1.12x the copy floor, and ipc's collocated TP2 -> TP1
-refit with two and four processes sharing the GPU 1.19-1.22x (BENCHMARKS.md,
-"Transports run 4" and "Eleventh session").
+copies one process after another: every switch drains one context and fills another.
 
 So where several ranks of a group copy on one GPU (a ``one_host`` transport; ranks
 with local copies or, for a pull transport, reads), they take turns in rank order for
@@ -14,8 +11,8 @@ every refit: rank ``k`` posts its ready header (peers may read its sources durin
 others' turns), its host waits until the previous rank's turn word says that rank's
 copies of this refit finished, then queues its own copies, and its stream writes its
 own turn word after them. A host wait, not a stream wait: a wait queued on a stream
-for another process makes the GPU switch contexts to resolve it (0.25 ms per refit on an
-H200, ``transport.base.poll_until``; BENCHMARKS.md "Transports run 4"). The waits never
+for another process makes the GPU switch contexts to resolve it
+(``transport.base.poll_until``). The waits never
 form a cycle: a rank's ready header precedes its wait, and its
 wait for its readers' done tokens follows its own turn word.
 
