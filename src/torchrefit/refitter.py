@@ -130,10 +130,10 @@ class Refitter:
             (``"nccl"``, ``"gloo"``, ``"ipc"``, ``"nvshmem"``, ``"nixl"``), or a
             :class:`Transport`. Where ``settings.transport`` (environment:
             ``TORCHREFIT_TRANSPORT``) names one (alike on every rank: else every rank
-            raises ``TransportError``), ``"auto"`` means that one, checked like a name. ``"ipc"`` and ``"nixl"`` are
-            one-sided (receivers read, or senders write, the peer's registered memory:
-            GPU memory, or for ``"nixl"`` CPU memory too) and exchange small control
-            messages over the group's Gloo backend (e.g. ``"cpu:gloo,cuda:nccl"``).
+            raises ``TransportError``), ``"auto"`` means that one, checked like a name.
+            ``"ipc"`` and ``"nixl"`` are one-sided (receivers read, or senders write,
+            the peer's registered memory: GPU memory, or for ``"nixl"`` CPU memory too)
+            and exchange small control messages over the group's Gloo backend (e.g. ``"cpu:gloo,cuda:nccl"``).
         group: the process group spanning every participating rank (default: world),
             or the :class:`~torchrefit.connect.Connection` ``tr.connect`` returned (its
             joint group; its rank offsets replace ``src/dst_rank_offset`` left at 0).
@@ -230,6 +230,25 @@ class Refitter:
         self.staging = staging
         self.cuda_graph = cuda_graph
         self.share_storage = share_storage
+        src_rank_offset, dst_rank_offset = self._join(group, src_rank_offset, dst_rank_offset)
+        self.timeout = _timeout(timeout, group)
+        self._start_state(dst_model, verify, watch)
+        infos = self._describe_and_gather(src_model, dst_model, src_layout, dst_layout, staging_bytes)
+        _check_offsets(infos, src_rank_offset, dst_rank_offset)
+        self.transport_name = _choose_transport(transport, infos, str(dist.get_backend(self.group)))
+        self._transport_cls = type(transport) if isinstance(transport, Transport) else transport_class(
+            self.transport_name)
+        self.plan = self._plan(infos, name_map or Identity(), cast, skip, fp8_block)
+        self._phases = self._bucket(infos)
+        self._prepare_transport(transport, infos, max_peers=self._agree())
+        self.plan_seconds = perf_counter() - t0
+        _log.debug("rank %d: planned in %.3f s (transport %s)\n%s", self.rank, self.plan_seconds,
+                   self.transport_name, self.plan)
+
+    # ---------------------------------------------------------------- construction
+    def _join(self, group, src_rank_offset: int, dst_rank_offset: int) -> tuple[int, int]:
+        """Step 1: this rank's place in the refit group; returns the rank offsets (a
+        :class:`Connection`'s where the caller left them at 0)."""
         if isinstance(group, Connection):
             self.group, self.rank, self.world = group.group, group.joint_rank, group.joint_world
             src_rank_offset = src_rank_offset or group.src_rank_offset
@@ -243,8 +262,12 @@ class Refitter:
         if self.rank < 0:
             raise RefitError(f"global rank {dist.get_rank()} is not a member of the refit group; "
                              "only the group's ranks construct a Refitter")
+        return src_rank_offset, dst_rank_offset
+
+    def _start_state(self, dst_model, verify: str, watch: str) -> None:
+        """Step 2: the state later refits fill in, and the checked modes (every rank has
+        the same arguments: all raise, none hangs)."""
         self.version = 0
-        self.timeout = _timeout(timeout, group)
         self._failed: RefitError | None = None  # a refit that failed leaves the group unusable
         # stamped with each refit's version; held weakly, so that swap_model_weights'
         # cache (which holds this Refitter) drops its entry when the engine goes
@@ -259,7 +282,7 @@ class Refitter:
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, not {verify!r}")
         self.verify_mode = verify
-        if watch not in WATCH_MODES:  # every rank has the same arguments: all raise, none hangs
+        if watch not in WATCH_MODES:
             raise ValueError(f"watch must be one of {WATCH_MODES}, not {watch!r}")
         self.watch = watch
         self._unbound: LayoutError | None = None  # what the last rebind() raised, if it did
@@ -271,35 +294,34 @@ class Refitter:
         self._commit: Commit | None = None
         self._stage_boxes: dict = {}  # per destination key the plan writes, its boxes
         self._staged_version = 0  # the newest version a stage() was asked for
+
+    def _describe_and_gather(self, src_model, dst_model, src_layout: LayoutArg, dst_layout: LayoutArg,
+                             staging_bytes: int) -> list[_RankInfo]:
+        """Step 3 (collective): describe and bind this rank's models, gather every rank's
+        rosters and facts, and raise every rank's layout errors on every rank."""
         with shared_walks():  # describing and binding each model walk its modules once
             self._kinds = (layout_kind(src_model, src_layout), layout_kind(dst_model, dst_layout))
             # the detected kind, not None: a detection reads every tensor of the model
-            # (qwen3-shaped megatron-core, 8 layers: ~4200 of them, 20-30 ms of a first refit)
+            # (a qwen3-shaped megatron-core model, 8 layers, has ~4200 of them)
             src, dst, error = self._describe(src_model, dst_model, _resolved(src_layout, self._kinds[0]),
                                              _resolved(dst_layout, self._kinds[1]))
             self._src, self._dst = src, dst
             self._bindings = _bindings(src_model, src, dst_model, dst)
-        self._native_build = _native_build(watch, self._bindings)
+        self._native_build = _native_build(self.watch, self._bindings)
         infos = self._gather_infos(src, dst, error, staging_bytes)
         _raise_layout_errors(infos)
-        _check_offsets(infos, src_rank_offset, dst_rank_offset)
-        self.transport_name = _choose_transport(transport, infos, str(dist.get_backend(self.group)))
-        self._transport_cls = type(transport) if isinstance(transport, Transport) else transport_class(
-            self.transport_name)
-        self.plan = self._plan(infos, name_map or Identity(), cast, skip, fp8_block)
-        self._phases = self._bucket(infos)
-        max_peers = self._agree()
+        return infos
+
+    def _prepare_transport(self, transport: str | Transport, infos: list[_RankInfo], max_peers: int) -> None:
+        """Last step (collective): build the transport, size messages to the smallest
+        staging budget, and let the transport prepare for the plan."""
         self._transport = self._make_transport(transport)
         if self._phases is not None and isinstance(self._transport, OneSidedTransport):
             self._transport.keep_tables(len(self._phases) + 2)  # each bucket's, a verify's, a spare
         budget = min(i.staging_bytes for i in infos)
         self.message_limit = max(_MIN_MESSAGE, budget // (2 * max(1, max_peers)))
         self._transport.prepare(self.plan, self.message_limit)  # collective
-        self.plan_seconds = perf_counter() - t0
-        _log.debug("rank %d: planned in %.3f s (transport %s)\n%s", self.rank, self.plan_seconds,
-                   self.transport_name, self.plan)
 
-    # ---------------------------------------------------------------- construction
     def _describe(self, src_model, dst_model, src_layout, dst_layout):
         try:
             src, dst = describe(src_model, src_layout), describe(dst_model, dst_layout)
