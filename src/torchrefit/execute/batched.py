@@ -23,7 +23,7 @@ views (``kernel_copies.widened``).
 :func:`compile_batch` uploads the table and loads the kernel; where the kernel cannot be
 built (no NVRTC) the copies take the per-copy path. Called by
 ``execute.local.compile_copies`` on every rank while compiling; the launch
-(:meth:`Batch.launch`) runs inside the program's stream session.
+(:meth:`Batch.launch`) runs inside the program's ``SideStreams.session()``.
 """
 
 from __future__ import annotations
