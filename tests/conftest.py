@@ -1,8 +1,18 @@
 """Shared pytest setup: the ``gpu`` marker skips with a reason where no CUDA GPU is
-present; the native watch checks compiled once per test run for the tests that need them."""
+present; the native watch checks compiled once per test run for the tests that need them;
+every test starts and ends with the settings its environment gives (``torchrefit.settings``)."""
 
 import pytest
 import torch
+
+from torchrefit import settings
+
+
+@pytest.fixture(autouse=True)
+def _settings_from_env():
+    settings.reload()
+    yield
+    settings.reload()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -23,11 +33,13 @@ def native_cache(tmp_path_factory) -> str:
     cache = str(tmp_path_factory.mktemp("native") / "kernels")
     patch = pytest.MonkeyPatch()
     patch.setenv("TORCHREFIT_KERNEL_CACHE", cache)
-    patch.delenv(native.NATIVE_ENV, raising=False)
+    patch.delenv(settings.ENV["native_watch"], raising=False)
+    settings.reload()
     try:
         native.build()
     except Exception as e:  # noqa: BLE001 (no C++ compiler here)
         pytest.skip(f"the native watch check could not be built here: {type(e).__name__}: {e}")
     finally:
         patch.undo()
+        settings.reload()
     return cache

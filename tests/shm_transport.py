@@ -1,5 +1,5 @@
 """Two one-sided transports over CPU shared memory, for testing the one-sided protocol
-(``execute.one_sided``) on CPU: ``shm-pull`` (receivers copy out of the senders'
+(``execute.one_sided_program``) on CPU: ``shm-pull`` (receivers copy out of the senders'
 shared storages, as ``ipc`` does on GPUs) and ``shm-push`` (senders write into the
 receivers' shared storages, as ``nixl`` does). Tensors must live in shared memory
 (``model.share_memory()``). Each rank logs the protocol calls it made, in order,

@@ -3,7 +3,7 @@
 ``id()`` raises the audit event ``builtins.id``, which every audit hook in the process
 runs on: filelock 4 installs one on Python >= 3.12, and megatron-core imports filelock.
 Building a Refitter and refitting must then not call ``id()`` per tensor or per
-module (33,950 times for a qwen3-shaped megatron-core pair before). Two gloo processes
+module (tens of thousands of calls for a qwen3-shaped megatron-core pair). Two gloo processes
 install a hook that counts the event (in the spawned workers, since a hook cannot be
 removed), build a TP2 trainer of tied embeddings and many experts into a TP1 engine,
 refit twice (the second through ``watch="every"``'s checks) and check the engine

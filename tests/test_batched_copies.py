@@ -4,7 +4,7 @@ Covers the pure tiling (``plan_tiles``: applied row by row to a byte buffer it m
 exactly what the copies would, every copy cut into tiles no larger than the tile, its
 last remainder included; misaligned copies are refused), the rule for which copies
 qualify (``batchable``: same dtype, dense, 16-byte aligned) and when a program batches
-(``batch_from``: ``TORCHREFIT_BATCHED_COPY`` auto / 1 / 0, auto only for programs of many
+(``batch_from``: ``settings.batched_copy`` auto / all / none, auto only for programs of many
 mid-sized copies, a bad value warned about), strided copies cut into rows
 (``strided_runs``: the tiles of its runs, applied to the bytes, do what ``copy_`` does;
 short, misaligned, transposed and overlapping rows refused), and that CPU tensors never
@@ -19,6 +19,7 @@ import random
 import pytest
 import torch
 
+from torchrefit import settings
 from torchrefit.execute import batched, kernel_copies
 from torchrefit.execute.batched import (
     ALIGN,
@@ -98,22 +99,21 @@ def test_which_copies_are_batchable() -> None:
     assert batchable(torch.empty(big, dtype=torch.bfloat16), torch.empty(big, dtype=torch.bfloat16))
 
 
-def test_when_a_program_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_when_a_program_batches() -> None:
     MB = 1 << 20
     moe = [3 * MB] * 300  # many mid-sized copies: the MoE case
     dense = [100 * MB] * 300  # large ones: memcpy nodes are at the floor
-    monkeypatch.delenv(batched.BATCH_ENV, raising=False)
     assert batch_from(moe, MB) == MB and batch_from(dense, MB) is None and batch_from(moe[:10], MB) is None
     least = batched.BATCH_MIN_COPIES  # fewer than per-copy kernels ask for (a 0.5 B dense model's 97)
     assert least < kernel_copies.KERNEL_MIN_COPIES
     assert batch_from(moe[:least], MB) == MB and batch_from(moe[:least - 1], MB) is None
-    monkeypatch.setenv(batched.BATCH_ENV, "1")
+    settings.configure(batched_copy="all")
     assert batch_from(dense, MB) == 0 and batch_from([], MB) == 0
-    monkeypatch.setenv(batched.BATCH_ENV, "0")
+    settings.configure(batched_copy="none")
     assert batch_from(moe, MB) is None
-    monkeypatch.setenv(batched.BATCH_ENV, "yes")
-    with pytest.warns(UserWarning, match="TORCHREFIT_BATCHED_COPY='yes'"):
-        assert batch_from(moe, MB) == MB
+    with pytest.raises(ValueError, match="batched_copy must be one of auto, all, none, not '1'"):
+        settings.configure(batched_copy="1")
+    assert batch_from(moe, MB) is None
 
 
 def test_cpu_tensors_never_batch() -> None:

@@ -1,5 +1,5 @@
-"""``torchrefit bench`` on CPU: it runs, verifies, and writes the JSON keys BENCHMARKS.md
-and issue 5 rely on (median, floor and ratio, first refit, peak memory), for the plain and
+"""``torchrefit bench`` on CPU: it runs, verifies, and writes the JSON keys the
+benchmark tables rely on (median, floor and ratio, first refit, peak memory), for the plain and
 shared-storage variants; its table names its columns plainly and leaves out what a CPU
 run cannot have (the CUDA-graph variant, host-time and megatron-core columns).
 ``--watch manual`` reaches the bench's config and Refitter, and rows record it. ``--stage`` adds

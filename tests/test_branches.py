@@ -1,17 +1,16 @@
 """How many side streams (graph branches) the large local copies spread over
 (``execute.local.branches``): ``BRANCHES`` by default, fewer with
-``TORCHREFIT_BRANCHES`` (a tuning switch for processes time-sliced on one GPU).
-On CPU: the lanes compile_copies assigns, balanced by bytes, and the copies exact
-against the sources (the oracle: clones taken before); a bad value warns, naming
-the variable, and keeps the default."""
+``settings.branches`` (for processes time-sliced on one GPU). On CPU: the lanes
+compile_copies assigns, balanced by bytes, and the copies exact against the sources
+(the oracle: clones taken before); a value outside 1..BRANCHES is refused when set,
+naming the setting, and the settings stay as they were."""
 
 from __future__ import annotations
-
-import warnings
 
 import pytest
 import torch
 
+from torchrefit import settings
 from torchrefit.execute import local
 from torchrefit.execute.streams import SideStreams
 
@@ -29,13 +28,12 @@ def _compile(copies: list[local.Copy]) -> local.LocalCopies:
     return local.compile_copies(copies, SideStreams(torch.device("cpu"), local.LANES), cuda_graph=False)
 
 
-def test_default_spreads_over_every_branch(monkeypatch) -> None:
-    monkeypatch.delenv(local.BRANCHES_ENV, raising=False)
+def test_default_spreads_over_every_branch() -> None:
     assert sorted(set(_compile(_copies()).branch_of)) == list(range(local.BRANCHES))
 
 
-def test_fewer_branches_balanced_and_exact(monkeypatch) -> None:
-    monkeypatch.setenv(local.BRANCHES_ENV, "2")
+def test_fewer_branches_balanced_and_exact() -> None:
+    settings.configure(branches=2)
     copies = _copies()
     want = [c.src.clone() for c in copies]
     compiled = _compile(copies)
@@ -47,11 +45,9 @@ def test_fewer_branches_balanced_and_exact(monkeypatch) -> None:
     assert all(torch.equal(c.dst, w) for c, w in zip(copies, want))
 
 
-@pytest.mark.parametrize("bad", ["0", "9", "two", "-1"])
-def test_bad_value_warns_and_keeps_the_default(monkeypatch, bad: str) -> None:
-    monkeypatch.setenv(local.BRANCHES_ENV, bad)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        compiled = _compile(_copies())
+@pytest.mark.parametrize("bad", [0, 9, -1])
+def test_bad_value_is_refused_and_keeps_the_default(bad: int) -> None:
+    with pytest.raises(ValueError, match=f"branches must be 1 to {local.BRANCHES}, not {bad}"):
+        settings.configure(branches=bad)
+    compiled = _compile(_copies())
     assert sorted(set(compiled.branch_of)) == list(range(local.BRANCHES))
-    assert any(local.BRANCHES_ENV in str(w.message) and repr(bad) in str(w.message) for w in caught)

@@ -38,7 +38,6 @@ delegate copying for both).
 
 from __future__ import annotations
 
-import os
 import warnings
 from contextlib import contextmanager
 
@@ -48,6 +47,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import torchrefit as tr
+from torchrefit import settings
 from torchrefit.layout import megatron
 from torchrefit.testing import (
     Mesh,
@@ -58,7 +58,6 @@ from torchrefit.testing import (
     usable_transports,
 )
 from torchrefit.testing.toy import global_table, global_value
-from torchrefit.transport.delegates import DELEGATE_ENV
 
 SPEC = ModelSpec(layers=2, experts=4)
 SRC, DST = Mesh(2, ranks=2), Mesh(1, ranks=2)
@@ -248,7 +247,7 @@ def test_caller_function_modes() -> None:
 def _gpu_world(rank: int, world: int, transport: str) -> dict:
     """``"ipc:delegate"``: ipc with one copier for both ranks, plain ``"ipc"`` taking turns."""
     transport, _, order = transport.partition(":")
-    os.environ[DELEGATE_ENV] = "1" if order == "delegate" else "0"
+    settings.configure(delegate_copies=order == "delegate")
     torch.cuda.set_device(0)
     return {"meta": _refitted_under(_meta_default, rank, transport, "cuda"),
             "deterministic": _refitted_under(_deterministic_algorithms, rank, transport, "cuda"),

@@ -19,7 +19,7 @@ refit after refit with new source values:
   attaches its new table, and the refit is still exact; ``verify()`` passes throughout;
 - two devices (ranks 0 and 2 on one, 1 and 3 on the other), collocated TP2 -> TP1:
   each device's delegate reads from the other's ranks and both delegates read each rank;
-- ``TORCHREFIT_DELEGATE=0``: the ranks take turns instead (and are exact). The cases
+- ``settings.delegate_copies`` off: the ranks take turns instead (and are exact). The cases
   above leave the variable unset: delegating is the default.
 
 ``shm-pull-word-delegate`` (2 processes, members ordered by words their fake streams
@@ -32,16 +32,16 @@ pure functions.
 
 from __future__ import annotations
 
-import os
 import time
 
 import shm_transport
 import torch
 
 import torchrefit as tr
+from torchrefit import settings
 from torchrefit.testing import Mesh, ModelSpec, build_toy, expected_local, load_seed, run_world
 from torchrefit.transport import one_sided
-from torchrefit.transport.delegates import DELEGATE_ENV, delegates_of
+from torchrefit.transport.delegates import delegates_of
 from torchrefit.transport.turns import device_key
 
 SPEC = ModelSpec(layers=2, hidden=64, heads=4, groups=2, ffn=128, vocab=128)
@@ -94,7 +94,7 @@ def _case(rank: int, src_mesh: Mesh, dst_mesh: Mesh, move: int | None = None) ->
 
 
 def _world(rank: int, world: int) -> dict:
-    os.environ.pop(DELEGATE_ENV, None)  # the default: a delegate per device
+    settings.configure(delegate_copies=True)  # the default: a delegate per device
     out = {"collocated": _case(rank, Mesh(2, ranks=4), Mesh(1, ranks=4), move=1),
            "non-collocated": _case(rank, Mesh(2, ranks=2), Mesh(1, ranks=2, offset=2)),
            "local": _case(rank, Mesh(1, ranks=4), Mesh(1, ranks=4)),
@@ -104,7 +104,7 @@ def _world(rank: int, world: int) -> dict:
     one_sided.device_key = lambda device, rank=rank: f"host/gpu{rank % 2}"
     out["two-gpus"] = _case(rank, Mesh(2, ranks=4), Mesh(1, ranks=4))
     one_sided.device_key = device_key
-    os.environ[DELEGATE_ENV] = "0"
+    settings.configure(delegate_copies=False)
     out["off"] = _case(rank, Mesh(2, ranks=4), Mesh(1, ranks=4))
     return out
 
@@ -166,7 +166,7 @@ def _word_world(rank: int, world: int) -> dict:
     """TP1 -> TP1 on both ranks, rank 0 copying for rank 1. Each refit rank 1's producer
     runs LATE on its fake stream (queued before ``refit()``): rank 0 must read only
     after it, and rank 1's ``refit()`` must return only after rank 0 wrote."""
-    os.environ.pop(DELEGATE_ENV, None)
+    settings.configure(delegate_copies=True)
     mesh = Mesh(1, ranks=2)
     src, dst = _shared(build_toy(SPEC, mesh, rank, 1)), _shared(build_toy(SPEC, mesh, rank, 2))
     r = tr.Refitter(src, dst, transport="shm-pull-word-delegate")
@@ -200,7 +200,7 @@ def test_delegated_copies_pair_tables_by_member_and_refuse_what_disagrees() -> N
     import pytest
 
     from torchrefit.errors import TransportError
-    from torchrefit.execute.one_sided import Delegation, Work, delegated_copies
+    from torchrefit.execute.one_sided_program import Delegation, Work, delegated_copies
 
     t = {k: torch.zeros(n) for k, n in (("a", 2), ("b", 3), ("own_dst", 2), ("m_src", 4), ("m_dst", 4),
                                         ("m_dst2", 3), ("d_src", 5), ("m_dst3", 5))}

@@ -10,22 +10,19 @@ logged on the one monotonic clock of the host), in one 4-process Gloo world:
   and each destination is exact against the toy's values (an independent oracle),
   refit after refit with new source values; on every rank the ready token and the
   wait for the peer's precede the turn, and the reads' done token falls inside it;
-- non-collocated TP2 (ranks 0-1) -> TP1 (ranks 2-3): only the readers take turns;
-- ``TORCHREFIT_DEVICE_TURNS=0``: nobody does (and the refit is still exact).
+- non-collocated TP2 (ranks 0-1) -> TP1 (ranks 2-3): only the readers take turns.
 
 The chain itself (``chain_of``) is checked as a pure function.
 """
 
 from __future__ import annotations
 
-import os
-
 import shm_transport
 import torch
 
 import torchrefit as tr
 from torchrefit.testing import Mesh, ModelSpec, build_toy, expected_local, load_seed, run_world
-from torchrefit.transport.turns import TURNS_ENV, chain_of
+from torchrefit.transport.turns import chain_of
 
 SPEC = ModelSpec(layers=2, hidden=64, heads=4, groups=2, ffn=128, vocab=128)
 REFITS = 3
@@ -78,8 +75,6 @@ def _case(rank: int, src_mesh: Mesh, dst_mesh: Mesh) -> dict:
 def _world(rank: int, world: int) -> dict:
     out = {"collocated": _case(rank, Mesh(2, ranks=4), Mesh(1, ranks=4)),
            "non-collocated": _case(rank, Mesh(2, ranks=2), Mesh(1, ranks=2, offset=2))}
-    os.environ[TURNS_ENV] = "0"
-    out["off"] = _case(rank, Mesh(2, ranks=4), Mesh(1, ranks=4))
     return out
 
 
@@ -105,4 +100,3 @@ def test_ranks_copying_on_one_device_take_turns() -> None:
     noncolloc = [got["non-collocated"]["turns"] for got in results]
     assert [len(t) for t in noncolloc] == [0, 0, REFITS, REFITS]  # the senders copy nothing
     _in_turn(noncolloc, [2, 3])
-    assert all(not got["off"]["turns"] for got in results)

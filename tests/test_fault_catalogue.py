@@ -259,7 +259,7 @@ def test_peer_dies_or_stops(mode: str, bound: float) -> None:
 def _refit_time_world(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from torchrefit import refitter as module
+    from torchrefit import swap as module
 
     out: dict = {}
     src = build_toy(SPEC, TP2, rank, 1)

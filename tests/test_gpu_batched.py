@@ -19,6 +19,7 @@ import random
 import pytest
 import torch
 
+from torchrefit import settings
 from torchrefit.execute.batched import byte_runs, kernel_available
 from torchrefit.execute.copy_kernel import ByteRuns, plan_owners
 from torchrefit.execute.local import LANES, Copy, compile_copies
@@ -54,7 +55,7 @@ def _exact(copies: list[Copy]) -> bool:
 
 @pytest.mark.parametrize("graph", [False, True])
 def test_batched_copies_exact(graph: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TORCHREFIT_BATCHED_COPY", "1")  # every batchable copy
+    settings.configure(batched_copy="all")  # every batchable copy
     if not kernel_available(torch.device("cuda")):
         pytest.skip("the batched copy kernel could not be built here (NVRTC)")
     copies = _copies(random.Random(int(graph)))
@@ -81,7 +82,7 @@ def test_batched_copies_exact(graph: bool, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_default_batches_moe_shaped_programs_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("TORCHREFIT_BATCHED_COPY", raising=False)
+    settings.configure(batched_copy="auto")
     if not kernel_available(torch.device("cuda")):
         pytest.skip("the batched copy kernel could not be built here (NVRTC)")
     dev = torch.device("cuda")
@@ -106,7 +107,7 @@ def test_strided_copies_batch_by_default(graph: bool, monkeypatch: pytest.Monkey
     """A dense model's program (a few large copies, not batched as a MoE's) still batches
     its large strided copies, row by row: TP halves into and out of full weights, both
     sides strided, rows of 2, 4 and 6 KB and 16 KB; short rows stay per copy."""
-    monkeypatch.delenv("TORCHREFIT_BATCHED_COPY", raising=False)
+    settings.configure(batched_copy="auto")
     if not kernel_available(torch.device("cuda")):
         pytest.skip("the batched copy kernel could not be built here (NVRTC)")
     dev = torch.device("cuda")

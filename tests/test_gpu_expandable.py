@@ -2,8 +2,8 @@
 stacks often set: the caching allocator then reserves one address range per segment
 and maps it in 2 or 20 MB pieces, and a tensor may span two pieces.
 
-On an H100 (eighteenth session) every graph-path test raised "span ... outside its
-allocation" under this setting: the driver's mapped range was one piece. Covered here,
+Under this setting a range lookup that assumes one mapping per segment raises "span ...
+outside its allocation" on the graph path: the driver's mapped range is one piece. Covered here,
 in worlds spawned with the setting: the memory really is of mapped pieces in a
 reserved range (``execute.runs``' view of it), merged expert runs on the graph path
 (exact, also after storage moves), and the one-sided transports between two processes

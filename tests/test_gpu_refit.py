@@ -7,7 +7,7 @@ megatron-core builds them, and must be re-captured when a tensor's storage moves
 on either side (``param.data = ...``) so no refit writes through stale views.
 Expert tensors the caching allocator put back to back on both models are copied
 as merged runs (``execute.runs``: byte views across tensors of one allocation),
-exactly, also after the source's storage moved. With ``TORCHREFIT_SM_COPY_BELOW`` the
+exactly, also after the source's storage moved. With ``settings.sm_copy_below`` the
 large copies run as elementwise kernels inside the graph, exactly; by default this
 model's few large copies stay memcpy nodes (``execute.kernel_copies.mostly_mid_sized``
 wants 256 or more).
@@ -15,12 +15,11 @@ wants 256 or more).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 import torchrefit as tr
+from torchrefit import settings
 from torchrefit.testing import Mesh, ModelSpec, build_toy, expected_local, run_world
 
 pytestmark = pytest.mark.gpu
@@ -42,12 +41,8 @@ def _models(seed: int) -> torch.nn.Module:
     return model
 
 
-def _graph_path(rank: int, world: int, batched: str = "1", sm_below: str | None = "0") -> dict:
-    os.environ["TORCHREFIT_BATCHED_COPY"] = batched
-    if sm_below is None:
-        os.environ.pop("TORCHREFIT_SM_COPY_BELOW", None)
-    else:
-        os.environ["TORCHREFIT_SM_COPY_BELOW"] = sm_below
+def _graph_path(rank: int, world: int, batched: str = "all", sm_below: int | None = 0) -> dict:
+    settings.configure(batched_copy=batched, sm_copy_below=sm_below)
     torch.cuda.set_device(0)
     src, dst = _models(1), _models(2)
     r = tr.Refitter(src, dst, transport="nccl", cuda_graph=True)
@@ -79,25 +74,25 @@ def _graph_path(rank: int, world: int, batched: str = "1", sm_below: str | None 
 
 
 # a threshold above every copy, not 16 MB: with expandable segments the allocator puts the
-# 8 MB weights back to back and they merge into runs longer than 16 MB (an H100, 2026-12-05)
-@pytest.mark.parametrize("sm_below", [str(1 << 40), None])
-def test_graph_path_with_large_copies_as_kernels_or_not(sm_below: str | None) -> None:
+# 8 MB weights back to back and they merge into runs longer than 16 MB (seen on an H100)
+@pytest.mark.parametrize("sm_below", [1 << 40, None])
+def test_graph_path_with_large_copies_as_kernels_or_not(sm_below: int | None) -> None:
     """The 8 MB weights (merged or not) as elementwise kernels inside the captured graph
     with the switch; by default none (too few large copies); exact either way, also after
     both sides' storage moved (re-captured)."""
-    (got,) = run_world(_graph_path, 1, "0", sm_below, backend="nccl", timeout=180)
+    (got,) = run_world(_graph_path, 1, "none", sm_below, backend="nccl", timeout=180)
     assert got["graph"] and got["large"] > 0, got
     assert got["kernels"] == 0 if sm_below is None else got["kernels"] > 0, got
     assert got["differed"] and got["exact"] and got["after_moves_exact"] and got["again_exact"], got
 
 
-@pytest.mark.parametrize("batched", ["1", "0"])
+@pytest.mark.parametrize("batched", ["all", "none"])
 def test_graph_path_exact_mixed_dtypes_and_storage_moves(batched: str) -> None:
-    """With every plain aligned copy batched (``TORCHREFIT_BATCHED_COPY=1``) and with none (``0``)."""
+    """With every plain aligned copy batched (``batched_copy="all"``) and with none (``"none"``)."""
     (got,) = run_world(_graph_path, 1, batched, backend="nccl", timeout=180)
     assert got["graph"] and got["large"] + got["batched"] > 0
     pairs = {(d, d) for d in ("torch.bfloat16", "torch.float32", "torch.uint8")}
-    if batched == "0":  # one group per dtype pair; uint8: small runs merged (execute.runs)
+    if batched == "none":  # one group per dtype pair; uint8: small runs merged (execute.runs)
         assert got["large"] > 0 and got["batched"] == 0
         assert {("torch.bfloat16",) * 2, ("torch.float32",) * 2} <= set(got["groups"]) <= pairs
     else:  # every copy here is a plain aligned one below 32 MB: one batch, no groups left

@@ -1,4 +1,5 @@
-"""The seed's stale-read test, on a real GPU, for every transport that runs on one GPU.
+"""The stale-read test, on a real GPU, for every transport that runs on one GPU: no copy
+may read a source before the producer's step that wrote it has finished.
 
 The producer's update of the source weights is queued on the caller's stream
 behind a ~50 ms gate (``torch.cuda._sleep``, its cycle count converted from a
@@ -18,7 +19,7 @@ producer and every one-sided transport's ``wait_ready``, and makes ipc's stream-
 mailbox words land at once, written by the host (test-only monkeypatches), to show
 that the test then fails. ipc runs in both orders: ``ipc`` (stream-written words, the
 default) and ``ipc:event`` (interprocess events), both with ranks sharing the GPU taking
-turns (``TORCHREFIT_DELEGATE=0``), and collocated also as ``ipc:delegate`` (one copier per
+turns (``settings.delegate_copies`` off), and collocated also as ``ipc:delegate`` (one copier per
 shared GPU, the default: the member's stream-written word orders its delegate's reads,
 and its ``refit()`` returns after the delegate's done word).
 
@@ -41,6 +42,7 @@ import pytest
 import torch
 
 import torchrefit as tr
+from torchrefit import settings
 from torchrefit.bench.timing import sleep_cycles_per_ms
 from torchrefit.testing import (
     Mesh,
@@ -72,7 +74,7 @@ def _break_producer_wait() -> None:
             return
         used = self.streams[: n or len(self.streams)]
         caller = torch.cuda.current_stream(self.device)
-        outer, self._open = self._open, len(used)  # no stream.wait_stream(caller): the seed's bug
+        outer, self._open = self._open, len(used)  # no stream.wait_stream(caller): the stale read
         try:
             yield self
         finally:
@@ -105,10 +107,19 @@ def _order(transport: str) -> str:
     per shared GPU (the default), every other ipc case with turns (set for this
     process); the name."""
     name, _, order = transport.partition(":")
-    os.environ["TORCHREFIT_DELEGATE"] = "1" if order == "delegate" else "0"
+    settings.configure(delegate_copies=order == "delegate")
     if order and order != "delegate":
-        os.environ["TORCHREFIT_IPC_ORDER"] = order
+        _ipc_defaults(order=order)
     return name
+
+
+def _ipc_defaults(**kwargs) -> None:
+    """Make ``IpcTransport``'s constructor default to ``kwargs`` in this process (the
+    Refitter builds it from its name)."""
+    from torchrefit.transport import ipc
+
+    init = ipc.IpcTransport.__init__
+    ipc.IpcTransport.__init__ = lambda self, group, device, **kw: init(self, group, device, **{**kwargs, **kw})
 
 
 def _stale_read(rank: int, world: int, src_mesh: Mesh, dst_mesh: Mesh, transport: str,
@@ -194,7 +205,7 @@ def _early_overwrite(rank: int, world: int, transport: str, done_wait: str) -> l
     """Rank 0 (source) refits into rank 1 (destination), whose reads are queued behind a
     gate on its stream; rank 0 bumps its sources right after ``refit()`` returns (the
     next optimizer step). Rank 1 must receive the values from before the bump."""
-    os.environ["TORCHREFIT_IPC_DONE"] = done_wait
+    _ipc_defaults(done_wait=done_wait)
     if os.environ.get("TORCHREFIT_BREAK_DONE_WAIT") == "1":
         _break_done_wait()
     transport = _order(transport)

@@ -1,4 +1,4 @@
-"""Host work around a refit of a model of thousands of tensors (issue 16), on CPU.
+"""Host work around a refit of a model of thousands of tensors on CPU.
 
 * The per-refit binding check (``layout.binding.Binding.changed``) reads module
   dicts through ``dict.get`` in C, falls back to a Python helper for mapping models

@@ -13,7 +13,17 @@ from pathlib import Path
 
 import pytest
 
+from torchrefit import settings
 from torchrefit.execute import kernel_cache
+
+
+def _cache_at(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """``TORCHREFIT_KERNEL_CACHE=value`` ("": unset), read as a new process would."""
+    if value:
+        monkeypatch.setenv(settings.ENV["kernel_cache"], value)
+    else:
+        monkeypatch.delenv(settings.ENV["kernel_cache"], raising=False)
+    settings.reload()
 
 
 def _maker(calls: list[int], image: bytes = b"\x7fELF-image"):
@@ -25,7 +35,7 @@ def _maker(calls: list[int], image: bytes = b"\x7fELF-image"):
 
 
 def test_images_are_compiled_once_and_read_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(kernel_cache.CACHE_ENV, str(tmp_path / "k"))
+    _cache_at(monkeypatch, str(tmp_path / "k"))
     calls: list[int] = []
     assert kernel_cache.cached("copy", "key-a", _maker(calls)) == (b"\x7fELF-image", False)
     assert kernel_cache.cached("copy", "key-a", _maker(calls)) == (b"\x7fELF-image", True)
@@ -40,7 +50,7 @@ def test_images_are_compiled_once_and_read_back(tmp_path: Path, monkeypatch: pyt
 
 
 def test_empty_file_is_no_image(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(kernel_cache.CACHE_ENV, str(tmp_path))
+    _cache_at(monkeypatch, str(tmp_path))
     calls: list[int] = []
     kernel_cache.cached("copy", "k", _maker(calls))
     (path,) = tmp_path.iterdir()
@@ -51,15 +61,15 @@ def test_empty_file_is_no_image(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 
 def test_off_and_unwritable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    monkeypatch.setenv(kernel_cache.CACHE_ENV, "0")
+    _cache_at(monkeypatch, "0")
     assert kernel_cache.cache_dir() is None
     for _ in range(2):
         assert kernel_cache.cached("copy", "k", _maker(calls)) == (b"\x7fELF-image", False)
     assert len(calls) == 2
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    monkeypatch.setenv(kernel_cache.CACHE_ENV, str(blocker / "sub"))
+    _cache_at(monkeypatch, str(blocker / "sub"))
     assert kernel_cache.cached("copy", "k", _maker(calls)) == (b"\x7fELF-image", False)
-    monkeypatch.delenv(kernel_cache.CACHE_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    _cache_at(monkeypatch, "")
     assert kernel_cache.cache_dir() == tmp_path / "xdg" / "torchrefit" / "kernels"

@@ -24,7 +24,6 @@ fused, stacked-expert, vocabulary-padded tensors, checked weight by weight.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 
@@ -34,10 +33,10 @@ import torch.distributed as dist
 from test_maps_hf import _module, _vllm_shard, reference, toy_globals
 
 import torchrefit as tr
+from torchrefit import settings
 from torchrefit.layout._types import Box
 from torchrefit.layout.vllm import vllm_tp_layout
 from torchrefit.maps import relocate
-from torchrefit.refitter import TRANSPORT_ENV
 from torchrefit.testing import Mesh, ModelSpec, build_toy, run_world, usable_transports
 
 transformers = pytest.importorskip("transformers")
@@ -411,7 +410,7 @@ def _run_vllm(case: Case, rank: int) -> dict:
 
 
 def _world(rank: int, world: int, cases: list[Case], transport: str = "auto") -> dict[str, dict]:
-    os.environ[TRANSPORT_ENV] = transport  # what "auto" means in every Refitter of this world
+    settings.configure(transport=transport)  # what "auto" means in every Refitter of this world
     torch.set_num_threads(1)
     out = {}
     for case in cases:

@@ -29,6 +29,7 @@ from torch import nn
 import torchrefit as tr
 from torchrefit import _native_background as background
 from torchrefit import _native_watch as native
+from torchrefit import settings
 from torchrefit.cli import main
 from torchrefit.layout.binding import Binding
 from torchrefit.refitter import _native_build
@@ -38,16 +39,16 @@ from torchrefit.testing import run_world
 @pytest.fixture(scope="module")
 def compiled(native_cache: str) -> Path:
     """The file of the native module compiled once per test run."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TORCHREFIT_KERNEL_CACHE", native_cache)
+    with settings.overridden(kernel_cache=native_cache):
         return native.built_path() / "torchrefit_native_watch.so"
 
 
 @pytest.fixture
 def empty_cache(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Path:
     """A cache with nothing built, this process's record of builds forgotten."""
-    monkeypatch.setenv("TORCHREFIT_KERNEL_CACHE", str(tmp_path / "kernels"))
-    monkeypatch.delenv(native.NATIVE_ENV, raising=False)
+    monkeypatch.setenv("TORCHREFIT_KERNEL_CACHE", str(tmp_path / "kernels"))  # spawned ranks too
+    monkeypatch.delenv(settings.ENV["native_watch"], raising=False)
+    settings.reload()
     monkeypatch.setattr(background, "_started", {})
     where = native.built_path()
     assert native.module(fresh=True) is None
@@ -107,7 +108,8 @@ def _checks(r: tr.Refitter) -> None:
 
 
 def _switch_world(rank: int, world: int, module_file: str, cache: str) -> dict:
-    os.environ["TORCHREFIT_KERNEL_CACHE"] = cache
+    os.environ["TORCHREFIT_KERNEL_CACHE"] = cache  # and for the builder it starts
+    settings.reload()
     background._LOOK_EVERY_S = 0.0
     background._spawn = _copying_builder(module_file, delay=1.0)
     out: dict = {"wrong": []}
@@ -193,9 +195,9 @@ def test_small_models_and_the_off_switch_start_no_build(empty_cache: Path,
     many = _Wide(background.BUILD_MIN_TENSORS)
     bindings = {"dst": Binding(many, dict(many.state_dict(keep_vars=True)), "dst")}
     assert _native_build("manual", bindings) is None and not started
-    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    settings.configure(native_watch=False)
     assert _native_build("every", bindings) is None and not started
-    monkeypatch.delenv(native.NATIVE_ENV)
+    settings.configure(native_watch=True)
     assert _native_build("every", bindings) is not None and started == [empty_cache]
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 import torchrefit as tr
 from torchrefit import _native_watch as native
+from torchrefit import settings
 from torchrefit.layout.binding import Binding
 from torchrefit.testing import run_world
 
@@ -27,7 +28,8 @@ from torchrefit.testing import run_world
 def built(native_cache: str) -> str:
     patch = pytest.MonkeyPatch()
     patch.setenv("TORCHREFIT_KERNEL_CACHE", native_cache)
-    patch.delenv(native.NATIVE_ENV, raising=False)
+    patch.delenv(settings.ENV["native_watch"], raising=False)
+    settings.reload()
     assert native.module(fresh=True) is not None
     yield native_cache
     patch.undo()
@@ -130,19 +132,16 @@ def test_huge_pages_start_at_the_first_check_of_many_views_unless_told(built: st
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """From ``COLLAPSE_MIN`` views on, ``views_check`` asks for huge pages, and the first
     ``unchanged()`` (the second refit's, after the one that compiled) starts them on a
-    thread of its own, once; fewer views, or ``TORCHREFIT_HUGE_PAGES=0``: never."""
+    thread of its own, once; fewer views: never."""
     monkeypatch.setattr(native, "COLLAPSE_MIN", 6)
-    monkeypatch.delenv(native.HUGE_PAGES_ENV, raising=False)
     pending = []
-    for n, env in ((4, None), (5, None), (5, "0")):  # _params(n) holds n + 1 tensors
-        if env is not None:
-            monkeypatch.setenv(native.HUGE_PAGES_ENV, env)
+    for n in (4, 5):  # _params(n) holds n + 1 tensors
         params = _params(n)
         check = native.views_check(tuple(params), tuple(p.detach() for p in params))
         before = check.collapse_pending
         assert check.unchanged() and check.unchanged()
         pending.append((before, check.collapse_pending))
-    assert pending == [(False, False), (True, False), (False, False)], pending
+    assert pending == [(False, False), (True, False)], pending
 
 
 class _Net(nn.Module):
@@ -243,24 +242,24 @@ def test_a_refitter_uses_it_and_refits_exactly_after_every_change(built: str) ->
     assert got["native again"] and all(got["native holders again"]), got
 
 
-def test_off_with_the_variable_or_unbuilt(built: str, monkeypatch: pytest.MonkeyPatch,
-                                          tmp_path) -> None:
-    monkeypatch.setenv(native.NATIVE_ENV, "0")
+def test_unused_where_unbuilt_without_a_cache_or_off(built: str, tmp_path) -> None:
+    settings.configure(kernel_cache=str(tmp_path / "kernels"))  # nothing built there
     assert native.module() is None and native.views_check((), ()) is None
-    monkeypatch.delenv(native.NATIVE_ENV)
-    monkeypatch.setenv("TORCHREFIT_KERNEL_CACHE", str(tmp_path / "kernels"))  # nothing built there
-    assert native.module() is None
-    monkeypatch.setenv("TORCHREFIT_KERNEL_CACHE", "0")
+    settings.configure(kernel_cache="0")
     assert native.built_path() is None and native.module() is None
+    settings.reload()
+    assert native.module() is not None
+    settings.configure(native_watch=False)
+    assert native.module() is None and native.views_check((), ()) is None
 
 
-def test_the_command_says_whether_refits_use_it(built: str, monkeypatch: pytest.MonkeyPatch,
+def test_the_command_says_whether_refits_use_it(built: str, tmp_path,
                                                 capsys: pytest.CaptureFixture) -> None:
     from torchrefit.cli import main
 
     assert main(["native", "status"]) == 0
     assert "torchrefit native: used (" in capsys.readouterr().out
-    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    settings.configure(kernel_cache=str(tmp_path / "kernels"))  # nothing built there
     assert main(["native", "status"]) == 0
     assert "torchrefit native: not used (" in capsys.readouterr().out
 

@@ -2,8 +2,8 @@
 
 What this covers needs failures NIXL itself cannot be made to produce on cue
 (``test_nixl_dram.py`` runs the real package): NIXL's progress thread is off unless
-asked for (``TORCHREFIT_NIXL_PROGRESS_THREAD=1`` or ``progress_thread=True``: on an H200 the
-thread doubled the refit's time, BENCHMARKS.md "Tenth session"); ``finish_writes`` polls
+asked for (``progress_thread=True``: the thread and the host's polls contend for UCX's
+worker); ``finish_writes`` polls
 each posted WRITE until NIXL says DONE (each poll is what progresses UCX's worker with the
 thread off), raises naming the peer when one ends in ERR or never completes; and
 ``wait_done`` polls notifications until the peer's arrives, keeping others for later
@@ -15,12 +15,12 @@ group's stand-in). One spawned process runs every case.
 
 from __future__ import annotations
 
-import os
 import sys
 import types
 
 import torch
 
+from torchrefit import settings
 from torchrefit.testing import run_world
 
 
@@ -78,11 +78,7 @@ def _cases(rank: int, world: int) -> dict:
     _install_fake()
     group, cuda = dist.group.WORLD, torch.device("cuda", 0)  # require_cuda reads the type only
     out: dict = {}
-    os.environ.pop("TORCHREFIT_NIXL_PROGRESS_THREAD", None)
     out["thread default"] = nixl.NixlTransport(group, cuda)._agent.config.enable_pthread
-    os.environ["TORCHREFIT_NIXL_PROGRESS_THREAD"] = "1"
-    out["thread env"] = nixl.NixlTransport(group, cuda)._agent.config.enable_pthread
-    os.environ.pop("TORCHREFIT_NIXL_PROGRESS_THREAD")
     out["thread arg"] = nixl.NixlTransport(group, cuda, progress_thread=True)._agent.config.enable_pthread
 
     t = nixl.NixlTransport(group, cuda)
@@ -96,7 +92,7 @@ def _cases(rank: int, world: int) -> dict:
         out["err"] = None
     except TransportError as e:
         out["err"] = str(e)
-    nixl._TIMEOUT_S = 0.05
+    settings.configure(nixl_timeout=0.05)
     t._agent.states, t._posted = [], [(4, "d")]
     try:
         t.finish_writes()
@@ -122,7 +118,7 @@ def _cases(rank: int, world: int) -> dict:
     out["stand-in"] = str(t.peer_error(0, "receive", RuntimeError("gone")))
 
     # a peer that died: NIXL's own exception becomes TransportError naming it
-    nixl._TIMEOUT_S = 5.0
+    settings.configure(nixl_timeout=5.0)
     t._agent.states, t._posted = ["PROC", "GONE"], [(2, "e")]
     try:
         t.finish_writes()
@@ -140,7 +136,7 @@ def _cases(rank: int, world: int) -> dict:
 
 def test_nixl_progress_thread_and_polled_waits() -> None:
     (got,) = run_world(_cases, 1, timeout=120)
-    assert got["thread default"] is False and got["thread env"] is True and got["thread arg"] is True, got
+    assert got["thread default"] is False and got["thread arg"] is True, got
     assert got["polls to done"] == 9 and got["posted after"] == 0, got  # both WRITEs polled to DONE
     assert "rank 3 failed (ERR)" in got["err"], got
     assert "rank 4 did not complete" in got["timeout"], got

@@ -18,7 +18,6 @@ Refitter of plain models does not import ``torch.distributed.tensor``.
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -27,6 +26,7 @@ import torch
 from test_layouts import CASES, WORLD, _build_dst, _expected, _state
 
 import torchrefit as tr
+from torchrefit import settings
 from torchrefit.testing import build_toy, run_world
 
 PICK = ["dense-(2, 1)->(1, 1)", "dense-(2, 2)->(1, 1)", "moe-(2, 1, 2)->(4, 1, 1)", "tp2->tp3",
@@ -150,14 +150,14 @@ def _auto(rank: int, world: int) -> dict:
     # TORCHREFIT_TRANSPORT: what "auto" means, alike on every rank or refused on every rank
     for name, env in (("env", "shm-push"), ("env differs", "shm-push" if rank % 2 else "gloo"),
                       ("env unfit", "ipc")):
-        os.environ["TORCHREFIT_TRANSPORT"] = env
         try:
+            settings.configure(transport=env)
             r = tr.Refitter(build_toy(case.spec, case.src, rank, 1), _shared(_build_dst(case, rank)))
             out[name] = r.refit().transport
         except tr.TransportError as e:
             out[name] = f"TransportError: {e}"
         finally:
-            del os.environ["TORCHREFIT_TRANSPORT"]
+            settings.configure(transport="")
     return out
 
 
@@ -172,7 +172,7 @@ def test_auto_and_availability_reasons() -> None:
         assert got["reasons"]["ipc"] == "no CUDA GPU is visible"
         assert "needs CUDA tensors" in got["ipc"] and "ranks [0, 1" in got["ipc"], got["ipc"]
         assert got["env"] == "shm-push", got["env"]
-        assert got["env differs"].startswith("TransportError: TORCHREFIT_TRANSPORT differs between ranks "
+        assert got["env differs"].startswith("TransportError: settings.transport (TORCHREFIT_TRANSPORT) differs between ranks "
                                              "(ranks [0, 2, 4, 6]: gloo; ranks [1, 3, 5, 7]: shm-push)"), got
         assert "transport 'ipc' needs CUDA tensors" in got["env unfit"], got["env unfit"]
         # nixl runs on CPU memory too, but "auto" leaves it to be asked for there
@@ -352,13 +352,10 @@ def test_ipc_wait_modes_are_checked(monkeypatch) -> None:
     from torchrefit.transport import ipc
 
     monkeypatch.setattr(ipc, "require_cuda", lambda device, name: None)
-    monkeypatch.setenv("TORCHREFIT_IPC_READY", "device")
     with pytest.raises(tr.TransportError, match="ready_wait must be 'stream' or 'host', not 'device'"):
-        ipc.IpcTransport(None, torch.device("cpu"))
-    monkeypatch.setenv("TORCHREFIT_IPC_READY", "host")
-    monkeypatch.setenv("TORCHREFIT_IPC_ORDER", "flags")
+        ipc.IpcTransport(None, torch.device("cpu"), ready_wait="device")
     with pytest.raises(tr.TransportError, match="order must be 'word' or 'event', not 'flags'"):
-        ipc.IpcTransport(None, torch.device("cpu"))
+        ipc.IpcTransport(None, torch.device("cpu"), ready_wait="host", order="flags")
 
 
 MAILBOX_SPEC = tr.testing.ModelSpec(layers=2, hidden=64, heads=4, groups=2, ffn=128, vocab=256)
@@ -458,7 +455,7 @@ def test_initiator_refuses_regions_that_disagree_once_per_generation() -> None:
     copy: on the first header of each target generation (a generation's regions never
     change, so a refit within it skips the check). Oracle: the numels of the two sides."""
     from torchrefit.errors import TransportError
-    from torchrefit.execute.one_sided import Initiated, OneSided, OneSidedProgram
+    from torchrefit.execute.one_sided_program import Initiated, OneSided, OneSidedProgram
 
     mine = (torch.zeros(4), torch.zeros(6))
     pair = Initiated(1, mine, ("w[0:4] from rank 1", "v[0:6] from rank 1"))
@@ -513,7 +510,7 @@ def _stream_word_world(rank: int, world: int) -> dict:
         stream.synchronize()
     r.close()
     torch.distributed.barrier()
-    os.environ["TORCHREFIT_MAILBOX"] = "0"  # no mailbox: the same transport falls back to its tokens
+    settings.configure(mailbox=False)  # no mailbox: the same transport falls back to its tokens
     shm_transport.LOG.clear()
     r = tr.Refitter(src, dst, transport="shm-pull-word")
     r.refit()

@@ -22,7 +22,7 @@ import pytest
 from torchrefit.cli import main
 from torchrefit.plan.planner import Planner
 from torchrefit.plan.shares import ClassBlock, ShareLine, split_pair
-from torchrefit.plan.simulate import check_agreement
+from torchrefit.plan.world_plan import check_agreement
 from torchrefit.simulate import global_tensors, parse_mesh, preset, simulated_role
 from torchrefit.simulate.report import time_rank
 from torchrefit.simulate.traffic import traffic

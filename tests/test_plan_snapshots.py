@@ -22,7 +22,7 @@ import torch
 from torchrefit.layout import megatron
 from torchrefit.layout._types import Box, ModelLayout, Piece, TensorLayout
 from torchrefit.plan.planner import Planner
-from torchrefit.plan.simulate import plan_world
+from torchrefit.plan.world_plan import plan_world
 from torchrefit.simulate import parse_mesh, preset, simulated_role
 from torchrefit.testing import Mesh, ModelSpec, build_toy
 

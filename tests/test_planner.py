@@ -20,8 +20,8 @@ from torchrefit.layout import megatron, shard_pieces
 from torchrefit.layout._types import Box
 from torchrefit.maps import NameMap
 from torchrefit.plan.messages import ALIGN, cut_messages
-from torchrefit.plan.simulate import check_agreement, plan_world
 from torchrefit.plan.types import Transfer
+from torchrefit.plan.world_plan import check_agreement, plan_world
 from torchrefit.simulate.shapes import GlobalTensor
 from torchrefit.testing import Mesh, ModelSpec, build_toy
 from torchrefit.testing.toy import _oracle_shard

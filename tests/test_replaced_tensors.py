@@ -5,7 +5,7 @@ Between two refits the model changes under the Refitter, the way engines and tra
 do (sleep / wake, re-wrapping, ``param.data = new``, ``module.weight = Parameter(new)``)
 on both sides, and then on the destination sits new storage that is zeroed first. Each
 case checks the destination against an oracle (``expected_local``: values computed
-from the seed, not by torchrefit) and that the storage the model dropped was neither
+from the random seed, not by torchrefit) and that the storage the model dropped was neither
 written (destination) nor read (source: the dropped storage is zeroed, so reading it
 would show). A replacement that no longer fits (another shape) raises
 :class:`LayoutError` naming the tensor on the rank that has it, before anything is

@@ -26,15 +26,13 @@ weight's scale kept in its weight's bucket.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from test_maps_hf import reference, toy_globals
 from torch import nn
 
 import torchrefit as tr
-from torchrefit.refitter import TRANSPORT_ENV
+from torchrefit import settings
 from torchrefit.testing import (
     Mesh,
     ModelSpec,
@@ -269,7 +267,7 @@ def _fp8(rank: int) -> dict:
 def _world(rank: int, world: int, transport: str) -> dict:
     import transformers  # noqa: F401  (every rank pays the import before the first gather)
 
-    os.environ[TRANSPORT_ENV] = transport  # what "auto" means in every Refitter of this world
+    settings.configure(transport=transport)  # what "auto" means in every Refitter of this world
 
     return {"transport": transport, "recorders": _recorders(rank), "transformers": _transformers(rank),
             "too_small": _too_small(rank), "fp8": _fp8(rank)}

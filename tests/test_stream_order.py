@@ -3,8 +3,8 @@ fake of ``torch.cuda``'s streams (CI has no GPU; the GPU test is test_gpu_stale_
 
 ``SideStreams.session()`` must make every side stream wait for the caller's stream (the
 producer: the optimizer step) before any work is placed on it, and the caller's stream
-wait for every side stream before the session ends (the consumer). Removing either wait
-in ``execute/streams.py`` fails these tests; so does placing work outside a session.
+wait for every side stream before ``SideStreams.session()`` ends (the consumer). Removing either wait
+in ``execute/streams.py`` fails these tests; so does placing work outside ``session()``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ imports, and checks that
   ``verify``, ``cli``, ``bench``, ``simulate``, ``testing``, the package itself) sit
   above all of them, and none of the layers imports them.
 
-DESIGN.md's chain layout -> plan -> execute -> transport is the order of the calls;
+The chain layout -> plan -> execute -> transport is the order of the calls;
 imports run the other way at each step (the executor imports the transport
 interfaces it drives; no transport imports the executor).
 """
@@ -27,7 +27,7 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "src" / "torchrefit"
 
 #: lower numbers may be imported by higher ones, never the other way round
-LAYERS = {"errors": 0, "_format": 0, "_gc_pause": 0, "_identity": 0, "_caller_state": 0, "_cuda_driver": 0, "_strides": 0, "_cache_dir": 0, "_native_watch": 0, "layout": 1, "maps": 2, "transforms": 2, "plan": 3,
+LAYERS = {"errors": 0, "_format": 0, "_gc_pause": 0, "_identity": 0, "_caller_state": 0, "_cuda_driver": 0, "_strides": 0, "_cache_dir": 0, "_native_watch": 0, "_weak_models": 0, "settings": 0, "layout": 1, "maps": 2, "transforms": 2, "plan": 3,
           "transport": 4, "_collectives": 4, "execute": 5}
 TOP = 9  # refitter, verify, cli, bench, simulate, testing, the package __init__, __main__
 

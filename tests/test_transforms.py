@@ -31,7 +31,6 @@ pieces that do not follow the weight's blocks, a grid of the wrong shape raise
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 
@@ -42,10 +41,10 @@ from test_maps_engines import _fsdp2, _vllm_engine, vllm_reference
 from test_maps_hf import _module, reference, toy_globals
 
 import torchrefit as tr
+from torchrefit import settings
 from torchrefit.layout._types import Box, ModelLayout, Piece, TensorLayout
 from torchrefit.layout.vllm import vllm_tp_layout
-from torchrefit.plan.simulate import plan_world
-from torchrefit.refitter import TRANSPORT_ENV
+from torchrefit.plan.world_plan import plan_world
 from torchrefit.testing import (
     Mesh,
     ModelSpec,
@@ -381,7 +380,7 @@ def _verified(r: tr.Refitter) -> str:
 
 
 def _world(rank: int, world: int, cases: list[Case], transport: str = "auto") -> dict[str, dict]:
-    os.environ[TRANSPORT_ENV] = transport  # what "auto" means in every Refitter of this world
+    settings.configure(transport=transport)  # what "auto" means in every Refitter of this world
     torch.set_num_threads(1)
     out = {}
     for case in cases:

@@ -1,4 +1,4 @@
-"""FP8 destinations in ``verify()``'s witness (``torchrefit.verify.fp8``), on 2 gloo ranks.
+"""FP8 destinations in ``verify()``'s witness (``torchrefit.verify.fp8_units``), on 2 gloo ranks.
 
 A bf16 trainer (explicit layouts: ``v`` split by rows at 128, on block boundaries; ``w``
 split at 100, through the 64-row blocks 64..127; ``h`` replicated) into an engine that

@@ -8,7 +8,7 @@ moved storage; the caller calls ``rebind()`` after changing the models. Covered:
   ``param.data = new`` on every destination parameter, then on every source parameter
   (new values), then ``module.weight = Parameter(new)`` on every destination
   parameter, then one of each at once, ``rebind()`` and a refit leave the
-  destination's current tensors equal to an oracle computed from the seed (and the
+  destination's current tensors equal to an oracle computed from the random seed (and the
   same elementwise function the source's new values got), and the storage the
   destination dropped is not written;
 * without ``rebind()`` (the trade-off ``watch="manual"`` makes): a refit writes the

@@ -2,7 +2,8 @@
 kernel images (``execute.kernel_cache``) in this directory, the optional native watch
 check (``_native_watch``) next to it.
 
-``TORCHREFIT_KERNEL_CACHE`` (a directory; ``0`` turns the cache off), else
+``settings.kernel_cache`` (environment: ``TORCHREFIT_KERNEL_CACHE``; a directory, ``0``
+turns the cache off), else
 ``$XDG_CACHE_HOME/torchrefit/kernels`` or ``~/.cache/torchrefit/kernels``.
 """
 
@@ -11,14 +12,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["CACHE_ENV", "cache_dir"]
+from . import settings
 
-CACHE_ENV = "TORCHREFIT_KERNEL_CACHE"
+__all__ = ["cache_dir"]
 
 
 def cache_dir() -> Path | None:
-    """The cache's directory, or None where ``TORCHREFIT_KERNEL_CACHE=0``."""
-    raw = os.environ.get(CACHE_ENV, "").strip()
+    """The cache's directory, or None where ``settings.kernel_cache`` is ``"0"``."""
+    raw = settings.current().kernel_cache.strip()
     if raw == "0":
         return None
     if raw:

@@ -96,7 +96,7 @@ def set_aside(fn: Callable[P, R]) -> Callable[P, R]:
             return fn(*args, **kwargs)
         # nothing to pop, the common case, costs one C call: every refit() starts here,
         # right after its host waited, where each Python step costs several times its
-        # warm time (benchmarks/cold_host_calls.py, "set_aside")
+        # warm time
         modes = _pop_all() if _STACK and _C._len_torch_function_stack() else ()
         state.depth, state.modes, state.inference = 1, modes, torch.is_inference_mode_enabled()
         try:

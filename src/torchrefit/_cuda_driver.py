@@ -1,7 +1,7 @@
 """CUDA driver calls torch does not expose, through ctypes (no compiled extension).
 
-Used by ``transport.ipc`` (stream-written mailbox words), and by
-``benchmarks/ipc_timeline.py`` and ``benchmarks/strided_copies.py`` (a 2-D memcpy).
+Used by ``transport.ipc`` (stream-written mailbox words), ``execute.copy_kernel`` (loading
+and launching the batched copy kernel) and ``execute.runs`` (allocation ranges).
 """
 
 from __future__ import annotations

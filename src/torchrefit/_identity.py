@@ -4,8 +4,8 @@
 in the process runs on it. filelock 4 adds one on Python >= 3.12, and megatron-core
 imports filelock: in such a process an ``id()`` cost 0.27 us instead of 0.03 us (2-core
 CPU), and one Refitter and two refits of a qwen3-shaped megatron-core pair (8 layers)
-made 33,950 of them (module walks, parameter and holder memos, roster decoding;
-``benchmarks/audit_events.py``), now 12. A tensor's own ``__hash__`` is ``id(self)``
+made tens of thousands of them (module walks, parameter and holder memos, roster
+decoding), now a dozen (``tests/test_audit_hooks.py`` bounds them). A tensor's own ``__hash__`` is ``id(self)``
 in Python, so keying a dict by the tensor pays the same.
 
 ``object.__hash__`` is the object's address rotated by four bits (CPython), so it is as

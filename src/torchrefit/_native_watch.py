@@ -4,17 +4,17 @@ Before every refit a rank checks that each tensor it was described with is still
 one its module holds (``layout.binding.Binding.changed``) and that each compiled view
 still has its storage, offset, sizes, strides and address
 (``execute.program.Program.storage_moved``). In Python that is one C call per tensor
-and check: on an H200's host the qwen3-shaped toy's 2091 tensors a side took 2.1 ms per
-refit (BENCHMARKS.md "Twentieth session"), 40% over its 5.2 ms copy floor. Here the same
-two answers come from one call each, a loop over handles taken when compiling.
+and check, which for an MoE model of thousands of tensors is a sizeable share of a
+refit's time next to its copies. Here the same two answers come from one call each, a
+loop over handles taken when compiling.
 
-It is optional and never built implicitly (a compiler running inside a trainer would
-take a core for half a minute): ``torchrefit native build`` (or :func:`build`) compiles
-it once per environment, with the C++ compiler and torch's headers, into the cache directory
+It is optional: ``torchrefit native build`` (or :func:`build`; a Refitter watching many
+tensors starts one in the background, ``_native_background``) compiles it once per
+environment, with the C++ compiler and torch's headers, into the cache directory
 (``_cache_dir``'s root, ``.../torchrefit/native``), filed under a hash of the
 source, torch's and Python's versions; :func:`module` imports it when it is there and
-returns None otherwise, or with ``TORCHREFIT_NATIVE_WATCH=0``. Without it the Python
-checks run, as before.
+returns None otherwise or with ``settings.native_watch`` off. Without it the Python
+checks run, with the same answers.
 
 After a full look found nothing replaced, the holders' check looks again only once one of
 their dicts changed: on Python 3.12+ a dict watcher (``PyDict_Watch``) counts changes, so
@@ -25,12 +25,12 @@ re-registers parameters every step, as FSDP2 does, gets the full look each time.
 From ``COLLAPSE_MIN`` views on, the views check's first answer also starts a thread that
 asks the kernel to make the memory holding those tensors' metadata (their TensorImpls
 and StorageImpls, thousands of small objects on thousands of 4 KiB pages) huge pages:
-the check then no longer walks page tables per object (``TORCHREFIT_HUGE_PAGES=0``: off).
+the check then no longer walks page tables per object.
 
 Each native answer is a fast path only: True means nothing changed (the same conditions
 as ``Tensor.is_set_to`` plus the address and the dtype, and the same identity as the
 Python binding check); False sends the caller to the Python check, which finds what changed and
-raises or recompiles as before. So a wrong "changed" costs time, never a byte.
+raises or recompiles as it does without this module. So a wrong "changed" costs time, never a byte.
 """
 
 from __future__ import annotations
@@ -49,13 +49,12 @@ from types import ModuleType
 
 import torch
 
+from . import settings
 from ._cache_dir import cache_dir
 
-__all__ = ["NATIVE_ENV", "HUGE_PAGES_ENV", "COLLAPSE_MIN", "SOURCE", "build", "built_path", "module",
+__all__ = ["COLLAPSE_MIN", "SOURCE", "build", "built_path", "module",
            "views_check", "holders_check"]
 
-NATIVE_ENV = "TORCHREFIT_NATIVE_WATCH"
-HUGE_PAGES_ENV = "TORCHREFIT_HUGE_PAGES"
 #: views from which the memory of their metadata is made huge pages (:func:`views_check`):
 #: a few hundred objects fit the TLB's 4 KiB entries anyway
 COLLAPSE_MIN = 512
@@ -152,8 +151,8 @@ struct Views {
   std::pair<size_t, size_t> collapse() const { return {regions.size(), collapse_regions(regions)}; }
 
   // The first unchanged() (the second refit's; the first refit compiled) starts collapse()
-  // on a detached thread with its own copy of the regions, and returns: collapsing took
-  // 7-99 ms on the CPU VM, which no refit waits for; until it is done the answers are
+  // on a detached thread with its own copy of the regions, and returns: collapsing takes
+  // tens of milliseconds, which no refit waits for; until it is done the answers are
   // the same, only slower.
   void start_collapse() const {
     collapse_later = false;
@@ -168,8 +167,8 @@ struct Views {
     // Two passes, each a short independent load per tensor, rather than one pass whose
     // every tensor is a chain (TensorImpl, then its StorageImpl): right after the host
     // waited for the GPU, as refits are timed, these objects are out of the core's
-    // caches, and short independent loads keep many misses in flight at once (qwen3's
-    // toy on the CPU VM, 4182 views, after writing 256 MiB: 204-309 us against 436-464).
+    // caches, and short independent loads keep many misses in flight at once (about half
+    // the time of the chained pass for a qwen3-shaped toy's 4182 views, caches cold).
     const size_t n = watched.size();
     try {
       for (size_t i = 0; i < n; ++i) {  // each storage as compiled: alive (refs), so readable
@@ -197,8 +196,8 @@ struct Views {
 // clear, update, ...; CPython notifies each, as its own specializations rely on).
 // Holders whose dicts saw no change since their last full look are unchanged without
 // looking again: one comparison per refit while nothing replaces a parameter. (Right
-// after the host waited for the GPU, as refits are timed, the full look at qwen3's toy
-// took 0.2-0.6 ms: its 4182 dicts, names and tables out of the core's caches.)
+// after the host waited for the GPU, as refits are timed, a full look at thousands of
+// dicts, names and tables finds them out of the core's caches.)
 static uint64_t dict_changes = 0;
 static int watcher_id = -2;  // -2: not asked for yet; -1: none to be had (all taken)
 
@@ -325,7 +324,8 @@ def build(verbose: bool = False) -> Path:
 
     where = built_path()
     if where is None:
-        raise RuntimeError("the kernel cache is off (TORCHREFIT_KERNEL_CACHE=0): nowhere to build into")
+        raise RuntimeError("the kernel cache is off (settings.kernel_cache, TORCHREFIT_KERNEL_CACHE=0): "
+                           "nowhere to build into")
     where.mkdir(parents=True, exist_ok=True)
     source = where / f"main.{os.getpid()}.cpp"  # this process's own: another may be writing its
     source.write_text(SOURCE)
@@ -355,14 +355,15 @@ def _library(where: Path) -> Path:
 
 
 def enabled() -> bool:
-    """False where ``TORCHREFIT_NATIVE_WATCH=0`` asks for the Python checks only."""
-    return os.environ.get(NATIVE_ENV, "").strip() != "0"
+    """``settings.native_watch`` (environment: ``TORCHREFIT_NATIVE_WATCH=0`` turns it
+    off): False asks for the Python checks only, and for no build in the background."""
+    return settings.current().native_watch
 
 
 def module(fresh: bool = False) -> ModuleType | None:
     """The built module, imported once per process; None where it was not built for this
-    environment, cannot be imported, or ``TORCHREFIT_NATIVE_WATCH=0``. ``fresh``: look
-    again where an earlier call found nothing (a build landed since)."""
+    environment, cannot be imported, or ``settings.native_watch`` is off. ``fresh``:
+    look again where an earlier call found nothing (a build landed since)."""
     if not enabled():
         return None
     where = built_path()
@@ -389,12 +390,12 @@ def _import(path: Path) -> ModuleType | None:
 
 def views_check(watched: tuple[torch.Tensor, ...], refs: tuple[torch.Tensor, ...]):
     """A native ``unchanged()`` over compiled views, or None without the module. With
-    ``COLLAPSE_MIN`` tensors or more (unless ``TORCHREFIT_HUGE_PAGES=0``), its first
-    ``unchanged()`` starts a thread that has the memory holding their TensorImpls and
-    StorageImpls made huge pages (``Views.collapse``): qwen3's toy, 8 layers, 4182 views, on
-    the CPU VM: 8364 objects on ~3300 pages of 4 KiB in 17-19 regions of 2 MiB; the check
-    took ~20% less warm and 16-28% less cold (BENCHMARKS.md, "Twenty-third session")."""
-    collapse = len(watched) >= COLLAPSE_MIN and os.environ.get(HUGE_PAGES_ENV, "") != "0"
+    ``COLLAPSE_MIN`` tensors or more, its first ``unchanged()`` starts a thread that has
+    the memory holding their TensorImpls and StorageImpls made huge pages
+    (``Views.collapse``): an 8-layer qwen3-shaped model's 4182 views are 8364 objects on
+    ~3300 pages of 4 KiB, which fit in 17-19 huge pages of 2 MiB, so the check stops
+    missing the TLB on nearly every object."""
+    collapse = len(watched) >= COLLAPSE_MIN
     return _made("Views", list(watched), list(refs), collapse)
 
 

@@ -1,4 +1,4 @@
-"""``Refitter`` and ``swap_model_weights``: the public entry points.
+"""``Refitter``: the public entry point (``swap`` wraps it in Megatron's drop-in).
 
 Construction is collective over ``group``: every rank describes what it holds,
 the rosters are gathered deduplicated (a digest per rank, then each distinct roster
@@ -14,21 +14,21 @@ docs/staging.md).
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import traceback
-import weakref
 from dataclasses import astuple, dataclass, replace
 from time import perf_counter
 
 import torch
 import torch.distributed as dist
 
+from . import settings
 from ._caller_state import caller_state, outside_inference, set_aside
 from ._collectives import all_gather_pickled, all_gather_rosters, collective, collective_device
 from ._gc_pause import gc_paused
 from ._native_background import BUILD_MIN_TENSORS, BackgroundBuild, start_background_build
 from ._stage import CommitReport, StageHandle, Stager, StageReport
+from ._weak_models import weak
 from .connect import Connection
 from .errors import LayoutError, PlanError, RefitError, TransportError, VerificationError
 from .execute.program import Program, RunStats
@@ -50,14 +50,11 @@ from .transport.one_sided import OneSidedTransport
 from .verify import Witness, check
 from .versions import stamp_version
 
-__all__ = ["Refitter", "RefitReport", "swap_model_weights", "clear_caches", "DEFAULT_STAGING_BYTES",
+__all__ = ["Refitter", "RefitReport", "DEFAULT_STAGING_BYTES",
            "VERIFY_MODES", "WATCH_MODES"]
 
 #: ``Refitter(verify=...)``: never check automatically, after the first refit, after every one
 VERIFY_MODES = ("never", "first", "every")
-#: environment variable: the transport ``transport="auto"`` means on this rank (set it
-#: alike on every rank of a refit group), for jobs that cannot pass ``transport=``
-TRANSPORT_ENV = "TORCHREFIT_TRANSPORT"
 #: ``Refitter(watch=...)``: look for replaced or moved tensors before every refit, or only
 #: when the caller says so (``rebind()``)
 WATCH_MODES = ("every", "manual")
@@ -118,7 +115,7 @@ class _RankInfo:
     host: str  # the machine, for transports that only work within one (ipc)
     kinds: tuple[str, str] = ("", "")  # how the source and destination layouts were found
     bucket_bytes: int | None = None  # a load_weights sink's budget (layout.sink)
-    auto: str = ""  # what "auto" means on this rank: TORCHREFIT_TRANSPORT, or "" (the preferred)
+    auto: str = ""  # what "auto" means on this rank: settings.transport, or "" (the preferred)
 
 
 class Refitter:
@@ -131,12 +128,12 @@ class Refitter:
             rank: ``ipc``, ``nccl``, ``nvshmem``, ``nixl``, then ``gloo``; for CPU
             tensors ``gloo``; ``report.transport`` says which), a registered name
             (``"nccl"``, ``"gloo"``, ``"ipc"``, ``"nvshmem"``, ``"nixl"``), or a
-            :class:`Transport`. Where the environment variable ``TORCHREFIT_TRANSPORT``
-            names one (alike on every rank: else every rank raises ``TransportError``),
-            ``"auto"`` means that one, checked like a name. ``"ipc"`` and ``"nixl"`` are
-            one-sided (receivers read, or senders write, the peer's registered memory:
-            GPU memory, or for ``"nixl"`` CPU memory too) and exchange small control
-            messages over the group's Gloo backend (e.g. ``"cpu:gloo,cuda:nccl"``).
+            :class:`Transport`. Where ``settings.transport`` (environment:
+            ``TORCHREFIT_TRANSPORT``) names one (alike on every rank: else every rank
+            raises ``TransportError``), ``"auto"`` means that one, checked like a name.
+            ``"ipc"`` and ``"nixl"`` are one-sided (receivers read, or senders write,
+            the peer's registered memory: GPU memory, or for ``"nixl"`` CPU memory too)
+            and exchange small control messages over the group's Gloo backend (e.g. ``"cpu:gloo,cuda:nccl"``).
         group: the process group spanning every participating rank (default: world),
             or the :class:`~torchrefit.connect.Connection` ``tr.connect`` returned (its
             joint group; its rank offsets replace ``src/dst_rank_offset`` left at 0).
@@ -233,6 +230,25 @@ class Refitter:
         self.staging = staging
         self.cuda_graph = cuda_graph
         self.share_storage = share_storage
+        src_rank_offset, dst_rank_offset = self._join(group, src_rank_offset, dst_rank_offset)
+        self.timeout = _timeout(timeout, group)
+        self._start_state(dst_model, verify, watch)
+        infos = self._describe_and_gather(src_model, dst_model, src_layout, dst_layout, staging_bytes)
+        _check_offsets(infos, src_rank_offset, dst_rank_offset)
+        self.transport_name = _choose_transport(transport, infos, str(dist.get_backend(self.group)))
+        self._transport_cls = type(transport) if isinstance(transport, Transport) else transport_class(
+            self.transport_name)
+        self.plan = self._plan(infos, name_map or Identity(), cast, skip, fp8_block)
+        self._phases = self._bucket(infos)
+        self._prepare_transport(transport, infos, max_peers=self._agree())
+        self.plan_seconds = perf_counter() - t0
+        _log.debug("rank %d: planned in %.3f s (transport %s)\n%s", self.rank, self.plan_seconds,
+                   self.transport_name, self.plan)
+
+    # ---------------------------------------------------------------- construction
+    def _join(self, group, src_rank_offset: int, dst_rank_offset: int) -> tuple[int, int]:
+        """Step 1: this rank's place in the refit group; returns the rank offsets (a
+        :class:`Connection`'s where the caller left them at 0)."""
         if isinstance(group, Connection):
             self.group, self.rank, self.world = group.group, group.joint_rank, group.joint_world
             src_rank_offset = src_rank_offset or group.src_rank_offset
@@ -246,12 +262,16 @@ class Refitter:
         if self.rank < 0:
             raise RefitError(f"global rank {dist.get_rank()} is not a member of the refit group; "
                              "only the group's ranks construct a Refitter")
+        return src_rank_offset, dst_rank_offset
+
+    def _start_state(self, dst_model, verify: str, watch: str) -> None:
+        """Step 2: the state later refits fill in, and the checked modes (every rank has
+        the same arguments: all raise, none hangs)."""
         self.version = 0
-        self.timeout = _timeout(timeout, group)
         self._failed: RefitError | None = None  # a refit that failed leaves the group unusable
         # stamped with each refit's version; held weakly, so that swap_model_weights'
         # cache (which holds this Refitter) drops its entry when the engine goes
-        self._dst_chunks = _weak(dst_model, None)
+        self._dst_chunks = weak(dst_model, None)
         self._program: Program | None = None
         self._phase_programs: list[Program] | None = None  # with a load_weights sink
         self._verifier: Program | None = None  # FP8 destinations: compared through the plan
@@ -262,7 +282,7 @@ class Refitter:
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, not {verify!r}")
         self.verify_mode = verify
-        if watch not in WATCH_MODES:  # every rank has the same arguments: all raise, none hangs
+        if watch not in WATCH_MODES:
             raise ValueError(f"watch must be one of {WATCH_MODES}, not {watch!r}")
         self.watch = watch
         self._unbound: LayoutError | None = None  # what the last rebind() raised, if it did
@@ -274,35 +294,34 @@ class Refitter:
         self._commit: Commit | None = None
         self._stage_boxes: dict = {}  # per destination key the plan writes, its boxes
         self._staged_version = 0  # the newest version a stage() was asked for
+
+    def _describe_and_gather(self, src_model, dst_model, src_layout: LayoutArg, dst_layout: LayoutArg,
+                             staging_bytes: int) -> list[_RankInfo]:
+        """Step 3 (collective): describe and bind this rank's models, gather every rank's
+        rosters and facts, and raise every rank's layout errors on every rank."""
         with shared_walks():  # describing and binding each model walk its modules once
             self._kinds = (layout_kind(src_model, src_layout), layout_kind(dst_model, dst_layout))
             # the detected kind, not None: a detection reads every tensor of the model
-            # (qwen3-shaped megatron-core, 8 layers: ~4200 of them, 20-30 ms of a first refit)
+            # (a qwen3-shaped megatron-core model, 8 layers, has ~4200 of them)
             src, dst, error = self._describe(src_model, dst_model, _resolved(src_layout, self._kinds[0]),
                                              _resolved(dst_layout, self._kinds[1]))
             self._src, self._dst = src, dst
             self._bindings = _bindings(src_model, src, dst_model, dst)
-        self._native_build = _native_build(watch, self._bindings)
+        self._native_build = _native_build(self.watch, self._bindings)
         infos = self._gather_infos(src, dst, error, staging_bytes)
         _raise_layout_errors(infos)
-        _check_offsets(infos, src_rank_offset, dst_rank_offset)
-        self.transport_name = _choose_transport(transport, infos, str(dist.get_backend(self.group)))
-        self._transport_cls = type(transport) if isinstance(transport, Transport) else transport_class(
-            self.transport_name)
-        self.plan = self._plan(infos, name_map or Identity(), cast, skip, fp8_block)
-        self._phases = self._bucket(infos)
-        max_peers = self._agree()
+        return infos
+
+    def _prepare_transport(self, transport: str | Transport, infos: list[_RankInfo], max_peers: int) -> None:
+        """Last step (collective): build the transport, size messages to the smallest
+        staging budget, and let the transport prepare for the plan."""
         self._transport = self._make_transport(transport)
         if self._phases is not None and isinstance(self._transport, OneSidedTransport):
             self._transport.keep_tables(len(self._phases) + 2)  # each bucket's, a verify's, a spare
         budget = min(i.staging_bytes for i in infos)
         self.message_limit = max(_MIN_MESSAGE, budget // (2 * max(1, max_peers)))
         self._transport.prepare(self.plan, self.message_limit)  # collective
-        self.plan_seconds = perf_counter() - t0
-        _log.debug("rank %d: planned in %.3f s (transport %s)\n%s", self.rank, self.plan_seconds,
-                   self.transport_name, self.plan)
 
-    # ---------------------------------------------------------------- construction
     def _describe(self, src_model, dst_model, src_layout, dst_layout):
         try:
             src, dst = describe(src_model, src_layout), describe(dst_model, dst_layout)
@@ -325,7 +344,7 @@ class Refitter:
         info = _RankInfo(error, None, None, int(staging_bytes), device, unavailable,
                          socket.gethostname(), self._kinds,
                          dst.bucket_bytes if isinstance(dst, SinkDescribed) else None,
-                         _auto_env())
+                         _auto_setting())
         # The rosters travel deduplicated (each distinct one once); the rest as a plain tuple.
         extras, (srcs, dsts), self.metadata = all_gather_rosters(
             astuple(info), (enc_src, enc_dst), self.group, self.timeout)
@@ -731,7 +750,7 @@ class Refitter:
         differing tensors, regions and ranks. Costs reading both models once.
 
         FP8 destinations: the witness's source side quantizes every block that one
-        source rank holds whole (``torchrefit.verify.fp8``) and compares values and
+        source rank holds whole (``torchrefit.verify.fp8_units``) and compares values and
         scales; blocks that no single source rank holds are then compared through the
         plan (the same bytes as a refit moved into scratch buffers and compared with the
         shadows and the torch quantization of them: the refit's own path, not an
@@ -939,14 +958,14 @@ def _choose_transport(transport: str | Transport, infos: list[_RankInfo], backen
     return transport
 
 
-def _auto_env() -> str:
-    """This rank's ``TORCHREFIT_TRANSPORT`` ("" where unset or "auto")."""
-    env = os.environ.get(TRANSPORT_ENV, "").strip()
-    return "" if env == "auto" else env
+def _auto_setting() -> str:
+    """What ``"auto"`` means on this rank: ``settings.transport`` ("" where unset or "auto")."""
+    named = settings.current().transport.strip()
+    return "" if named == "auto" else named
 
 
 def _auto_named(infos: list[_RankInfo]) -> str:
-    """The transport ``TORCHREFIT_TRANSPORT`` names for ``"auto"`` ("" where unset), the
+    """The transport ``settings.transport`` names for ``"auto"`` ("" where unset), the
     same on every rank or a TransportError on every rank (each decides from the same
     gathered infos, so none goes ahead with another transport and hangs)."""
     named: dict[str, list[int]] = {}
@@ -954,7 +973,8 @@ def _auto_named(infos: list[_RankInfo]) -> str:
         named.setdefault(i.auto, []).append(r)
     if len(named) > 1:
         views = "; ".join(f"ranks {ranks[:8]}: {name or 'unset'}" for name, ranks in sorted(named.items()))
-        raise TransportError(f"{TRANSPORT_ENV} differs between ranks ({views}); set it alike on every "
+        raise TransportError(f"settings.transport ({settings.ENV['transport']}) differs between ranks "
+                             f"({views}); set it alike on every "
                              "rank of the refit group, or on none", ranks=tuple(named[min(named)])[:8],
                              rule="transport")
     return next(iter(named))
@@ -975,132 +995,3 @@ def _misfit(cls: type[Transport], infos: list[_RankInfo], backend: str) -> str |
         return (f"needs a process group with a {cls.backend} backend; the refit group's is {backend!r} "
                 f"(create it with backend='cpu:gloo,cuda:nccl')")
     return None
-
-
-# ------------------------------------------------------------------------ drop-in
-@dataclass
-class _Cached:
-    """A cached Refitter and weak references to the models it was built for."""
-
-    src: tuple
-    dst: tuple
-    refitter: Refitter
-
-
-_CACHE: dict[tuple, _Cached] = {}
-_GLOO_GROUPS: dict[tuple, dist.ProcessGroup] = {}
-
-
-def swap_model_weights(
-    src_model,
-    target_model,
-    refit_method: str | Transport = "nccl",
-    group: dist.ProcessGroup | Connection | None = None,
-    src_rank_offset: int = 0,
-    dst_rank_offset: int = 0,
-    timeout: float | None = DEFAULT_TIMEOUT,
-    **kwargs,
-) -> RefitReport:
-    """Drop-in for Megatron-core's ``swap_model_weights``: refit ``target_model`` from
-    ``src_model``, planning once and caching the plan per model pair. Collective.
-
-    The cache is keyed by the models' identities, the transport, the group, the offsets
-    and every keyword (lists and name maps included); it holds the models weakly and
-    drops an entry as soon as one of its models is garbage collected. Every rank must
-    hit or miss it together: a rank that replaces its model must do so on all ranks, or
-    call :func:`clear_caches` everywhere.
-
-    ``refit_method="gloo"`` on a group without a Gloo backend (an NCCL world) builds a
-    Gloo group over the same ranks once, and reuses it, as megatron-core does.
-    """
-    if refit_method == "gloo":
-        group = _gloo_group(group)
-    key = (_identity(src_model), _identity(target_model), _freeze(refit_method), id(group),
-           src_rank_offset, dst_rank_offset, timeout, _freeze(kwargs))
-    hit = _CACHE.get(key)
-    if hit is None or not (_alive(hit.src, src_model) and _alive(hit.dst, target_model)):
-        refitter = Refitter(src_model, target_model, transport=refit_method, group=group,
-                            src_rank_offset=src_rank_offset, dst_rank_offset=dst_rank_offset,
-                            timeout=timeout, **kwargs)
-        drop = _dropper(key)
-        hit = _CACHE[key] = _Cached(_weak(src_model, drop), _weak(target_model, drop), refitter)
-    return hit.refitter.refit()
-
-
-def _gloo_group(group):
-    """``group`` if it has a Gloo backend, else a Gloo group over the same ranks (made
-    once per group; collective over its ranks only)."""
-    if isinstance(group, Connection):
-        return group  # tr.connect's group: its backend was chosen there
-    group = group if group is not None else dist.group.WORLD
-    if "gloo" in str(dist.get_backend(group)):
-        return group
-    ranks = tuple(dist.get_process_group_ranks(group))
-    got = _GLOO_GROUPS.get(ranks)
-    if got is None:
-        got = _GLOO_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo",
-                                                   use_local_synchronization=True)
-    return got
-
-
-def _chunks(model) -> tuple:
-    return tuple(model) if isinstance(model, (list, tuple)) else (model,)
-
-
-def _identity(model) -> tuple:
-    return () if model is None else tuple(id(m) for m in _chunks(model))
-
-
-def _weak(model, callback) -> tuple:
-    if model is None:
-        return ()
-    refs = []
-    for m in _chunks(model):
-        try:
-            refs.append(weakref.ref(m, callback))
-        except TypeError:  # not weakly referenceable: held strongly (then never dropped)
-            refs.append(lambda m=m: m)
-    return tuple(refs)
-
-
-def _alive(refs: tuple, model) -> bool:
-    now = () if model is None else _chunks(model)
-    return len(refs) == len(now) and all(r() is m for r, m in zip(refs, now))
-
-
-def _dropper(key: tuple):
-    def drop(_ref) -> None:  # a model of this entry was garbage collected
-        entry = _CACHE.pop(key, None)
-        if entry is not None:
-            entry.refitter.close()
-    return drop
-
-
-def _freeze(value) -> object:
-    """A hashable, equal-for-equal-values form of a keyword value, for the cache key."""
-    if isinstance(value, (str, bytes, int, float, bool, type(None))):
-        return value
-    if isinstance(value, NameMap):
-        if type(value).cache_key is NameMap.cache_key and type(value) is not Identity:
-            return ("map", id(value))  # a map that does not say what identifies it
-        return ("map", value.cache_key())
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, tuple(_freeze(v) for v in value))
-    if isinstance(value, (set, frozenset)):
-        return ("set", tuple(sorted(map(repr, value))))
-    if isinstance(value, dict):
-        return ("dict", tuple(sorted((repr(k), _freeze(v)) for k, v in value.items())))
-    try:
-        hash(value)
-        return value
-    except TypeError:
-        return ("id", id(value))  # an unhashable object: the same object hits
-
-
-def clear_caches() -> None:
-    """Drop every cached Refitter of :func:`swap_model_weights` (and with it its plan,
-    programs and staging memory). Not collective, but call it on every rank, since ranks
-    must hit or miss the cache together."""
-    for entry in list(_CACHE.values()):
-        entry.refitter.close()
-    _CACHE.clear()

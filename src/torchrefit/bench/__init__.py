@@ -1,7 +1,7 @@
 """Benchmarks of refits: configurations, timing against the physical floor, runners.
 
 ``torchrefit bench`` is the command line over :func:`run_bench`; the scripts under
-``benchmarks/`` call it for the reference runs recorded in ``BENCHMARKS.md``.
+``benchmarks/`` call it for the tables of ``BENCHMARKS.md``.
 """
 
 from .config import BenchConfig, spec_from_preset

@@ -18,8 +18,7 @@ def _sync(device: torch.device) -> None:
     """Wait for ``device``'s work. Where it is the current device (every bench rank sets
     its own), torch's C call alone: the wait that ends each timed call belongs to the
     harness, not to what is timed, and ``torch.cuda.synchronize``'s Python (a device
-    switch and back) runs right after the call, caches cold, in every iteration. Since
-    the twenty-third session (see BENCHMARKS.md there)."""
+    switch and back) runs right after the call, caches cold, in every iteration."""
     if device.type != "cuda":
         return
     if device.index == torch._C._cuda_getDevice():
@@ -122,7 +121,7 @@ def host_times(fn: Callable[[], object], iters: int, device: torch.device, busy_
     work, as ``(warm, cold)``. Each of ``iters`` rounds queues ``busy_ms`` of GPU sleep
     and then calls ``fn`` ``calls`` times back to back. *Cold*: the first call of a
     round, made right after the host waited for the device (its clocks and caches may
-    have dropped; on the H200 machine this varied 3-5x between runs). *Warm*: the
+    have dropped, so it varies several-fold between runs). *Warm*: the
     calls after it, like a trainer's host that has just queued its optimizer step."""
     if device.type != "cuda":
         return [], []

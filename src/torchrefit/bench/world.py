@@ -58,7 +58,7 @@ def report_and_leave(out: dict, path: str | None) -> None:
 
 
 def one_gpu_toy_pair(rank: int, layers: int | None, collocated: bool = False, world: int = 2) -> tuple:
-    """The seed's toy model (``layers`` to shrink it) as source and destination of a
+    """The gpt-4b preset's toy model (``layers`` to shrink it) as source and destination of a
     non-collocated TP1 -> TP1 refit between two processes sharing GPU 0 (rank 0 holds
     the source, rank 1 the destination), or with ``collocated`` of a collocated TP2 ->
     TP1 refit over ``world`` processes (each rank a source half and a whole

@@ -36,7 +36,7 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.flo
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="time refits against the copy floor (and megatron-core)")
     p.add_argument("--model", help=f"shape preset (as torchrefit plan): {', '.join(_toy_presets())}; "
-                                   "default gpt-4b (the seed's model) on a GPU, a small shape on "
+                                   "default gpt-4b (megatron-core's refit benchmark model) on a GPU, a small shape on "
                                    "CPU; --layers scales a preset to fit one GPU")
     p.add_argument("--layers", metavar="N[,N...]",
                    help="transformer layers; a comma list runs several sizes")

@@ -42,5 +42,5 @@ def _run(args) -> int:
     used = native.module() is not None
     print(f"torchrefit native: {'used' if used else 'not used'} "
           f"({where if where is not None else 'the kernel cache is off'}"
-          f"{'' if used or where is None else ': not built there, or ' + native.NATIVE_ENV + '=0'})")
+          f"{'' if used or where is None else ': not built there'})")
     return 0 if used or args.action == "status" else 1

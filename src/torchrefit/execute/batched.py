@@ -1,65 +1,57 @@
 """Many dense copies in one kernel launch, planned once when a program is compiled.
 
 A MoE model is thousands of 1-20 MB expert tensors. Copied one by one, every copy pays
-its start and its drain: on one H200, qwen3-30b-a3b-shaped copies (3-12 MiB) ran 1.10-1.15x
-the copy floor as memcpy graph nodes even on 8 parallel branches, and 1.04-1.06x as one
-elementwise kernel each (``execute.kernel_copies``; BENCHMARKS.md "Mid-sized copies").
-Here every such copy is cut into 4 KB tiles and one launch of ``execute.copy_kernel``
-moves all of them, one block per tile, so the device sees one copy of all their bytes;
-inside a CUDA graph it is one node. 3072 separate 3 MiB tensors copied this way took
-1.007-1.012x one ``cudaMemcpyAsync`` of the same bytes (``benchmarks/copy_kernel_lab.py``).
+its start and its drain, as a memcpy graph node even on parallel branches and (less) as
+an elementwise kernel each (``execute.kernel_copies``). Here every such copy is cut into
+4 KB tiles and one launch of ``execute.copy_kernel`` moves all of them, one block per
+tile, so the device sees one copy of all their bytes; inside a CUDA graph it is one node.
 
-Which copies (:func:`batch_from`, ``TORCHREFIT_BATCHED_COPY``): ``auto`` (default)
+Which copies (:func:`batch_from`, ``settings.batched_copy``): ``auto`` (default)
 batches every :func:`batchable` large copy of a program made of many mid-sized copies
 (``kernel_copies.mostly_mid_sized`` with at least ``BATCH_MIN_COPIES`` of them: the MoE
 case, and a small dense model's) and nothing elsewhere, where large copies are memcpy
-nodes at the floor already; ``1`` batches every batchable copy;
-``0`` none.
+nodes at the floor already; ``all`` batches every batchable copy; ``none`` none.
 
 Strided copies (a TP half into ``full[:, :half]``, or out of it) are batched in
-``auto`` and ``1`` wherever :func:`strided_runs` cuts them into rows of at least
+``auto`` and ``all`` wherever :func:`strided_runs` cuts them into rows of at least
 ``MIN_RUN_BYTES`` contiguous on both sides, 16-byte aligned: a 2-D half is one run of
 its rows at both sides' pitches, which the device cuts into tiles (the host plans and
-uploads one row per copy, not one per 4 KB row: the nineteenth session's profile of a
-4-process delegate spent 0.09 s of its 0.30 s first refit building such rows). Their
-other path is an elementwise kernel on widened views (``kernel_copies.widened``), which
-moved the seed model's 40 row-parallel halves at 1.25x the copy floor on one H200.
+uploads one row per copy, not one per 4 KB row, which would make building the table a
+large part of a first refit). Their other path is an elementwise kernel on widened
+views (``kernel_copies.widened``).
 
 :func:`compile_batch` uploads the table and loads the kernel; where the kernel cannot be
 built (no NVRTC) the copies take the per-copy path. Called by
 ``execute.local.compile_copies`` on every rank while compiling; the launch
-(:meth:`Batch.launch`) runs inside the program's stream session.
+(:meth:`Batch.launch`) runs inside the program's ``SideStreams.session()``.
 """
 
 from __future__ import annotations
 
-import os
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from .. import settings
 from .._strides import dense_rows, row_offsets
 from . import kernel_copies
 from .copy_kernel import VECTOR, ByteRuns, CopyKernel, TileTable, copy_kernel, plan_tiles
 
 __all__ = ["Batch", "batchable", "batch_from", "batch_mode", "strided_runs", "byte_runs", "plan_tiles",
-           "compile_batch", "kernel_available", "ALIGN", "BATCH_ENV", "BATCH_MIN_COPIES", "MODES",
+           "compile_batch", "kernel_available", "ALIGN", "BATCH_MIN_COPIES",
            "MIN_RUN_BYTES"]
 
 #: addresses and sizes of a batched copy are multiples of this (16-byte vector accesses)
 ALIGN = VECTOR
-BATCH_ENV = "TORCHREFIT_BATCHED_COPY"
-MODES = ("auto", "1", "0")
 #: strided copies are batched where their rows (runs contiguous on both sides) are at
 #: least this long: a shorter row leaves most of its 4 KB tile's block idle
 MIN_RUN_BYTES = 2048
 #: a program of at least this many large copies, mostly mid-sized, is batched (auto):
-#: fewer than ``kernel_copies.KERNEL_MIN_COPIES``, which asks for one kernel per copy. On
-#: one H200 the 0.5 B dense preset's 97 copies (72% of their bytes below 24 MiB) took
-#: 1.019x the floor batched against 1.063-1.065x as memcpy nodes (twentieth session);
-#: the 82-130 copies of the seed's model and llama-8b, none mid-sized, stay memcpy nodes
+#: fewer than ``kernel_copies.KERNEL_MIN_COPIES``, which asks for one kernel per copy: one
+#: launch pays for itself with fewer copies than a kernel per copy does (a 0.5 B dense
+#: model's ~100 copies, most of their bytes below 24 MiB, run faster batched); dense
+#: models whose copies are not mid-sized (a gpt-4b or llama-8b shape) stay memcpy nodes
 BATCH_MIN_COPIES = 64
 
 
@@ -122,15 +114,8 @@ def _disjoint(shape: list[int], strides: list[int], row: int) -> bool:
 
 
 def batch_mode() -> str:
-    """``TORCHREFIT_BATCHED_COPY``, read when compiling (module text); a value that is no
-    mode warns and counts as ``auto`` (compiling runs inside ``refit()``: raising on one
-    rank would leave its peers waiting; either choice copies the same bytes)."""
-    mode = os.environ.get(BATCH_ENV, "auto").strip() or "auto"
-    if mode not in MODES:
-        warnings.warn(f"torchrefit: {BATCH_ENV}={mode!r} is not one of {', '.join(MODES)}; using auto",
-                      stacklevel=3)
-        mode = "auto"
-    return mode
+    """``settings.batched_copy`` (``auto``, ``all`` or ``none``), read when compiling."""
+    return settings.current().batched_copy
 
 
 def batch_from(sizes: Sequence[int], small: int, mode: str | None = None) -> int | None:
@@ -138,7 +123,7 @@ def batch_from(sizes: Sequence[int], small: int, mode: str | None = None) -> int
     least ``small`` bytes), as planned, have ``sizes`` bytes; None: none is. ``mode``:
     :func:`batch_mode`'s (read now where None)."""
     mode = batch_mode() if mode is None else mode
-    if mode == "1":
+    if mode == "all":
         return 0
     if mode == "auto" and kernel_copies.mostly_mid_sized(sizes, BATCH_MIN_COPIES):
         return small

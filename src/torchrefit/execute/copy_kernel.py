@@ -1,10 +1,9 @@
 """One CUDA kernel that copies many byte runs in one launch, compiled at first use.
 
-Why a kernel of our own: on one H200 a plain CUDA copy kernel of 16-byte vectors, one
-block per 2-4 KB, copied 4 GiB in 1.003-1.009x the time of ``cudaMemcpyAsync``, where
-torch's elementwise copy took 1.046x and Triton tiles 1.04x; cut into tiles, it copied
-3072 separate 3 MiB tensors in 1.007-1.012x one memcpy of their bytes
-(``benchmarks/copy_kernel_lab.py``, BENCHMARKS.md "Tenth session"). Copies are runs, one
+Why a kernel of our own: a plain CUDA copy kernel of 16-byte vectors, one block per
+2-4 KB, streams at ``cudaMemcpyAsync``'s rate, where torch's elementwise copy and Triton
+tiles run a few percent slower; cut into tiles, it copies thousands of separate
+tensors at the rate of one memcpy of all their bytes. Copies are runs, one
 row each in a run table (:func:`plan_runs`: source, destination, 16-byte words per row,
 first tile, rows and both pitches), cut into tiles of ``TILE_BYTES``; block ``b`` copies
 tile ``b``, of the run ``owner[b]`` names: a 4-byte index per tile, built on the device
@@ -16,9 +15,7 @@ Why an index and not the tile's addresses: the streamed data evicts such a table
 L2, so a block's first load is a DRAM round trip with none of its copy in flight; eight
 indices share a 32-byte sector where one 24-byte row of addresses did not, and the run
 rows (one per copy) stay cached (finding the run by a binary search over the runs in each
-block instead cost 1.22x: twelve dependent loads). On one H100, against 24-byte rows: qwen3-shaped copies
-1.0047x against 1.0058x the floor, DeepSeek-shaped 0.9994x against 1.0020x
-(``benchmarks/tile_table_lab.py``, BENCHMARKS.md "Twenty-seventh session").
+block instead was slower still: twelve dependent loads).
 
 Compiled with NVRTC (the CUDA runtime compiler torch's CUDA wheels ship, loaded through
 ctypes) for the device's own architecture, once per machine (``execute.kernel_cache``
@@ -42,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import settings
 from .._cuda_driver import driver_function
 from . import kernel_cache
 
@@ -51,8 +49,8 @@ __all__ = ["ByteRuns", "VECTOR", "THREADS", "UNROLL", "TILE_BYTES", "MAX_TILES",
 #: bytes each thread moves per access (one 16-byte vector load and store)
 VECTOR = 16
 #: threads per block and vectors per thread (all loaded before any store): 4 KB tiles.
-#: Fastest of eleven shapes for 3072 x 3 MiB copies on one H200 (1.007x one memcpy as a
-#: graph; 256 x 1: 1.12x, 256 x 4: 1.04x; benchmarks/copy_kernel_lab.py)
+#: Two 16-byte loads in flight per thread and small blocks keep enough bytes in flight per
+#: SM; 256 threads with one or four vectors each streamed slower on many 3 MiB copies
 THREADS, UNROLL = 128, 2
 #: bytes per tile (block) of the default shape
 TILE_BYTES = THREADS * UNROLL * VECTOR
@@ -362,7 +360,7 @@ def _nvrtc() -> ctypes.CDLL:
     """NVRTC of the CUDA torch was built with (torch's wheels depend on it and load it)."""
     major = (torch.version.cuda or "").split(".")[0]
     names = [f"libnvrtc.so.{major}", "libnvrtc.so"] if major else ["libnvrtc.so"]
-    override = os.environ.get("TORCHREFIT_NVRTC")
+    override = settings.current().nvrtc  # environment: TORCHREFIT_NVRTC
     # torch's CUDA wheels keep it in site-packages/nvidia/.../lib, found by its soname once
     # torch loaded it, else by path
     wheels = sorted(p for d in sys.path for p in glob.glob(os.path.join(d, "nvidia", "*", "lib", "libnvrtc.so.*"))

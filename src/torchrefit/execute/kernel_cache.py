@@ -1,7 +1,8 @@
 """Compiled kernel images kept on disk, so a process's first refit compiles nothing that
 an earlier process on the machine compiled already.
 
-Where: ``TORCHREFIT_KERNEL_CACHE`` (a directory; ``0`` turns the cache off), else
+Where: ``settings.kernel_cache`` (environment: ``TORCHREFIT_KERNEL_CACHE``; a directory,
+``0`` turns the cache off), else
 ``$XDG_CACHE_HOME/torchrefit/kernels`` or ``~/.cache/torchrefit/kernels``. An image is
 filed under a hash of everything that made it (the caller's key: source, options,
 target architecture, CUDA version), written to a temporary file and renamed into place,
@@ -17,9 +18,9 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from .._cache_dir import CACHE_ENV, cache_dir
+from .._cache_dir import cache_dir
 
-__all__ = ["CACHE_ENV", "cache_dir", "cached", "forget"]
+__all__ = ["cache_dir", "cached", "forget"]
 
 
 def _path(directory: Path, name: str, key: str) -> Path:

@@ -1,50 +1,30 @@
 """Copies as elementwise kernels on other views of the same bytes: strided ones widened,
-and plain ones where a program is made of many mid-sized copies (both by default).
+and plain ones where a program is made of many mid-sized copies.
 
-**Plain copies.** A program of many mid-sized copies (large ones as planned, before runs
-merge, at least half of their bytes in copies below ``MID_COPY_BYTES``:
-:func:`mostly_mid_sized`) moves its plain large copies in one batched launch where it
-can, from ``batched.BATCH_MIN_COPIES`` of them (``execute.batched``, 1.011-1.015x on the
-device for the qwen3-shaped preset on an H200); in a program of at least
-``KERNEL_MIN_COPIES`` such copies, the large plain copies the batch does not take (all of
-them where the batched kernel cannot be built) run as elementwise kernels instead of
-memcpy nodes; other programs keep memcpy nodes (:func:`sm_copy_below`). The figures
-below are from before the batched kernel, with every plain large copy per copy:
-Measured on one H200 (``benchmarks/mid_copy_lab.py``, ``benchmarks/h200_mid_check.sh``;
-BENCHMARKS.md "Mid-sized copies"), device time of the program's graph over the copy
-floor, memcpy nodes against all kernels:
+**Plain copies.** A memcpy node of a few MiB runs below the device's copy bandwidth,
+even with eight of them on parallel graph branches, while an elementwise kernel over the
+same bytes does not; on large copies (tens of MiB and up) memcpy streams a few percent
+faster than the kernel. Mixing the two in one graph is slower than either, so a program
+takes all or none:
 
-- qwen3-30b-a3b-shaped toy models, 8 layers (2066 planned large copies: 2064 of 3-12
-  MiB, two 594 MiB embeddings), in two allocator layouts: 1424 copies after merging,
-  1.155x against 1.060x; 524 merged runs (the shape matrix's layout), 1.102x against
-  1.044x. The same 1424 copies as memcpy nodes between
-  two flat buffers (no scatter) took the same 1.146x, while one copy of all those bytes
-  took 1.000x: memcpy nodes of a few MB each run below full bandwidth even on 8 parallel
-  branches, and kernels do not. Mixing the two in one graph is worse than either
-  (kernels below 16 MB next to 72 memcpy nodes: 1.115x), hence all or none.
-- Fewer or larger copies stay memcpy, faster there: DeepSeek-V3-shaped 28 and 56 MiB
-  experts 1.019x against 1.040x, a 0.5 B dense model's copies (97 planned) 1.036-1.059x
-  against 1.048-1.069x, the seed model's and llama-8b's 32-1002 MiB copies ~1.00x.
-  Batched in one launch, though, that 0.5 B model's copies took 1.019x against
-  1.063-1.065x as memcpy nodes (twentieth session): the batch asks for fewer copies
-  (``batched.BATCH_MIN_COPIES``) than these per-copy kernels do.
+- a program of many mid-sized copies (the large ones as planned, before runs merge, at
+  least ``KERNEL_MIN_COPIES`` of them with at least half of their bytes in copies below
+  ``MID_COPY_BYTES``: :func:`mostly_mid_sized`; the MoE experts' case) runs every plain
+  large copy that the batched launch (``execute.batched``) does not take as a kernel;
+- every other program keeps memcpy nodes (dense models' projections, experts of 28 MiB
+  and more).
 
-The bounds sit between those measurements (qwen3's mid copies at most 12 MiB, DeepSeek's
-at least 28 MiB; the dense presets have at most 130 large copies); the rule in this form
-chose as the measurements did for every preset of the matrix (a CPU test checks its choice
-per preset), but was not itself re-timed on a GPU (see BENCHMARKS.md).
-``TORCHREFIT_SM_COPY_BELOW=<bytes>`` overrides it: every plain large copy below that size
-is a kernel; 0, none is.
+``settings.sm_copy_below`` (bytes) replaces that rule: every plain large copy below it
+is a kernel; 0, none is. ``benchmarks/`` times both forms per preset; a CPU test checks
+the rule's choice for every preset of the matrix.
 
 **Strided copies** (a TP half into ``full[:, :half]``) whose rows the batched kernel
-takes (``batched.strided_runs``: aligned rows of at least 2 KB) run there, 1.098x their
-floor for the seed's halves on one H200 (BENCHMARKS.md "Eleventh session"); the others
-run on the widest views of the same bytes that fit, 16-byte complex128 elements first (:func:`widened`; off with
-``TORCHREFIT_STRIDED_WORDS=0``). On one H200, 40 such copies of the seed's model took
-2.07 ms on bf16 elements, 1.03 ms on int64 views, 0.98 ms on complex128 views (1.25x the
-copy floor; 0.93 ms the same bytes contiguous), exact for random bits; a 2-D
-``cuMemcpy2DAsync`` took 2.17 ms (``benchmarks/strided_copies.py``). Collocated TP2 -> TP1
-through ipc went from 1.82x to 1.20x the floor (BENCHMARKS.md "Transports run 7").
+takes (``batched.strided_runs``: aligned rows of at least 2 KB) run there; the others
+run on the widest views of the same bytes that fit, 16-byte complex128 elements first
+(:func:`widened`): an elementwise copy's cost follows its element count, so a bf16 half
+moved as complex128 takes an eighth of the elements for the same bytes, and every bit
+pattern survives (a same-dtype copy only moves elements). A 2-D ``cuMemcpy2DAsync`` of
+such a half is no faster than the bf16 kernel.
 
 The kernel is ``torch.bitwise_or(src, 0, out=dst)`` on integer views of the same
 bytes: an exact copy of every bit pattern (NaN payloads and FP8 included), with no
@@ -54,17 +34,15 @@ compiling, on every rank; ``run`` on the copy's side stream (or inside the graph
 
 from __future__ import annotations
 
-import os
-import warnings
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["SM_COPY_ENV", "STRIDED_WORDS_ENV", "MID_COPY_BYTES", "KERNEL_MIN_COPIES", "ALL", "sm_copy_below",
-           "mostly_mid_sized", "strided_words", "word_views", "widened", "run"]
+from .. import settings
 
-SM_COPY_ENV = "TORCHREFIT_SM_COPY_BELOW"
-STRIDED_WORDS_ENV = "TORCHREFIT_STRIDED_WORDS"
+__all__ = ["MID_COPY_BYTES", "KERNEL_MIN_COPIES", "ALL", "sm_copy_below", "mostly_mid_sized",
+           "word_views", "widened", "run"]
+
 _WORDS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2), (torch.uint8, 1))
 #: what strided copies are widened to: a complex128 element is 16 bytes, one vector access;
 #: a same-dtype copy only moves it (no arithmetic), so every bit pattern survives
@@ -91,23 +69,12 @@ def mostly_mid_sized(sizes: Sequence[int], least: int = KERNEL_MIN_COPIES) -> bo
 def sm_copy_below(sizes: Sequence[int]) -> int:
     """Bytes below which a plain large copy of a program whose large copies, as planned,
     have ``sizes`` runs as a kernel (0: none), read when compiling:
-    ``TORCHREFIT_SM_COPY_BELOW`` where set, else all of them (``ALL``) where they are
-    :func:`mostly_mid_sized`, else none. A value that is no byte count is ignored with a
-    warning naming it rather than raised: compiling runs inside ``refit()`` on one rank,
-    whose peers would otherwise wait for it until their timeout (either choice copies the
-    same bytes)."""
-    raw = os.environ.get(SM_COPY_ENV, "").strip()
-    if not raw:
+    ``settings.sm_copy_below`` where set, else all of them (``ALL``) where they are
+    :func:`mostly_mid_sized`, else none."""
+    below = settings.current().sm_copy_below
+    if below is None:
         return ALL if mostly_mid_sized(sizes) else 0
-    try:
-        n = int(raw)
-    except ValueError:
-        n = -1
-    if n < 0:
-        warnings.warn(f"torchrefit: {SM_COPY_ENV}={raw!r} is not a number of bytes >= 0; "
-                      "copying with memcpy", stacklevel=2)
-        return 0
-    return n
+    return below
 
 
 def word_views(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -122,12 +89,6 @@ def word_views(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torc
                                          for t in (d, s)):
             return d.view(dtype), s.view(dtype)
     return None
-
-
-def strided_words() -> bool:
-    """Whether strided plain copies run on wider views (:func:`widened`), read when
-    compiling: on unless ``TORCHREFIT_STRIDED_WORDS=0``."""
-    return os.environ.get(STRIDED_WORDS_ENV, "1").strip() != "0"
 
 
 def widened(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

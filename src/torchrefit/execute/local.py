@@ -1,24 +1,22 @@
 """Copies between tensors this rank can address, compiled once and replayed.
 
 Used for the plan's local copies and for a pull transport's copies out of mapped
-peer memory (``execute.one_sided``). In a program of many mid-sized copies (MoE
-experts; ``TORCHREFIT_BATCHED_COPY`` decides, see ``execute.batched``), every plain
+peer memory (``execute.one_sided_program``). In a program of many mid-sized copies (MoE
+experts; ``settings.batched_copy`` decides, see ``execute.batched``), every plain
 aligned large copy runs in one batched kernel launch on a stream of its own; large
 copies otherwise run one by one on parallel side streams (graph branches), as memcpy
 or, where the batched kernel cannot be built, as elementwise kernels
-(``execute.kernel_copies``; ``TORCHREFIT_SM_COPY_BELOW=<bytes>`` sets a size);
+(``execute.kernel_copies``; ``settings.sm_copy_below`` sets a size);
 small ones in one ``torch._foreach_copy_`` per (destination dtype, source dtype,
 dense) group on another stream; with ``cuda_graph`` the whole set, fork and join
 included, is captured once and replayed with one launch. Strided large copies cut
-into aligned rows of at least 2 KB join the batched launch (unless
-``TORCHREFIT_BATCHED_COPY=0``); the others run on the widest views of the same bytes that
-fit (off with ``TORCHREFIT_STRIDED_WORDS=0``).
+into aligned rows of at least 2 KB join the batched launch (unless ``batched_copy`` is
+``none``); the others run on the widest views of the same bytes that fit.
 All stream ordering goes through ``streams.SideStreams``.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -27,7 +25,9 @@ from typing import NamedTuple
 
 import torch
 
+from .. import settings
 from .._caller_state import caller_inference
+from ..settings import MAX_BRANCHES
 from . import kernel_copies
 from .batched import (
     Batch,
@@ -48,15 +48,12 @@ __all__ = ["Copy", "CopyGroup", "LocalCopies", "compile_copies", "balance_by_byt
 #: copies below this size go through ``torch._foreach_copy_`` (one per dtype pair)
 SMALL_COPY_BYTES = 1 << 20
 #: large copies run on this many parallel side streams (graph branches): one copy's
-#: tail overlaps another's body (1.007x the flat-copy floor on an H200, against
-#: 1.035x on one stream; benchmarks/local_copy_lab.py). Eight, not two: models of many
-#: 2-20 MB tensors need more copies in flight (0.5 B dense: 1.17x with 2, 1.03x with 8;
-#: the seed's model 0.999x either way; benchmarks/diagnose_moe_copies.py). The small
-#: copies get one more stream of their own, so their many short kernels overlap the
-#: large copies instead of lengthening a branch (benchmarks/diagnose_megatron_copies.py).
-BRANCHES = 8
-#: fewer branches (1 to BRANCHES) for the large copies, read when compiling (a tuning switch)
-BRANCHES_ENV = "TORCHREFIT_BRANCHES"
+#: tail overlaps another's body instead of the stream draining between copies. Eight,
+#: not two: models of many 2-20 MB tensors need more copies in flight to keep the copy
+#: engines busy, while large tensors reach the floor either way. The small copies get one
+#: more stream of their own, so their many short kernels overlap the large copies instead
+#: of lengthening a branch. ``settings.branches`` may ask for fewer.
+BRANCHES = MAX_BRANCHES
 _SMALL_LANE = BRANCHES
 #: the batched kernel gets a stream of its own too: it overlaps the large copies
 _BATCH_LANE = BRANCHES + 1
@@ -74,8 +71,8 @@ class Copy(NamedTuple):
 class CopyGroup:
     """Small copies one ``torch._foreach_copy_`` moves in one fused kernel: the fused
     path needs one destination dtype, one source dtype and dense pairs of equal
-    strides, else it falls back to a kernel per tensor (on an H200 1.4 ms instead of
-    0.05 ms for megatron-core's bf16 biases mixed with fp32 layer norms)."""
+    strides, else it falls back to a kernel per tensor (for megatron-core's bf16 biases
+    mixed with fp32 layer norms, tens of times slower)."""
 
     dst: tuple[torch.Tensor, ...]
     src: tuple[torch.Tensor, ...]
@@ -141,7 +138,8 @@ class LocalCopies:
 
     def run_on_caller(self, side: SideStreams) -> None:
         """Replay on the caller's stream (ordered by stream order; the branches inside
-        are the fork and join captured through ``SideStreams``), or copy in a session."""
+        are the fork and join captured through ``SideStreams``), or copy inside
+        ``SideStreams.session``."""
         if self.graph is not None:
             self.graph.replay()
         elif self:
@@ -182,7 +180,7 @@ def compile_copies(copies: Iterable[Copy], side: SideStreams, cuda_graph: bool,
         if start is not None and dst.nbytes >= start and batchable(dst, src):
             batch.append(c)
         elif max(dst.nbytes, src.nbytes) >= SMALL_COPY_BYTES:
-            rows = strided_runs(dst, src) if mode != "0" and side.device.type == "cuda" else None
+            rows = strided_runs(dst, src) if mode != "none" and side.device.type == "cuda" else None
             if rows is None:
                 big.append(c)
             else:
@@ -196,8 +194,7 @@ def compile_copies(copies: Iterable[Copy], side: SideStreams, cuda_graph: bool,
     else:
         big.extend(c for c, _ in strided)
     groups = tuple(CopyGroup(*(tuple(x) for x in zip(*g))) for g in small.values())
-    if kernel_copies.strided_words():
-        big = [Copy(*w, c.name) if (w := kernel_copies.widened(c.dst, c.src)) else c for c in big]
+    big = [Copy(*w, c.name) if (w := kernel_copies.widened(c.dst, c.src)) else c for c in big]
     below = kernel_copies.sm_copy_below(sizes)
     words = tuple(kernel_copies.word_views(c.dst, c.src) if c.dst.nbytes < below else None for c in big)
     compiled = LocalCopies(tuple(planned), tuple(big),
@@ -234,18 +231,9 @@ def _capture(copies: LocalCopies, side: SideStreams) -> torch.cuda.CUDAGraph | N
 
 
 def branches() -> int:
-    """Side streams the large copies spread over: ``BRANCHES``, or fewer with
-    ``TORCHREFIT_BRANCHES`` (processes sharing one GPU without MPS are time-sliced;
-    ``benchmarks/ipc_four_timeline.py``). A value outside 1..BRANCHES warns and is
-    ignored, as ``kernel_copies.sm_copy_below`` does (compiling runs inside ``refit()``)."""
-    raw = os.environ.get(BRANCHES_ENV, "").strip()
-    if not raw:
-        return BRANCHES
-    if raw.isdigit() and 1 <= int(raw) <= BRANCHES:
-        return int(raw)
-    warnings.warn(f"torchrefit: {BRANCHES_ENV}={raw!r} is not a number from 1 to {BRANCHES}; "
-                  f"using {BRANCHES}", stacklevel=2)
-    return BRANCHES
+    """Side streams the large copies spread over: ``settings.branches`` (``BRANCHES``
+    unless set lower, e.g. for processes time-sliced on one GPU without MPS)."""
+    return settings.current().branches
 
 
 def balance_by_bytes(sizes: list[int], lanes: int) -> list[int]:

@@ -7,7 +7,7 @@ types in :meth:`Program._compile`, the one place compiled state is built:
   into one copy by ``execute.runs``, large ones on parallel side-stream branches,
   small ones fused per dtype pair; with ``cuda_graph`` captured once);
 * ``execute.rounds``: message rounds through a rounds transport (nccl, gloo, nvshmem);
-* ``execute.one_sided``: reads or writes of peers' registered memory through a
+* ``execute.one_sided_program``: reads or writes of peers' registered memory through a
   one-sided transport (ipc, nixl), with the cross-process ordering;
 * ``execute.quantize``: the plan's FP8 quantize steps, before the exchange (from the
   source) and after it (from shadows), on the caller's stream.
@@ -38,7 +38,7 @@ from ..plan.types import LocalCopy, RankPlan
 from ..transport.base import RoundsTransport, Transport
 from ..transport.one_sided import OneSidedTransport
 from .local import LANES, Copy, LocalCopies, compile_copies, differing
-from .one_sided import OneSidedProgram, compile_one_sided
+from .one_sided_program import OneSidedProgram, compile_one_sided
 from .quantize import Quantizes, compile_quantize
 from .rounds import Rounds, Staging, compile_rounds, run_rounds, unpack_round
 from .streams import SideStreams
@@ -93,7 +93,7 @@ def _grad_off() -> bool:
     """Grad mode off, returning the caller's (restore it with ``torch._C._set_grad_enabled``):
     what ``torch.no_grad()`` does for the copies into leaves that require grad, without
     its Python context manager. A refit runs right after its host waited, caches cold,
-    where that manager's enter and exit cost 2-3x this (benchmarks/cold_host_calls.py)."""
+    where that manager's enter and exit cost 2-3x this."""
     was = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)
     return was
@@ -228,7 +228,7 @@ class Program:
         # that swaps weight buffers), so even one replay into it would corrupt. Nor in
         # stages overlapping the copies (check a part, replay its copies, check the
         # next): a tensor that no longer fits, found in a later stage, would raise after
-        # earlier stages wrote, leaving a torn model (DESIGN.md invariant 2).
+        # earlier stages wrote, leaving a torn model: a refit is all or nothing.
         if check:
             self.check_storage()
         c = self.compiled
@@ -241,7 +241,7 @@ class Program:
             c.quantize.before.run()
             if not c.exchanges and c.local.graph is not None:
                 # Nothing to overlap: replay on the caller's stream. A side stream here
-                # would cost ~0.2 ms of host time per refit on an H200.
+                # would only add the fork and join's host work to every refit.
                 c.local.graph.replay()
             elif not c.local:
                 self._exchange(c, compare=False)  # on the caller's stream, ordered by stream order

@@ -1,9 +1,8 @@
 """Contiguous-run merging of local copies, decided once when a program is compiled.
 
 A MoE model is thousands of 3-12 MB expert tensors; one device copy of that size
-spends more time starting and draining than moving bytes (on an H200 a 3 MB copy
-alone reaches ~0.8 TB/s of the 4.3 TB/s a large one does;
-``benchmarks/diagnose_moe_copies.py``). The caching allocator often puts such
+spends more time starting and draining than moving bytes (a 3 MB copy alone reaches
+a fifth of a large copy's bandwidth). The caching allocator often puts such
 tensors back to back, in the same order on the source and the destination model.
 Copies whose destinations *and* sources are back to back, each inside one device
 allocation, are then one copy of their bytes.

@@ -69,8 +69,8 @@ def is_dtensor_model(model) -> bool:
     its modules is FSDP2's (which may hold only unsharded copies right now)."""
     if "torch.distributed.tensor" not in sys.modules:
         # no DTensor (nor FSDP2 module, which imports it) can exist yet; importing it
-        # only to check would cost seconds on a cold machine (sympy; an H200 run: 3.5 s
-        # of a Refitter's construction, benchmarks/one_sided_first_refit.py)
+        # only to check would cost seconds of a Refitter's construction on a cold
+        # machine (it imports sympy)
         return False
     cls = _dtensor_type()
     chunks = _chunks(model)

@@ -2,9 +2,9 @@
 
 Building a Refitter asks a model's modules several things: its parameters, its
 persistent buffers, its layer numbers (Megatron), its FSDP2 modules, and the dict
-holding each tensor (the binding check). Each used to walk the tree again with
-``named_modules()``; a MoE model has thousands of modules (qwen3-30b-a3b, 8 layers:
-3,151 per model, 4 walks each, ~6 ms a walk on a 2-core CPU). Inside
+holding each tensor (the binding check). Each question alone would walk the tree again
+with ``named_modules()``, and a MoE model has thousands of modules (qwen3-30b-a3b, 8
+layers: 3,151 per model, milliseconds a walk). Inside
 :func:`shared_walks` (``Refitter.__init__``, on every rank) the first walk of a root
 module is kept and reused; outside it every call walks afresh.
 

@@ -1,6 +1,6 @@
 """Planning: pure functions from gathered rosters to one rank's plan."""
 
-from .index import RoleIndex, TensorInfo
+from .holdings import RoleIndex, TensorInfo
 from .planner import Planner, Region
 from .roster import Roster, decode_roster, encode_roster
 from .types import LocalCopy, RankPlan, Transfer

@@ -36,7 +36,7 @@ from ..transforms.fp8 import (
     scale_cells,
     whole_blocks,
 )
-from .index import RoleIndex, TensorInfo
+from .holdings import RoleIndex, TensorInfo
 from .shares import ClassBlock, ShareLine
 from .types import LocalCopy, Quantize, RankPlan, Transfer, itemsize, shadow_key, staging_keys
 

@@ -16,8 +16,7 @@ largest of its terms:
 and the refit takes as long as its slowest rank. This is a lower bound: no
 per-message latency, no packing or unpacking, no congestion inside the network,
 no waiting between rounds, NVLink and network used at once at full rate, and
-every rank starting at the same moment (see BENCHMARKS.md for how it compares
-with published refits).
+every rank starting at the same moment.
 """
 
 from __future__ import annotations
@@ -35,8 +34,8 @@ class Hardware:
 
     Defaults: an 8-GPU H100/H200 node (NVLink 4 through NVSwitch: 900 GB/s both
     directions, 450 GB/s each way), one 400 Gb/s network interface per GPU
-    (50 GB/s), and a device-to-device copy at 4000 GB/s read plus written
-    (REFERENCE.md measures 4237 GB/s on an H200).
+    (50 GB/s), and a device-to-device copy at 4000 GB/s read plus written (an
+    H200's HBM3e copies at about that rate).
     """
 
     gpus_per_node: int = 8

@@ -25,9 +25,9 @@ from ..plan.planner import Planner
 from ..plan.types import RankPlan, itemsize
 from .meshes import Mesh
 from .predict import Hardware, Prediction, predict
+from .roles import SimulatedRole, simulated_role
 from .shapes import ModelShape, global_tensors
 from .traffic import Traffic, traffic
-from .world import SimulatedRole, simulated_role
 
 __all__ = ["RankTiming", "PlanReport", "Simulation", "simulate", "time_rank", "peak_rss_bytes"]
 

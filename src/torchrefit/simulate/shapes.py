@@ -82,9 +82,9 @@ class ModelShape:
 
 
 PRESETS: dict[str, ModelShape] = {
-    # The seed's benchmark model as megatron-core builds it for refit benchmarks (and as
-    # REFERENCE.md's megatron-core row measured it): 245 tensors, 4.46 B parameters,
-    # untied output layer, learned positions. Tied, it is the 244-tensor 4.25 B model.
+    # A GPT-3-style 4 B model as megatron-core's refit benchmark
+    # (examples/rl/benchmark_refit.py) builds it: 245 tensors, 4.46 B parameters, untied
+    # output layer, learned positions. Tied, it is the 244-tensor 4.25 B model.
     "gpt-4b": ModelShape(20, 4096, 32, 32, 16384, 50304, swiglu=False, bias=True, tie=False,
                          position_embeddings=4096, norm_bias=True),
     "llama-70b": ModelShape(80, 8192, 64, 8, 28672, 128256),

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from .world import WorldError, _child
+from .processes import WorldError, _child
 
 __all__ = ["run_jobs", "free_port", "free_ports"]
 

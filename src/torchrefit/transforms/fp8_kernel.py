@@ -32,7 +32,6 @@ tests run it on CPU through Triton's interpreter).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -62,21 +61,17 @@ VARIANTS = {
     "twopass_c32_w4": Variant(32, 4),
     "twopass_c32_w8": Variant(32, 8),
 }
-# the fastest on an H200 (benchmarks/fp8_kernel_lab.py, BENCHMARKS.md: 3.00 ms for the seed's
-# 12.1 GB of projections, 1.06x their copy floor; one pass with 8 warps 3.82 ms, the
-# pre-rewrite kernel 16.3 ms): 64-row chunks keep ~40 registers a thread, so six
-# programs an SM keep loads in flight, and the second pass finds the block in cache
+# the fastest of VARIANTS on large projections: 64-row chunks keep ~40 registers a
+# thread, so six programs an SM keep loads in flight, and the second pass finds the
+# block in cache; a whole block in registers leaves room for fewer programs
 _DEFAULT = "twopass_c64_w8"
 _EDGE = Variant(32, 4)  # masked blocks: few, and a masked whole block needs ~250 registers
 
 
 def variant() -> str:
-    """The variant even blocks use: ``TORCHREFIT_FP8_KERNEL`` (a key of ``VARIANTS``;
-    ``benchmarks/fp8_kernel_lab.py`` times them all) or the default."""
-    name = os.environ.get("TORCHREFIT_FP8_KERNEL", _DEFAULT)
-    if name not in VARIANTS:
-        raise ValueError(f"TORCHREFIT_FP8_KERNEL={name!r} is none of {sorted(VARIANTS)}")
-    return name
+    """The variant even blocks use unless ``launch`` is given another (a key of
+    ``VARIANTS``; ``benchmarks/`` times them all)."""
+    return _DEFAULT
 
 
 @lru_cache(maxsize=1)

@@ -2,7 +2,7 @@
 
 Every transport is one module with one class registered here by name. A class
 speaks one of two protocols, and the executor compiles one program per protocol
-(``execute.rounds`` and ``execute.one_sided``):
+(``execute.rounds`` and ``execute.one_sided_program``):
 
 * :class:`RoundsTransport`, message rounds (``nccl``, ``gloo``, ``nvshmem``): per
   round a list of (peer, uint8 tensor) to send and one to receive into; the
@@ -199,7 +199,7 @@ def host_wait_current(device: torch.device) -> None:
     event.synchronize()
 
 
-_SPIN_S = 0.005  # a poll spins this long (a seed-model refit's copies take 4 ms), then naps
+_SPIN_S = 0.005  # a poll spins this long (a dense multi-GB model's copies take a few ms), then naps
 _NAP_S = 50e-6
 #: around the end a wait is expected (:class:`Waits`), a poll spins from this long before
 #: it until this long after 1.5x it, and no more than ``_LATE_S`` after it
@@ -214,10 +214,9 @@ def poll_until(done: Callable[[], bool], timeout: float | None, expected: float 
     given, again around then (:func:`spinning`); napping 50 us between polls otherwise.
 
     For a cross-process wait on a GPU shared by processes: a wait queued on a stream
-    and not yet satisfied makes the GPU switch contexts to resolve it, which measured
-    0.25 ms per refit on an H200, while polling the event from the host queues
-    nothing (``benchmarks/ipc_timeline.py``, BENCHMARKS.md "Transports run 4").
-    ``cudaEventSynchronize`` on an interprocess event measured slower still (run 3).
+    and not yet satisfied makes the GPU switch contexts to resolve it, while polling
+    the event from the host queues nothing. ``cudaEventSynchronize`` on an interprocess
+    event is slower still.
     """
     start = time.monotonic()
     deadline = None if timeout is None else start + timeout
@@ -238,9 +237,8 @@ def spinning(elapsed: float, expected: float | None) -> bool:
     after it: a slow peer's long wait is not spun through). A nap of 50 us
     lasts ~0.1 ms with Linux's default timer slack: a wait ending during one returns that
     much late, which a refit's sender pays whenever its receiver's copies outlast the
-    first 5 ms (a collocated refit of the seed's model: 8.7 ms on an H200, where spinning
-    around the expected end measured 1.058-1.061x the floor against 1.066-1.072x;
-    BENCHMARKS.md, "Twenty-second session"). Pure."""
+    first 5 ms (a collocated refit of a multi-GB dense model); spinning around the
+    expected end saves that without spinning through a slow peer's wait. Pure."""
     if elapsed < _SPIN_S:
         return True
     if expected is None:

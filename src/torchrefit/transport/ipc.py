@@ -9,7 +9,7 @@ sender's storage moves to a segment it has not opened) and then copies its
 regions device to device on its own streams, like local copies: the executor
 captures them in a CUDA graph.
 
-Ordering (``order``, default from ``TORCHREFIT_IPC_ORDER``):
+Ordering (``order``):
 
 * ``"word"`` (default): the control words of the mailbox (``transport.mailbox``, a
   page of host shared memory) are registered with CUDA, and each side's *stream*
@@ -19,21 +19,17 @@ Ordering (``order``, default from ``TORCHREFIT_IPC_ORDER``):
   the sender's producer finished, and the sender's ``refit()`` returns once the
   receiver's copies finished. No interprocess event is recorded or waited for, and
   no wait is queued in one process's context on work of another's, which a GPU
-  time-sliced between processes pays as context switches (BENCHMARKS.md,
-  "Transports run 6"). A word is one ``cuStreamWriteValue64`` (:class:`StreamWords`).
-* ``"event"``: interprocess CUDA events, with the host writing the words (the
-  order of the first sessions; also what ``"word"`` falls back to for a peer
-  without a mailbox, e.g. ``TORCHREFIT_MAILBOX=0``). *ready*: the sender records
-  its event after its producer; the receiver waits for it (``ready_wait``, default
-  from ``TORCHREFIT_IPC_READY``): ``"stream"``, its stream waits, or ``"host"``, its
+  time-sliced between processes pays as context switches. A word is one ``cuStreamWriteValue64`` (:class:`StreamWords`).
+* ``"event"``: interprocess CUDA events, with the host writing the words (what
+  ``"word"`` falls back to for a peer without a mailbox, e.g. with
+  ``settings.mailbox`` off). *ready*: the sender records its event after its
+  producer; the receiver waits for it (``ready_wait``): ``"stream"`` (default), its stream waits, or ``"host"``, its
   host polls the event and then launches its copies. *done*: the receiver records
-  its event after queuing its copies; the sender waits (``done_wait``, default from
-  ``TORCHREFIT_IPC_DONE``): ``"host"`` (default) polls it, so ``refit()`` returns on
+  its event after queuing its copies; the sender waits (``done_wait``):
+  ``"host"`` (default) polls it, so ``refit()`` returns on
   the sender once the copies finished, or ``"stream"``: its stream waits and the
   host returns at once. On a GPU shared without MPS the stream wait costs a context
-  switch when it resolves: in ``benchmarks/ipc_timeline.py`` on an H200 the same
-  copies cost 4.26 ms with the host polling and 4.51 ms with the stream waiting
-  (BENCHMARKS.md, "Transports run 4").
+  switch when it resolves, which the host's polling does not.
 """
 
 from __future__ import annotations
@@ -41,7 +37,6 @@ from __future__ import annotations
 import bisect
 import ctypes
 import functools
-import os
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -169,10 +164,9 @@ class IpcTransport(OneSidedTransport):
     def __init__(self, group: dist.ProcessGroup, device: torch.device, done_wait: str | None = None,
                  ready_wait: str | None = None, order: str | None = None) -> None:
         require_cuda(device, "ipc")
-        self.order = _mode("order", order or os.environ.get("TORCHREFIT_IPC_ORDER", "word"), ("word", "event"))
-        self.done_wait = _mode("done_wait", done_wait or os.environ.get("TORCHREFIT_IPC_DONE", "host"), _WAITS)
-        self.ready_wait = _mode("ready_wait", ready_wait or os.environ.get("TORCHREFIT_IPC_READY", "stream"),
-                                _WAITS)
+        self.order = _mode("order", order or "word", ("word", "event"))
+        self.done_wait = _mode("done_wait", done_wait or "host", _WAITS)
+        self.ready_wait = _mode("ready_wait", ready_wait or "stream", _WAITS)
         super().__init__(group, device)
         # two events, one per role, so a rank that both sends and receives never makes
         # its readers wait for its own reads
@@ -294,9 +288,8 @@ class StreamWords:
     def __call__(self, index: int, value: int) -> None:
         # The stream's raw handle and the driver's query, not torch's Stream object and
         # its query(): a sender's ready word is on the refit's critical path, right after
-        # its host waited, caches cold. torch.cuda.current_stream's Python alone took 18 us
-        # so on the CPU VM (benchmarks/cold_host_calls.py); post_header, whose one CUDA
-        # step this is, took 42 us on an H100 host (twenty-second session)
+        # its host waited, caches cold, where torch.cuda.current_stream's Python alone
+        # costs tens of microseconds
         stream = self._stream()
         rc = self._query(stream)
         if rc == _CUDA_SUCCESS:

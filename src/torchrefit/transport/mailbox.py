@@ -2,9 +2,9 @@
 
 A one-host one-sided transport (``ipc``) sends its per-refit header and done token
 as Gloo messages only when they carry something new (a table, a token); otherwise
-the target writes one word here and the initiator polls it. On an H200 the Gloo
-header cost 0.2 ms on the path before the copies could start (BENCHMARKS.md,
-"Transports run 4"); a word in shared memory is seen within microseconds.
+the target writes one word here and the initiator polls it. A Gloo message costs a
+round through the kernel's sockets on the path before the copies can start; a word in
+shared memory is seen within microseconds.
 
 A target rank owns one :class:`Mailbox` for its whole group: two int64 words per
 group rank ``r``, the *header* word at ``2r`` (the target writes it for initiator

@@ -24,10 +24,11 @@ RDMA registration pins the pages of what was there before). Ordering:
   data landed.
 
 Both waits poll from the host (``base.poll_until``), and each poll progresses UCX's
-worker; NIXL's own progress thread is off unless ``TORCHREFIT_NIXL_PROGRESS_THREAD=1``
-(or ``progress_thread=True``): with it on, it and the polls contend for the worker. On
-one H200, two processes, the seed's model: 9.99 ms with the thread, 5.68 ms without
-(BENCHMARKS.md, "Tenth session").
+worker; NIXL's own progress thread is off unless ``progress_thread=True``: with it on,
+the thread and the polls contend for the worker's lock, and a poll that loses waits for
+the thread's whole pass instead of progressing the worker itself. A wait gives up after
+``settings.nixl_timeout`` seconds (environment: ``TORCHREFIT_NIXL_TIMEOUT``), else the
+Refitter's ``timeout``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import settings
 from .._strides import dense_rows, row_offsets
 from ..errors import TransportError
 from ..layout._types import dtype_from_name, dtype_name
@@ -50,11 +52,6 @@ from .base import Availability, host_wait_current, register_transport
 from .one_sided import OneSidedTransport, Table
 
 __all__ = ["NixlTransport", "RemoteRegion", "contiguous_runs"]
-
-#: seconds a WRITE or a notification may take; unset: the Refitter's ``timeout`` (as every
-#: other wait of a refit)
-_TIMEOUT_S: float | None = (float(os.environ["TORCHREFIT_NIXL_TIMEOUT"])
-                            if os.environ.get("TORCHREFIT_NIXL_TIMEOUT") else None)
 
 
 @dataclass(frozen=True)
@@ -155,10 +152,10 @@ class NixlTransport(OneSidedTransport):
     pull = False
     preference = 10
     # CPU tensors by name only: "auto" keeps gloo there (a process's first NIXL agent
-    # costs ~0.4 s, BENCHMARKS.md "Thirteenth session")
+    # costs a large part of a second to start, more than gloo's whole refit of a small model)
     auto_on_cpu = False
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, progress_thread: bool | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, progress_thread: bool = False) -> None:
         super().__init__(group, device)
         import nixl_cu13
         from nixl_cu13._api import nixl_agent, nixl_agent_config
@@ -167,8 +164,6 @@ class NixlTransport(OneSidedTransport):
         self._errors = tuple(c for n, c in vars(bindings or object).items()
                              if n.startswith("nixl") and isinstance(c, type) and issubclass(c, Exception))
 
-        if progress_thread is None:
-            progress_thread = os.environ.get("TORCHREFIT_NIXL_PROGRESS_THREAD", "0") == "1"
         self._name = f"torchrefit-{self.rank}-{os.getpid()}-{id(self):x}"
         self._agent = nixl_agent(self._name, nixl_agent_config(enable_prog_thread=progress_thread,
                                                                backends=["UCX"]))
@@ -356,7 +351,9 @@ class NixlTransport(OneSidedTransport):
                                  ranks=(peer,), rule="timeout")
 
     def _timeout(self) -> float:
-        return _TIMEOUT_S if _TIMEOUT_S is not None else self.poll_timeout()
+        """Seconds a write or a notification may take."""
+        limit = settings.current().nixl_timeout
+        return limit if limit is not None else self.poll_timeout()
 
     def _notif_of(self, peer: int) -> bytes:
         return b"torchrefit:%d" % peer

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .. import settings
 from .._collectives import all_gather_pickled, collective
 from ..errors import TransportError
 from ..plan.messages import ALIGN, cut_messages
@@ -291,7 +292,7 @@ def _one_gpu_per_rank(places: Sequence[tuple[str, str]]) -> None:
     for rank, place in enumerate(places):
         seen[place].append(rank)
     shared = [ranks for ranks in seen.values() if len(ranks) > 1]
-    if shared and os.environ.get("TORCHREFIT_NVSHMEM_SHARED_GPU") != "1":
+    if shared and not settings.current().nvshmem_shared_gpu:
         raise TransportError(f"nvshmem: ranks {shared[0]} share one GPU of host {places[shared[0][0]][0]}; "
-                             "NVSHMEM needs one GPU per rank (set TORCHREFIT_NVSHMEM_SHARED_GPU=1 "
+                             "NVSHMEM needs one GPU per rank (set TORCHREFIT_NVSHMEM_SHARED_GPU=1, settings.nvshmem_shared_gpu, "
                              "where CUDA MPS lets PEs share one)")

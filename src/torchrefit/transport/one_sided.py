@@ -6,7 +6,7 @@ remotely) and the other the *initiator* (it moves the bytes). A pull transport
 A push transport (``nixl``) makes the sender the initiator: it writes
 into the receiver's destination tensors.
 
-The order of one refit is written once, in ``execute.one_sided``; a transport
+The order of one refit is written once, in ``execute.one_sided_program``; a transport
 supplies the primitives it calls, and this base class the small control messages
 (over the group's Gloo backend; for a one-host transport with ``mailbox``, after a
 pair's first exchange only when they carry a new table or token, otherwise as words
@@ -33,7 +33,6 @@ the base asks the transport for another token instead (:meth:`event_token`).
 from __future__ import annotations
 
 import ctypes
-import os
 import pickle
 import struct
 from abc import abstractmethod
@@ -44,6 +43,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+from .. import settings
 from .._caller_state import outside_inference
 from .._collectives import all_gather_pickled
 from ..errors import TransportError
@@ -53,7 +53,6 @@ from .delegates import delegates_of
 from .delegates import enabled as delegates_enabled
 from .mailbox import Mailbox, done_word, header_word
 from .turns import Turn, chain_of, device_key
-from .turns import enabled as turns_enabled
 
 __all__ = ["OneSidedTransport", "Table", "WORD"]
 
@@ -79,13 +78,13 @@ WORD = b"stream word"
 
 class OneSidedTransport(Transport):
     """Base of one-sided transports. Subclasses implement the primitives below; the
-    executor (``execute.one_sided``) calls them in the protocol's order."""
+    executor (``execute.one_sided_program``) calls them in the protocol's order."""
 
     protocol = "one_sided"
     #: True: receivers read senders' memory (ipc); False: senders write receivers' memory
     pull: ClassVar[bool]
     #: one host: headers and done tokens with nothing new go through host shared memory
-    #: (``transport.mailbox``) instead of Gloo; ``TORCHREFIT_MAILBOX=0`` turns it off
+    #: (``transport.mailbox``) instead of Gloo, unless ``settings.mailbox`` is off
     mailbox: ClassVar[bool] = False
     #: ranks copying on one shared GPU take turns (``transport.turns``); needs ``mailbox``
     turns: ClassVar[bool] = False
@@ -117,9 +116,9 @@ class OneSidedTransport(Transport):
         self.delegates: dict[int, int] = {}  # rank -> the rank copying for it on a shared GPU
         self._tasks: dict[tuple[int, int], object] = {}  # (peer, generation) -> its work for this delegate
         self.waits = Waits()  # host polls, each spinning where the same wait ended last time
-        # read once: ``ready()`` asks on every refit, and reading the environment there cost
-        # 8 us right after the host waited (benchmarks/cold_host_calls.py)
-        self._mailbox_on = self.mailbox and os.environ.get("TORCHREFIT_MAILBOX", "1") != "0"
+        # read once: ``ready()`` asks on every refit, right after the host waited, where
+        # every Python step costs several times its warm time
+        self._mailbox_on = self.mailbox and settings.current().mailbox
 
     def prepare(self, plan, message_limit: int) -> None:
         """Collective: where several ranks copy on this rank's GPU, one of them copies
@@ -136,7 +135,7 @@ class OneSidedTransport(Transport):
         infos = all_gather_pickled((device_key(self.device), copies, eligible), self.group, self.timeout)
         keys, copying = [i[0] for i in infos], [i[1] for i in infos]
         self.delegates = delegates_of(keys, copying, [i[2] for i in infos])
-        chain = [] if self.rank in self.delegates or not turns_enabled() else chain_of(self.rank, keys, copying)
+        chain = [] if self.rank in self.delegates else chain_of(self.rank, keys, copying)
         own = None
         if chain and self.rank != chain[-1]:  # the last one's word nobody reads
             try:
@@ -310,7 +309,7 @@ class OneSidedTransport(Transport):
         if size:
             table, handle = pickle.loads(self._recv(peer, _TABLE, fixed=False))
             regions[generation] = self._attach_table(peer, table[:2])
-            if len(table) > 2:  # a rank this one copies for: what to copy (execute.one_sided.Work)
+            if len(table) > 2:  # a rank this one copies for: what to copy (execute.one_sided_program.Work)
                 self._tasks[peer, generation] = table[2]
             if handle is not None:
                 box = self._peer_boxes[peer] = self._open_mailbox(peer, handle)
@@ -385,7 +384,7 @@ class OneSidedTransport(Transport):
             return Mailbox.open(handle)
         except (RuntimeError, OSError) as e:  # the target then times out waiting for this rank
             raise TransportError(f"{self.name}: cannot map rank {peer}'s control words in shared memory "
-                                 f"({e}); set TORCHREFIT_MAILBOX=0 on every rank", ranks=(peer,),
+                                 f"({e}); set TORCHREFIT_MAILBOX=0 (settings.mailbox) on every rank", ranks=(peer,),
                                  rule="shared memory") from e
 
     def _take(self, box: Mailbox, index: int, seq: int, peer: int, what: str) -> bool:

@@ -3,10 +3,7 @@ after another, not at once.
 
 Without MPS a GPU runs one process's kernels at a time and switches between processes
 with work queued; copies from several processes at once then cost more than the same
-copies one process after another. On one H200, pure copies from two and four
-processes at once took 1.08x and 1.12x the copy floor, and ipc's collocated TP2 -> TP1
-refit with two and four processes sharing the GPU 1.19-1.22x (BENCHMARKS.md,
-"Transports run 4" and "Eleventh session").
+copies one process after another: every switch drains one context and fills another.
 
 So where several ranks of a group copy on one GPU (a ``one_host`` transport; ranks
 with local copies or, for a pull transport, reads), they take turns in rank order for
@@ -14,22 +11,21 @@ every refit: rank ``k`` posts its ready header (peers may read its sources durin
 others' turns), its host waits until the previous rank's turn word says that rank's
 copies of this refit finished, then queues its own copies, and its stream writes its
 own turn word after them. A host wait, not a stream wait: a wait queued on a stream
-for another process makes the GPU switch contexts to resolve it (0.25 ms per refit on an
-H200, ``transport.base.poll_until``; BENCHMARKS.md "Transports run 4"). The waits never
+for another process makes the GPU switch contexts to resolve it
+(``transport.base.poll_until``). The waits never
 form a cycle: a rank's ready header precedes its wait, and its
 wait for its readers' done tokens follows its own turn word.
 
 Where every rank copying on a GPU can hand its copies over, one of them copies for all
 instead (``transport.delegates``, the default); turns are for the others (a rank that
-quantizes to FP8, or ``TORCHREFIT_DELEGATE=0``). Found once per Refitter by two small
+quantizes to FP8, or all of them with ``settings.delegate_copies`` off). Found once per Refitter by two small
 gathers in ``OneSidedTransport.prepare`` (each rank's host and GPU, whether it copies
 and whether it can hand its copies over; then the turn mailboxes of the ranks that take
-turns); ``TORCHREFIT_DEVICE_TURNS=0`` turns it off.
+turns).
 """
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,9 +34,8 @@ import torch
 
 from .mailbox import Mailbox
 
-__all__ = ["Turn", "TURNS_ENV", "device_key", "chain_of", "shared_devices"]
+__all__ = ["Turn", "device_key", "chain_of", "shared_devices"]
 
-TURNS_ENV = "TORCHREFIT_DEVICE_TURNS"
 _WORD = 0  # the one word of a turn mailbox: the number of this rank's finished turns
 
 
@@ -105,6 +100,3 @@ class Turn:
         else:
             self.own.store(_WORD, self.taken)
 
-
-def enabled() -> bool:
-    return os.environ.get(TURNS_ENV, "1").strip() != "0"

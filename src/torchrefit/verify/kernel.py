@@ -104,10 +104,7 @@ def _kernel():
 
 def available(device_type: str) -> bool:
     """Whether the kernel can run on this device type: CUDA with Triton, or any device
-    under Triton's interpreter (``TRITON_INTERPRET=1``, tests); never when
-    ``TORCHREFIT_VERIFY_KERNEL=0``."""
-    if os.environ.get("TORCHREFIT_VERIFY_KERNEL", "1") == "0":
-        return False
+    under Triton's interpreter (``TRITON_INTERPRET=1``, tests)."""
     if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
     try:

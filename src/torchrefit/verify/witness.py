@@ -27,10 +27,10 @@ import torch
 
 from ..layout._types import Box, ModelLayout, dtype_from_name
 from ..maps import relocate
-from ..plan.index import RoleIndex, TensorInfo
+from ..plan.holdings import RoleIndex, TensorInfo
 from ..plan.planner import Planner
 from .checksum import MOD, region_sum
-from .fp8 import Unit, plan_units, quantize_unit
+from .fp8_units import Unit, plan_units, quantize_unit
 from .fused import FusedSums, Item
 from .kernel import available as kernel_available
 
@@ -80,7 +80,7 @@ class Witness:
     def __init__(self, planner: Planner, rank: int, src: ModelLayout | None,
                  dst: ModelLayout | None) -> None:
         fed = sorted(n for n in planner.dst.tensors if planner.segments(n) is not None)
-        # FP8 targets' scales are compared too (``verify.fp8``): they have slots of their own
+        # FP8 targets' scales are compared too (``verify.fp8_units``): they have slots of their own
         self.names = fed + sorted(t.scale for n, t in planner.fp8.items() if n in fed)
         self._number = {n: i for i, n in enumerate(self.names)}
         self._cells = {n: cells(planner.dst.tensors[n], planner.dst) for n in self.names}

@@ -212,7 +212,7 @@ class OneSidedProgram:
         self.compiled = compiled
         self.transport = transport
         # streams of its own: the pulls are captured during a refit, while the local
-        # copies' session holds the program's side streams
+        # copies' ordering window (SideStreams.session) holds the program's side streams
         self.side = SideStreams(device, LANES) if compiled.initiated and transport.pull else None
         self.cuda_graph = cuda_graph
         self._pulls: tuple[tuple, LocalCopies] | None = None  # (peer generations, copies)
@@ -295,7 +295,7 @@ class OneSidedProgram:
     def _attach(self, pair: Initiated) -> tuple[int, int, tuple]:
         generation, token, remote = self.transport.recv_header(pair.peer)
         # once per table, not per refit: on the receiver's path between the sender's
-        # header and its copies (56 us for the seed model's 203 regions on an H200);
+        # header and its copies (tens of microseconds for a dense model's ~200 regions);
         # a delegate checks its tables where it pairs them (delegated_copies)
         if (pair.peer, generation) not in self._matched and self.compiled.delegation is None:
             if len(remote) != len(pair.local) or (self.transport.pull and any(
