@@ -11,7 +11,7 @@ Run (GPU machine, megatron-core importable)::
 
     python benchmarks/shape_matrix.py --json benchmarks/results/h200/matrix/shape_matrix.json
     python benchmarks/shape_matrix.py --also-toy --json F  # and torchrefit on toy models of each shape
-    python benchmarks/shape_matrix.py --batched --json F  # every plain aligned copy batched (TORCHREFIT_BATCHED_COPY=1)
+    python benchmarks/shape_matrix.py --batched --json F  # every plain aligned copy batched (settings batched_copy="all")
     python benchmarks/shape_matrix.py --no-megatron --only dense-0.5b --json F  # toy models, one preset
     python benchmarks/shape_matrix.py --watch-manual-too --json F  # toy rows also with Refitter(watch="manual")
     python benchmarks/shape_matrix.py --layers deepseek-v3-moe=1 --json F  # another layer count (an H100's memory)
@@ -43,6 +43,7 @@ TARGET = 1.03  # x the copy floor: the matrix's bar for a refit of local copies
 
 
 def _config(name: str, layers: int | None, args, toy: bool = False, watch: str = "every"):
+    from torchrefit import settings
     from torchrefit.bench import BenchConfig
     from torchrefit.bench.config import spec_from_preset
     from torchrefit.bench.megatron_models import megatron_available
@@ -58,15 +59,16 @@ def _config(name: str, layers: int | None, args, toy: bool = False, watch: str =
     label = name + (f" ({layers} layers)" if layers else "") + (" watch=manual" if watch == "manual" else "")
     return BenchConfig(spec=spec, transport="nccl" if torch.cuda.is_available() else "gloo",
                        warmup=args.warmup, iters=args.iters, variants=("graph",), compare=compare,
-                       label=label, watch=watch)
+                       label=label, watch=watch, settings=settings.current())
 
 
 def run(args) -> None:
+    from torchrefit import settings
     from torchrefit.bench.megatron_models import megatron_available
     from torchrefit.execute.batched import kernel_available
 
-    if args.batched:  # read when each program compiles, also in the bench's worker processes
-        os.environ["TORCHREFIT_BATCHED_COPY"] = "1"
+    if args.batched:  # the bench's rank processes take these settings from each BenchConfig
+        settings.configure(batched_copy="all")
     cuda = torch.cuda.is_available()
     out = {"device": torch.cuda.get_device_name(0) if cuda else "cpu",
            "torch": torch.__version__, "target_x_floor": TARGET,
@@ -210,7 +212,7 @@ def main() -> None:
                          "(no per-refit tensor checks) as well as the default (implies --also-toy): "
                          "host time both ways in one run")
     ap.add_argument("--batched", action="store_true",
-                    help="batch every plain aligned copy (TORCHREFIT_BATCHED_COPY=1; default: auto)")
+                    help="batch every plain aligned copy (settings batched_copy='all'; default: auto)")
     args = ap.parse_args()
     if args.report:
         report(args.report)

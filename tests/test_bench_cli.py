@@ -2,7 +2,8 @@
 benchmark tables rely on (median, floor and ratio, first refit, peak memory), for the plain and
 shared-storage variants; its table names its columns plainly and leaves out what a CPU
 run cannot have (the CUDA-graph variant, host-time and megatron-core columns).
-``--watch manual`` reaches the bench's config and Refitter, and rows record it. ``--stage`` adds
+``--watch manual`` reaches the bench's config and Refitter, and rows record it; a
+``BenchConfig``'s settings reach the spawned rank processes, and rows record them. ``--stage`` adds
 a row with the plain refit's, the stage's and the commit's times. The wait
 that ends each timed call is torch's C synchronize where the device is current."""
 
@@ -59,6 +60,20 @@ def test_bench_watch_manual_reaches_the_refitter(tmp_path, capsys, monkeypatch) 
 
     with pytest.raises(ValueError, match="'sometimes'"):
         BenchConfig(spec=ModelSpec(layers=1), watch="sometimes")
+
+
+def test_bench_settings_reach_the_rank_processes() -> None:
+    from torchrefit import settings
+    from torchrefit.bench import BenchConfig, run_bench
+    from torchrefit.testing import ModelSpec
+
+    spec = ModelSpec(layers=1, hidden=64, heads=4, groups=2, ffn=128, vocab=256, dtype=torch.float32)
+    with settings.overridden(batched_copy="all", branches=3):
+        cfg = BenchConfig(spec=spec, warmup=1, iters=2, settings=settings.current())
+    (row,) = run_bench(cfg)
+    assert row["settings"]["batched_copy"] == "all" and row["settings"]["branches"] == 3
+    (plain,) = run_bench(BenchConfig(spec=spec, warmup=1, iters=2))
+    assert plain["settings"]["batched_copy"] == "auto" and plain["settings"]["branches"] == 8
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU defaults")

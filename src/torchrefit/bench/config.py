@@ -8,6 +8,7 @@ import torch
 
 from ..execute.staged import STAGING
 from ..refitter import WATCH_MODES
+from ..settings import Settings
 from ..simulate.meshes import Mesh, min_ranks, parse_mesh
 from ..simulate.shapes import preset
 from ..testing.toy import ModelSpec
@@ -62,6 +63,9 @@ class BenchConfig:
     watch: str = "every"  # Refitter(watch=...): "manual" skips the per-refit tensor checks
     stage: bool = False  # also time stage() and commit() against a plain refit, in one run
     staging: str = "device"  # Refitter(staging=...) for the staged row: "device" | "host"
+    #: applied in every rank's process before its models are built (the ranks are spawned,
+    #: so the caller's ``settings.configure`` does not reach them); None: each rank's own
+    settings: Settings | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("collocated", "non-collocated"):

@@ -13,6 +13,7 @@ are the slowest rank's per iteration.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -79,6 +80,8 @@ def _models(cfg: BenchConfig, rank: int, device: torch.device):
 def _bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
     import torchrefit as tr
 
+    if cfg.settings is not None:
+        tr.settings.configure(**dataclasses.asdict(cfg.settings))
     device = _device(rank)
     src, dst = _models(cfg, rank, device)
     # measured once every rank is idle: processes sharing a GPU would otherwise build
@@ -191,7 +194,7 @@ def _time_refitter(tr, src, dst, cfg: BenchConfig, variant: str, device: torch.d
                 "large_local_copies_as_kernels": sum(w is not None for w in local.words) if local else 0,
                 "batched_local_copies": len(local.batch.dst) if local and local.batch else 0})
     row.update({"impl": "torchrefit", "variant": variant, "transport": refitter.transport_name,
-                "watch": refitter.watch,
+                "watch": refitter.watch, "settings": dataclasses.asdict(tr.settings.current()),
                 "staging_bytes": report.staging_bytes, "bytes_local": report.bytes_local,
                 "bytes_sent": report.bytes_sent, "bytes_received": report.bytes_received,
                 "shared_tensors": report.shared_tensors, "plan_seconds": refitter.plan_seconds,
