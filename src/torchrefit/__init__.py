@@ -52,6 +52,8 @@ __all__ = [
     "ConnectError",
     # separately launched trainer and engine jobs; weight versions; engine load_weights
     "connect", "Connection", "weight_version", "load_weights_sink",
+    # every tunable: tr.settings.configure(...), tr.settings.overridden(...)
+    "settings",
 ]
 
 # A library adds no handler of its own: without this, Python's last-resort handler would
