@@ -8,8 +8,9 @@ TP1 collocated (every byte a local copy), NCCL world of one::
 
 Prints (and writes) the median refit time, the median ``verify()`` time and their
 ratio (with the bytes verify reads, both models once, over its time; and how its fused
-checksum launches were cut: ``TORCHREFIT_VERIFY_KERNEL=0`` times the eager reference), then allocated / reserved device memory and host RSS after refit 10 and after the
-last, and whether the destination equals the source at the end (checked with
+checksum launches were cut, or "eager reference" where Triton is missing), then
+allocated / reserved device memory and host RSS after refit 10 and after the last, and
+whether the destination equals the source at the end (checked with
 ``torch.equal``, not with verify).
 """
 

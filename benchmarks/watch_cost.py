@@ -29,7 +29,7 @@ microseconds, min over repeats; nothing else runs).
   tensors' TensorImpls and StorageImpls (torch's ``_cdata`` addresses), and how many pages
   of 4 KiB and regions of 2 MiB hold them;
 * ``huge_pages`` and ``anon_huge_kib``: whether the native views check made that memory
-  huge pages (``_native_watch.views_check``; off with ``TORCHREFIT_HUGE_PAGES=0``), and
+  huge pages (``_native_watch.views_check``, from ``COLLAPSE_MIN`` watched views on), and
   this process's memory in huge pages at the end (Linux).
 * ``..._after_wait_us``: the same, each call made right after the host waited for the
   device (a GPU sleep of ``--wait-ms``, then ``torch.cuda.synchronize``), as the
@@ -44,7 +44,6 @@ microseconds, min over repeats; nothing else runs).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 import timeit
@@ -54,7 +53,6 @@ import torch
 
 import torchrefit as tr
 import torchrefit.bench.timing
-from torchrefit import _native_watch as native_watch
 from torchrefit.bench.world import report_and_leave, tiny_toy_pair
 
 
@@ -162,7 +160,7 @@ def main() -> None:
     out["metadata_objects"] = len(objects)  # the watched TensorImpls and their StorageImpls
     out["metadata_pages_4k"] = len({a >> 12 for a in objects})
     out["metadata_regions_2m"] = len({a >> 21 for a in objects})
-    out["huge_pages"] = os.environ.get(native_watch.HUGE_PAGES_ENV, "") != "0"
+    out["huge_pages"] = collapse_ms is not None  # the native views check asked for them
     out["anon_huge_kib"] = _anon_huge_kib()  # this process's memory in huge pages (Linux)
     every = tr.Refitter(src, dst)  # a fresh one: native where built
     every.refit()
