@@ -246,3 +246,22 @@ def test_without_a_compiler_nothing_starts(empty_cache: Path, monkeypatch: pytes
     monkeypatch.setenv("CXX", "no-such-compiler-here")
     monkeypatch.setattr(shutil, "which", lambda name: None)
     assert background.start_background_build() is None
+
+
+def test_the_build_goes_where_this_process_was_configured_to_keep_it(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache set by ``settings.configure`` (not the environment) reaches the child."""
+    got = {}
+
+    class Child:
+        pid = 1
+
+        def __init__(self, command, env, **kwargs) -> None:
+            got.update(command=command, env=env)
+
+    monkeypatch.setattr(background.subprocess, "Popen", Child)
+    monkeypatch.delenv("TORCHREFIT_KERNEL_CACHE", raising=False)
+    with tr.settings.overridden(kernel_cache=str(tmp_path / "configured")):
+        background._spawn(native.built_path())
+    assert got["env"]["TORCHREFIT_KERNEL_CACHE"] == str(tmp_path / "configured")
+    assert got["command"][-3:] == ["native", "build", "--background"]

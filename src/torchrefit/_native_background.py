@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import _native_watch as native
+from ._cache_dir import cache_dir
 
 __all__ = ["BUILD_MIN_TENSORS", "BackgroundBuild", "start_background_build", "failure_marker"]
 
@@ -129,8 +130,11 @@ def _take_lock(where: Path) -> bool:
 
 def _spawn(where: Path) -> subprocess.Popen | None:
     command = [sys.executable, "-m", "torchrefit", "native", "build", "--background"]
+    # the child reads its settings from the environment: the cache this process was
+    # configured with (``settings.configure(kernel_cache=...)`` too) must be its
+    env = {**os.environ, "TORCHREFIT_KERNEL_CACHE": str(cache_dir())}
     try:
-        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True,
                                 preexec_fn=_lowest_priority)
     except OSError as e:
