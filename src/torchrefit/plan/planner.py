@@ -308,13 +308,19 @@ class Planner:
     def _check_coverage(self, info: TensorInfo) -> _Problem | None:
         pads = self.name_map.padding(info.name, info.shape, self.src.tensors, self.src.aliases)
         for box, class_ids in info.boxes.items():
-            covered = sum(r.dst_box.numel for r in self.regions(info.name, box))
-            covered += sum(i.numel for p in pads if (i := box.intersect(p)) is not None)
-            if covered != box.numel:
+            parts = [r.dst_box for r in self.regions(info.name, box)]
+            parts += [i for p in pads if (i := box.intersect(p)) is not None]
+            covered = sum(b.numel for b in parts)
+            # as many elements as the box, yet two parts overlap: as many others have none
+            twice = covered == box.numel and _overlapping(parts)
+            if covered != box.numel or twice:
                 ranks = self.dst.ranks(class_ids)
                 held = self._source_boxes(info.name)
-                what = (f"{box.numel - covered} of {box.numel} elements have no source"
-                        if covered < box.numel else "some elements are covered more than once")
+                if covered < box.numel:
+                    what = f"{box.numel - covered} of {box.numel} elements have no source"
+                else:
+                    what = "some elements are covered more than once"
+                    what += " and as many have no source" if twice else ""
                 return _Problem(info.name, ranks, "coverage", (
                     f"{info.name}: destination region {box} (dst ranks {_rank_list(ranks)}) is "
                     f"not covered exactly once by the source: {what}; source ranks hold {held}"))
@@ -644,6 +650,23 @@ class Planner:
 
 
 _UNSET = object()  # a memo's "not computed yet" (None is an answer: no source)
+
+
+def _overlapping(boxes: Sequence[Box]) -> bool:
+    """Whether two of ``boxes`` share an element. A sweep along dim 0: a box is compared
+    only with those still open where it starts (stacked experts: one at a time)."""
+    if len(boxes) < 2:
+        return False
+    if not boxes[0].ndim:
+        return True  # two parts of a 0-dim tensor: both are its one element
+    open_: list[Box] = []
+    for box in sorted(boxes, key=lambda b: b.offset):
+        start = box.offset[0]
+        open_ = [b for b in open_ if b.offset[0] + b.size[0] > start]
+        if any(b.intersect(box) is not None for b in open_):
+            return True
+        open_.append(box)
+    return False
 
 
 def _without(ranks: Sequence[int], held: set[int]) -> list[int]:
