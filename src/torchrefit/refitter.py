@@ -14,6 +14,7 @@ docs/staging.md).
 from __future__ import annotations
 
 import logging
+import numbers
 import socket
 import traceback
 from dataclasses import astuple, dataclass, replace
@@ -411,10 +412,27 @@ class Refitter:
 
         On GPUs the work is ordered after everything already queued on the caller's
         current stream (the optimizer step) and before anything queued after it.
-        ``version`` (default: the previous one plus 1, starting at 1) is stamped on this
-        rank's destination model once the refit succeeded (``tr.weight_version(model)``)
-        and returned in the report; pass the same value on every rank. A refit that
-        raises leaves the previous stamp.
+        ``version`` (default: the previous one plus 1, starting at 1; else an int >= 0,
+        0 included, stamped as given) is stamped on this rank's destination model once
+        the refit succeeded (``tr.weight_version(model)``) and returned in the report;
+        pass the same value on every rank. A bool, a non-int or a negative version
+        raises ``TypeError`` or ``ValueError`` before any byte moves (every rank, given
+        the same arguments, raises alike, and the Refitter stays usable).
+
+        A refit that raises leaves ``self.version`` and ``tr.weight_version(model)`` at
+        the previous version on every rank. What it leaves in the destination's weights
+        depends on where it failed:
+
+        * ``VerificationError`` (``verify="every"``, or ``"first"`` on the first refit):
+          every byte of the refit was written; the destination holds this refit's
+          result, which differs from the source somewhere (the error names where). The
+          Refitter stays usable: a later refit may be tried.
+        * ``TransportError`` (a peer gone or timed out) during the transfer: destination
+          tensors may be partly written (some regions new, others old). The Refitter is
+          unusable: every later refit or verify raises ``TransportError``.
+        * ``LayoutError`` (a described tensor replaced by one that no longer fits): this
+          rank writes nothing; its peers raise ``TransportError`` at their timeout. The
+          Refitter is unusable, as after a ``TransportError``.
         """
         t0 = perf_counter()
         if self._stager is not None:  # stages are collective too: one thing at a time
@@ -443,10 +461,10 @@ class Refitter:
         if self._dst is not None and self._dst.after_refit is not None:
             with caller_state():
                 self._dst.after_refit()  # e.g. FSDP2 drops unsharded copies of the old weights
+        if self.verify_mode == "every" or (self.verify_mode == "first" and compiled):
+            self.verify()  # raises on every rank alike, before any rank stamps the version
         self.version = version
         stamp_version([c for ref in self._dst_chunks if (c := ref()) is not None], version)
-        if self.verify_mode == "every" or (self.verify_mode == "first" and compiled):
-            self.verify()
         report = RefitReport(
             version, perf_counter() - t0, self.plan.bytes_local, self.plan.bytes_sent,
             self.plan.bytes_received, self.transport_name, stats.rounds, stats.messages_sent,
@@ -680,12 +698,17 @@ class Refitter:
 
     def _next_version(self, version: int | None) -> int:
         """``version``, or one more than the newest refitted, committed or staged (the same
-        on every rank: each makes the same calls, and a commit installs a staged version)."""
+        on every rank: each makes the same calls, and a commit installs a staged version).
+        Raises on a bad one before any byte moves."""
         if version is None:
             return max(self.version, self._staged_version) + 1
-        if isinstance(version, bool) or not isinstance(version, int):
-            raise TypeError(f"refit(version=...) takes an int, not {type(version).__name__}")
-        return version
+        if isinstance(version, bool) or not isinstance(version, numbers.Integral):
+            raise TypeError(f"version=... takes an int >= 0 or None, not "
+                            f"{type(version).__name__} {version!r} (rank {self.rank})")
+        if version < 0:
+            raise ValueError(f"version=... takes an int >= 0 or None, not {version} "
+                             f"(rank {self.rank})")
+        return int(version)
 
     @gc_paused
     def _compile(self, compare: bool) -> Program:
