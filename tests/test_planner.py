@@ -112,6 +112,42 @@ def test_messages_respect_limit_and_alignment() -> None:
     assert len(big) == 4 and big[0].rows == (0, 32)  # 100 rows of 32 bytes in blocks of 32
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_message_chunks_tile_each_transfer_and_never_overlap(seed: int) -> None:
+    """Random transfers (row sizes of 1 to 10 bytes: most not multiples of ``ALIGN``) and
+    limits: within a message the chunks sit at aligned offsets, in order, each starting
+    past the previous one's end, the message within ``limit`` unless it is one row too
+    large; each transfer's chunks are its rows in order, each row exactly once."""
+    rng = random.Random(seed)
+    dtypes = {"int8": 1, "bfloat16": 2, "float32": 4, "float64": 8}
+    ts = []
+    for i in range(rng.randint(1, 12)):
+        dtype = rng.choice(list(dtypes))
+        rows, cols = rng.randint(1, 60), rng.choice([1, 3, 5, 10])
+        box = Box((rng.randint(0, 4), 0), (rows, cols))
+        ts.append(Transfer(1, f"t{i}", box, f"t{i}", box, dtype, dtype))
+    limit = rng.choice([ALIGN, 40, 100, 256, 1000, 1 << 20])
+    msgs = cut_messages(1, ts, limit)
+    seen: list[tuple[int, tuple[int, int]]] = []
+    for m in msgs:
+        end = 0
+        for ch in m.chunks:
+            assert ch.offset % ALIGN == 0 and ch.offset >= end, (m, ch)
+            t = ts[ch.index]
+            rows = ch.rows or (0, t.region.size[0])
+            assert ch.nbytes == (rows[1] - rows[0]) * (t.nbytes // t.region.size[0]), ch
+            end = ch.offset + ch.nbytes
+            seen.append((ch.index, rows))
+        assert m.nbytes <= limit or len(m.chunks) == 1, (m.nbytes, limit)
+        assert m.chunks[0].offset == 0
+    want_order = sorted(seen)
+    assert seen == want_order, "chunks out of transfer order"
+    for i, t in enumerate(ts):
+        mine = [rows for index, rows in seen if index == i]
+        assert mine[0][0] == 0 and mine[-1][1] == t.region.size[0], (i, mine)
+        assert all(a[1] == b[0] for a, b in zip(mine, mine[1:])), f"transfer {i}: rows {mine}"
+
+
 def test_plan_error_is_one_line_with_its_parts_as_attributes() -> None:
     # The destination has biases the source lacks (no source) and is bfloat16 (no cast).
     src = _layouts(ModelSpec(bias=False), Mesh(2, ranks=4), 4)

@@ -26,6 +26,8 @@ weight's scale kept in its weight's bucket.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from test_maps_hf import reference, toy_globals
@@ -375,3 +377,46 @@ def test_plan_buckets_rule() -> None:
     assert plan_buckets({2: (a, 1024)}, scales={"c": "a"}) == (("b", "c", "a"), ("d",))
     with pytest.raises(tr.PlanError, match=r"c with its scale d: 544 bytes on sink ranks \[2\]"):
         plan_buckets({2: (a, 520)}, scales={"c": "d"})
+
+
+def test_plan_buckets_align_sizes_that_are_not_multiples_of_256() -> None:
+    """Each tensor starts at a 256-byte boundary of the sink's buffer: 40 B, 280 B and
+    12 B tensors take 0-40, 256-536 and 768-780 (not 0-332 packed)."""
+    from torchrefit.plan.buckets import plan_buckets
+
+    a = _roster([("a", (10,)), ("b", (70,)), ("c", (3,))])
+    assert plan_buckets({2: (a, 536)}) == (("a", "b"), ("c",))  # b ends exactly at the budget
+    assert plan_buckets({2: (a, 535)}) == (("a",), ("b", "c"))  # b at 0, c at 512-524
+    assert plan_buckets({2: (a, 780)}) == (("a", "b", "c"),)
+    assert plan_buckets({2: (a, 779)}) == (("a", "b"), ("c",))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_plan_buckets_match_a_byte_by_byte_layout(seed: int) -> None:
+    """Random sizes (most not multiples of 256 B) and budgets, two sinks holding different
+    subsets: each bucket is the longest run of names (in the lowest sink's order) whose
+    aligned layout fits every sink's budget, checked by laying the bytes out here."""
+    from torchrefit.plan.buckets import plan_buckets
+
+    rng = random.Random(seed)
+    sizes = {f"t{i}": rng.randint(1, 200) for i in range(rng.randint(3, 12))}  # float32 elements
+    names = list(sizes)
+    other = [n for n in names if rng.random() < 0.6] or names[:1]
+    budgets = (max(sizes.values()) * 4 + rng.randint(0, 1200), max(sizes.values()) * 4 + rng.randint(0, 600))
+    sinks = {2: (_roster([(n, (sizes[n],)) for n in names]), budgets[0]),
+             3: (_roster([(n, (sizes[n],)) for n in other]), budgets[1])}
+
+    def end(bucket: list[str], held: list[str]) -> int:
+        at = 0
+        for n in bucket:
+            if n in held:
+                start = at if at % 256 == 0 else at + 256 - at % 256
+                at = start + 4 * sizes[n]
+        return at
+
+    want: list[list[str]] = [[]]
+    for n in names:
+        if want[-1] and (end(want[-1] + [n], names) > budgets[0] or end(want[-1] + [n], other) > budgets[1]):
+            want.append([])
+        want[-1].append(n)
+    assert plan_buckets(sinks) == tuple(tuple(b) for b in want)
