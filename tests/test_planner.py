@@ -8,8 +8,10 @@ and balanced, and the message cutting both ends share.
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -50,8 +52,53 @@ PAIRS = [
 def test_plans_agree_and_cover(name, spec, src, dst, world) -> None:
     s, d = _layouts(spec, src, world), _layouts(spec, dst, world)
     plans = plan_world(s, d)
-    check_agreement(plans, d)
+    check_agreement(plans, d, s)
     assert plans == plan_world(s, d), "planning is not deterministic"
+
+
+def _swapped_regions(plans: dict, s: int, d: int) -> dict:
+    """The plans with the regions of the first two transfers of one tensor from rank
+    ``s`` to rank ``d`` swapped on both ends: sends still match receives, every
+    element is still covered once, yet each region lands where the other belongs."""
+    sends = [i for i, t in enumerate(plans[s].sends) if t.peer == d]
+    recvs = [i for i, t in enumerate(plans[d].recvs) if t.peer == s]
+    pairs = [(a, b) for a, b in itertools.combinations(range(len(sends)), 2)
+             if plans[s].sends[sends[a]].name == plans[s].sends[sends[b]].name
+             and plans[s].sends[sends[a]].region.size == plans[s].sends[sends[b]].region.size]
+    if not pairs:
+        return {}
+    a, b = pairs[0]
+    out = dict(plans)
+    for rank, field, idx in ((s, "sends", sends), (d, "recvs", recvs)):
+        ts = list(getattr(plans[rank], field))
+        i, j = idx[a], idx[b]
+        ts[i], ts[j] = replace(ts[i], region=ts[j].region), replace(ts[j], region=ts[i].region)
+        out[rank] = replace(plans[rank], **{field: tuple(ts)})
+    return out
+
+
+def test_agreement_fails_when_both_ends_are_wrong_alike() -> None:
+    """Both ends of a pair wrong the same way (sends equal receives, coverage intact):
+    the check still fails, because each region must land where the layout holds it."""
+    spec = ModelSpec()
+    # TP2 x DP2 -> TP1 x DP4 on other ranks: a TP2 rank sends both halves (gate, up) of
+    # its fused fc1 shard to one peer, two transfers of one tensor of the same size
+    s, d = _layouts(spec, Mesh(2, ranks=4), 8), _layouts(spec, Mesh(1, ranks=4, offset=4), 8)
+    plans = plan_world(s, d)
+    check_agreement(plans, d, s)
+    swapped = next(w for r in range(4) for peer in plans[r].send_peers
+                   if (w := _swapped_regions(plans, r, peer)))
+    with pytest.raises(AssertionError, match="where its layout holds it"):
+        check_agreement(swapped, d)
+    sender = next(r for r in range(4) if plans[r].sends)
+    # a sender reading the wrong place, the receiver none the wiser: only the source layout tells
+    wrong = list(plans[sender].sends)
+    box = wrong[0].local_box
+    wrong[0] = replace(wrong[0], local_box=Box((box.offset[0] + 1,) + box.offset[1:], box.size))
+    bad = {**plans, sender: replace(plans[sender], sends=tuple(wrong))}
+    check_agreement(bad, d)
+    with pytest.raises(AssertionError, match="send of"):
+        check_agreement(bad, d, s)
 
 
 def test_local_copy_preferred_when_collocated() -> None:

@@ -11,7 +11,9 @@
   GELU, tied, MoE with and without router buffers, grouped experts, Mamba, layers
   PP does not divide) and meshes describes itself, through the Megatron adapter
   reading the toy's parameter attributes, as the very layout
-  ``simulate.layout_of`` cuts from the shape's table without a tensor.
+  ``simulate.layout_of`` cuts from the shape's table without a tensor; and that
+  layout is checked against the toy's values: each piece's local block holds the
+  global tensor's values at the piece's box (global values cut with torch ops).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torchrefit.testing as testing
 from torchrefit.layout import describe
 from torchrefit.simulate.shapes import stage_layers
 from torchrefit.testing import Mesh, ModelSpec, build_toy
+from torchrefit.testing.toy import global_value
 
 
 @pytest.mark.parametrize("layers,pp", [(5, 2), (4, 3), (7, 4), (3, 3), (8, 2)])
@@ -92,3 +95,21 @@ def test_toy_rosters_are_the_simulators(name: str) -> None:
             # the same entries (module order may differ: the planner sorts by name)
             assert dict(toy.tensors) == dict(simulated.tensors), (name, layout, rank)
             assert len(toy.tensors) == len(simulated.tensors) and toy.aliases == simulated.aliases
+            _pieces_hold_their_values(model, simulated, spec, (name, layout, rank))
+
+
+def _pieces_hold_their_values(model, layout, spec: ModelSpec, where: tuple) -> None:
+    """The independent check: every piece of the description says where the model's
+    tensor holds which values of which global tensor, against the global values
+    themselves (the toy cuts them with torch.chunk and torch.split, not with the
+    description's ``shard_pieces``), and the pieces leave no local element out."""
+    held = dict(model.named_parameters()) | dict(model.named_buffers())
+    for key, t in layout.tensors:
+        local = held[key].detach()
+        assert tuple(local.shape) == t.local_shape and str(local.dtype) == f"torch.{t.dtype}", (where, key)
+        g = global_value(t.name, t.global_shape, 1, spec).to(local.dtype)
+        seen = torch.zeros(local.shape, dtype=torch.int32)
+        for p in t.pieces:
+            assert torch.equal(local[p.local_box.slices()], g[p.box.slices()]), (where, key, p)
+            seen[p.local_box.slices()] += 1
+        assert bool((seen == 1).all()), (where, key, "pieces do not tile the local tensor")

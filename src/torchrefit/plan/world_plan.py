@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..layout._types import ModelLayout
+from ..layout._types import Box, ModelLayout, TensorLayout
 from ..maps import NameMap
-from .planner import CastPolicy, Planner
+from .planner import CastPolicy, Planner, _overlapping
 from .roster import encode_roster
-from .types import RankPlan
+from .types import RankPlan, shadow_key
+
+SHADOW = shadow_key("")  # the suffix of an FP8 destination's shadow key
 
 __all__ = ["plan_world", "check_agreement"]
 
@@ -39,11 +41,17 @@ def plan_world(
     return {r: planner.plan_rank(r, world, src[r], dst[r]) for r in chosen}
 
 
-def check_agreement(plans: dict[int, RankPlan], dst: Sequence[ModelLayout | None]) -> None:
+def check_agreement(plans: dict[int, RankPlan], dst: Sequence[ModelLayout | None],
+                    src: Sequence[ModelLayout | None] | None = None) -> None:
     """Assert what a correct world of plans satisfies (raises AssertionError saying what not):
 
     * what each rank sends to a peer is what that peer receives from it, same order;
-    * every element of every destination piece is written exactly once.
+    * every element of every destination piece is written exactly once;
+    * each receive and local copy writes its region where this rank's destination
+      layout holds it (the local box follows from the pieces, not from the plan); with
+      ``src``, each send and local copy reads a tensor of the same global name at
+      the place the source layout holds the region (an identity map: where the names
+      differ, a name map decides, and the read side is not checked).
     """
     for s, plan in plans.items():
         for d in plan.send_peers:
@@ -65,6 +73,37 @@ def check_agreement(plans: dict[int, RankPlan], dst: Sequence[ModelLayout | None
             need[name] = need.get(name, 0) + box.numel
         assert counts == {k: v for k, v in need.items() if v}, f"rank {r}: coverage differs"
         _assert_disjoint(r, [(c.name, c.region) for c in plan.local] + [(t.name, t.region) for t in plan.recvs])
+        held = dict(layout.tensors) if layout is not None else {}
+        for t in plan.recvs:
+            _assert_placed(r, "receive", held, t.name, t.region, t.key, t.local_box, strict=True)
+        for c in plan.local:
+            _assert_placed(r, "local copy", held, c.name, c.region, c.dst_key, c.dst_box, strict=True)
+        if src is not None and src[r] is not None:
+            held = dict(src[r].tensors)
+            for t in plan.sends:
+                _assert_placed(r, "send", held, t.name, t.region, t.key, t.local_box, strict=False)
+            for c in plan.local:
+                _assert_placed(r, "local copy", held, c.name, c.region, c.src_key, c.src_box, strict=False)
+
+
+def _assert_placed(rank: int, what: str, held: dict[str, TensorLayout], name: str, region: Box,
+                   key: str, local_box: Box, strict: bool) -> None:
+    """``local_box`` of local tensor ``key`` is where ``held`` places ``region`` of
+    global ``name``. ``strict``: ``key`` must hold ``name`` (a destination); else keys
+    that hold another name or none (FP8 staging) are left unchecked."""
+    t = held.get(key.removesuffix(SHADOW))
+    if t is None or t.name != name:
+        assert not strict, (f"rank {rank}: {what} of {name} {region} into {key!r}, which holds "
+                            f"{t.name if t is not None else 'nothing'}")
+        return
+    for p in t.pieces:
+        if p.box.contains(region):
+            want = Box(tuple(o - b + lo for o, b, lo in zip(region.offset, p.box.offset, p.local_offset)),
+                       region.size)
+            assert local_box == want, (f"rank {rank}: {what} of {name} {region} at {local_box} of "
+                                       f"{key!r}, where its layout holds it at {want}")
+            return
+    raise AssertionError(f"rank {rank}: {what} of {name} {region}: no piece of {key!r} holds it")
 
 
 def _assert_disjoint(rank: int, regions) -> None:
@@ -72,7 +111,7 @@ def _assert_disjoint(rank: int, regions) -> None:
     for name, box in regions:
         by_name.setdefault(name, []).append(box)
     for name, boxes in by_name.items():
-        boxes.sort(key=lambda b: b.offset)
-        for i, a in enumerate(boxes):
-            for b in boxes[i + 1: i + 9]:
-                assert a.intersect(b) is None, f"rank {rank}: {name} {a} and {b} overlap"
+        if _overlapping(boxes):
+            pair = next((a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:]
+                        if a.intersect(b) is not None)
+            raise AssertionError(f"rank {rank}: {name} {pair[0]} and {pair[1]} overlap")
