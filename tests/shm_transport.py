@@ -27,6 +27,9 @@ from torchrefit.transport.nvshmem import NvshmemTransport
 from torchrefit.transport.one_sided import WORD, OneSidedTransport, Table
 
 LOG: list[str] = []  # this process's protocol calls
+#: seconds an initiator dawdles between a target's ready token and its transfer (a
+#: test sets it in the process it slows): a target that returned before the transfer shows
+INITIATOR_DELAY = 0.0
 
 
 class _Shm(OneSidedTransport):
@@ -55,6 +58,7 @@ class _Shm(OneSidedTransport):
     def wait_ready(self, peer: int, token: bytes) -> None:
         assert token == b"token"
         LOG.append(f"wait_ready:{peer}")
+        time.sleep(INITIATOR_DELAY)
 
     def done(self) -> bytes:
         LOG.append("done")

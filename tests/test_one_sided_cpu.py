@@ -7,7 +7,10 @@ non-collocated with idle ranks) through both directions, destinations checked
 against the toy's global values (an independent oracle), each refit twice and
 ``verify()``; storage moves on both sides followed by a new table (and only then);
 the order of the protocol's calls on every rank (initiators wait for the target's
-ready token before anything else and send done after; targets wait for done last);
+ready token before anything else and send done after; targets wait for done last),
+and the same seen in data (a target whose initiator dawdles returns only after the
+transfer: a pull sender's next step cannot reach the engine, a push receiver reads
+the new weights);
 a push transport converting a dtype through staging of the wire dtype (the sender's
 bf16 staging written, exact); and
 which transport ``"auto"`` picks, with ``available()``'s reasons, and what it means under
@@ -130,6 +133,52 @@ def _check_order(log: list[str], mine: list[int], theirs: list[int], pull: bool,
         expect += ([] if pull else [f"write:{p}" for p in mine]) + ["done"]
     expect += [f"wait_done:{p}" for p in theirs]
     assert log[:len(expect)] == expect, f"protocol order {log} != {expect}"
+
+
+def _targets_wait_world(rank: int, world: int, transport: str) -> dict:
+    """Rank 0 trains, rank 1 serves; the initiator dawdles before each transfer. Pull:
+    the trainer (the target) overwrites its weights as soon as ``refit()`` returns (the
+    next optimizer step); push: the engine (the target) reads its weights as soon as
+    ``refit()`` returns. Either sees the other's transfer only if it waited for it."""
+    src_mesh, dst_mesh = tr.testing.Mesh(1, ranks=1), tr.testing.Mesh(1, ranks=1, offset=1)
+    src = _shared(build_toy(MAILBOX_SPEC, src_mesh, rank, 1))
+    dst = _shared(build_toy(MAILBOX_SPEC, dst_mesh, rank, 2))
+    pull = transport == "shm-pull"
+    shm_transport.INITIATOR_DELAY = LATE if (rank == 1) == pull else 0.0
+    r = tr.Refitter(src, dst, transport=transport)
+    want = tr.testing.expected_local(MAILBOX_SPEC, dst_mesh, rank, 1)
+    stale = []
+    for k in range(1, 4):
+        torch.distributed.barrier()
+        if src is not None:
+            with torch.no_grad():
+                for p in src.parameters():
+                    p.add_(1.0)  # this step's weights
+        r.refit()
+        kept = []
+        if src is not None:  # the next step starts at once
+            with torch.no_grad():
+                for p in src.parameters():
+                    kept.append(p.clone())
+                    p.fill_(float("nan"))
+        else:
+            want = {n: v + 1.0 for n, v in want.items()}
+            stale.append([n for n, v in _state(dst).items() if not torch.equal(v.detach(), want[n])])
+        torch.distributed.barrier()
+        with torch.no_grad():  # (undone once the engine has looked, so that the source stays known)
+            for p, v in zip(src.parameters() if src is not None else (), kept):
+                p.copy_(v)
+    return {"stale": stale}
+
+
+@pytest.mark.parametrize("transport", ["shm-pull", "shm-push"])
+def test_targets_return_after_their_initiators_transfer(transport: str) -> None:
+    """The target side's ``refit()`` returns only once its initiator's transfer is done,
+    seen in data: a pull sender that overwrote its weights early, or a push receiver
+    that read its weights early, leaves the engine's values differing from the oracle
+    (the toy's values plus each step's bump)."""
+    _, receiver = run_world(_targets_wait_world, 2, transport, timeout=90, pg_timeout=20)
+    assert receiver["stale"] == [[], [], []], receiver["stale"]
 
 
 def _auto(rank: int, world: int) -> dict:
