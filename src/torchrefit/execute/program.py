@@ -99,6 +99,21 @@ def _grad_off() -> bool:
     return was
 
 
+def run_streams(exchanges: bool, local: bool, graph: bool) -> tuple[str, int | None]:
+    """How ``Program.run`` orders a refit, from what it holds: ``("replay", None)``, a
+    captured graph of the local copies with nothing to exchange, replayed on the
+    caller's stream (a side stream there would only add the fork and join's host work
+    to every refit); ``("exchange", None)``, no local copies: the exchange alone on the
+    caller's stream; else ``("session", lanes)``: the local copies on side streams
+    overlapping the exchange, one side stream for a graph (it forks and joins inside),
+    every lane (None) otherwise."""
+    if not exchanges and graph:
+        return "replay", None
+    if not local:
+        return "exchange", None
+    return "session", 1 if graph else None
+
+
 class Program:
     """Compiled refit of one rank. Build on every rank; ``run`` is collective over the
     peers in the plan."""
@@ -239,14 +254,13 @@ class Program:
             # FP8 from the source first: the side streams and the exchange wait for the
             # caller's stream, so they see the staging the sends carry
             c.quantize.before.run()
-            if not c.exchanges and c.local.graph is not None:
-                # Nothing to overlap: replay on the caller's stream. A side stream here
-                # would only add the fork and join's host work to every refit.
+            how, lanes = run_streams(bool(c.exchanges), bool(c.local), c.local.graph is not None)
+            if how == "replay":
                 c.local.graph.replay()
-            elif not c.local:
+            elif how == "exchange":
                 self._exchange(c, compare=False)  # on the caller's stream, ordered by stream order
             else:
-                with self.side.session(1 if c.local.graph is not None else None):
+                with self.side.session(lanes):
                     c.local.run_in_session(self.side)  # on side streams: overlaps the exchange
                     self._exchange(c, compare=False)
             c.quantize.after.run()  # from the shadows, now joined into the caller's stream

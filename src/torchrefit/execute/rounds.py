@@ -87,6 +87,20 @@ class _Placed:
     offset: int = 0
 
 
+def pinned_pools(wire: torch.device, device: torch.device) -> bool:
+    """Whether the round pools are pinned host memory: the messages travel from the host
+    (gloo's wire) while the tensors live on a GPU, whose copies into and out of pinned
+    pools run asynchronously on the caller's stream."""
+    return wire.type == "cpu" and device.type == "cuda"
+
+
+def host_synchronized(host_staged: bool, device: torch.device) -> bool:
+    """Whether rounds order the host against the GPU: a transport that reads and writes
+    message bytes from the host (gloo) must wait for the packs queued on the stream
+    before sending, and for the unpacks of round m-2 before reusing its pool."""
+    return host_staged and device.type == "cuda"
+
+
 def compile_rounds(views: Views, transport: RoundsTransport | None, limit: int, compare: bool,
                    device: torch.device, staging: Staging | None = None) -> Rounds:
     """Cut, place and lay out the plan's messages; pools from ``staging`` when given
@@ -99,7 +113,7 @@ def compile_rounds(views: Views, transport: RoundsTransport | None, limit: int, 
     if n and transport is None:
         raise AssertionError("a plan with remote transfers needs a transport")
     wire = transport.wire_device() if transport is not None else device
-    pinned = wire.type == "cpu" and device.type == "cuda"
+    pinned = pinned_pools(wire, device)
     transfers = {"send": sends, "recv": recvs}
     placed = [_place(m, msgs, transfers, views, wire, compare) for m in range(n)]
     sizes = [max((_used(p) for m, p in enumerate(placed) if m % 2 == parity), default=0) for parity in (0, 1)]
@@ -178,7 +192,7 @@ def run_rounds(compiled: Rounds, transport: RoundsTransport, device: torch.devic
     rounds = compiled.rounds
     if not rounds:
         return
-    host = transport.host_staged and device.type == "cuda"
+    host = host_synchronized(transport.host_staged, device)
     events: list[torch.cuda.Event | None] = [None, None]
     handles: list[object] = [None] * len(rounds)
     for m, r in enumerate(rounds):
