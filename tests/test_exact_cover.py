@@ -2,7 +2,7 @@
 
 Covers a name map whose segments overlap (more elements than the tensor holds), one
 whose overlap hides a gap (as many elements as the tensor, two regions sharing some
-and none feeding others), on 2 real processes (gloo): each rank raises the same
+and none feeding others), a map reading past the source's end, on 2 real processes (gloo): each rank raises the same
 ``PlanError`` within seconds and writes nothing. The overlap test on the planner's
 boxes compares with a brute-force element count.
 """
@@ -84,6 +84,25 @@ def _exact_world(rank: int, world: int) -> bool:
     src, dst = _Model(1.0), _Model(2.0)
     tr.Refitter(src, dst, name_map=_Rows(((0, 3), (3, 8)))).refit()
     return torch.equal(dst.w, src.w)
+
+
+def test_segment_outside_the_source_is_refused() -> None:
+    """A name map that reads past the source's end: a ``bounds`` PlanError, not a read of
+    whatever lies beyond (the planner alone, every rank sees the same rosters)."""
+    from torchrefit.layout import ModelLayout, TensorLayout, whole_piece
+    from torchrefit.plan.simulate import plan_world
+
+    def held(rows):
+        return ModelLayout((("w", TensorLayout("w", (rows, COLS), "float32", (rows, COLS),
+                                               whole_piece((rows, COLS)))),))
+
+    class _Past(NameMap):  # the destination's 8 rows from rows 4-11 of a 10-row source
+        def segments(self, dst_name, dst_shape, src_names, src_aliases):
+            return [Segment(Box((0, 0), (ROWS, COLS)), "w", (4, 0), part=True)]
+
+    with pytest.raises(tr.PlanError, match="outside one of the two tensors") as got:
+        plan_world([held(10)], [held(ROWS)], name_map=_Past())
+    assert got.value.rule == "bounds"
 
 
 def _brute(boxes: list[Box]) -> bool:

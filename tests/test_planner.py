@@ -210,7 +210,8 @@ def test_plan_error_is_one_line_with_its_parts_as_attributes() -> None:
     assert any("has no source tensor" in line for line in lines[:-1])
     assert any("dtype mismatch" in line for line in lines) and len(lines) > 2
     assert f"(and {len(lines) - 1} more; err.detail lists them)" in str(err)
-    assert pickle.loads(pickle.dumps(err)).detail == err.detail  # survives a process boundary
+    back = pickle.loads(pickle.dumps(err))  # survives a process boundary, class and parts
+    assert type(back) is PlanError and (back.detail, back.ranks, back.rule) == (err.detail, err.ranks, err.rule)
 
 
 def test_explain_accounts_for_every_region_and_byte() -> None:
