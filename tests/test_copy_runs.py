@@ -113,15 +113,21 @@ def test_merge_local_leaves_casts_strides_and_permutations() -> None:
     src, dst = _pieces(src_flat, sizes), _pieces(dst_flat, sizes)
     half = torch.zeros(16, dtype=torch.float16)
     strided = torch.zeros(32)[::2]
+    # casts between dtypes of one size, adjacent on both sides: bytes alike, values not
+    bf16_flat, fp16_flat = torch.randn(32).bfloat16(), torch.zeros(32, dtype=torch.float16)
+    bf16, fp16 = _pieces(bf16_flat, [16, 16]), _pieces(fp16_flat, [16, 16])
     copies = [(dst[0], src[1], "a"), (dst[1], src[0], "b"),  # swapped: not adjacent in order
               (dst[2], src[2], "c"), (dst[3], src[3], "d"),  # these two merge
-              (half, src[0], "cast"), (strided, src[1], "strided")]
+              (half, src[0], "cast"), (strided, src[1], "strided"),
+              (fp16[0], bf16[0], "cast0"), (fp16[1], bf16[1], "cast1")]
     merged = merge_local(copies)
-    assert [m[2] for m in merged] == ["a", "b", "c .. d (2 tensors in one copy)", "cast", "strided"]
+    assert [m[2] for m in merged] == ["a", "b", "c .. d (2 tensors in one copy)", "cast", "strided",
+                                      "cast0", "cast1"]
     _apply(merged)
     assert torch.equal(dst[0], src[1]) and torch.equal(dst[1], src[0])
     assert torch.equal(dst_flat[32:], src_flat[32:])
     assert torch.equal(half, src[0].half()) and torch.equal(strided, src[1])
+    assert torch.equal(fp16_flat, bf16_flat.to(torch.float16))
 
 
 def _flatten(model: torch.nn.Module) -> None:

@@ -145,10 +145,10 @@ def _targets_wait_world(rank: int, world: int, transport: str) -> dict:
     dst = _shared(build_toy(MAILBOX_SPEC, dst_mesh, rank, 2))
     pull = transport == "shm-pull"
     shm_transport.INITIATOR_DELAY = LATE if (rank == 1) == pull else 0.0
-    r = tr.Refitter(src, dst, transport=transport)
+    r = tr.Refitter(src, dst, transport=transport, timeout=10)  # a desynchronized pair fails fast
     want = tr.testing.expected_local(MAILBOX_SPEC, dst_mesh, rank, 1)
     stale = []
-    for k in range(1, 4):
+    for _ in range(3):
         torch.distributed.barrier()
         if src is not None:
             with torch.no_grad():
