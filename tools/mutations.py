@@ -117,7 +117,7 @@ def _pytest(tree: Path, tests: tuple[str, ...], timeout: float) -> tuple[int | N
 
 
 def _first_failed(output: str) -> str:
-    found = re.search(r"^(?:FAILED|ERROR) (\S+)", output, re.M)
+    found = re.search(r"^(?:FAILED|ERROR) (.+?)(?: - |$)", output, re.M)  # ids may hold spaces
     return found.group(1) if found else ""
 
 
