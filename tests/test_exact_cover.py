@@ -90,7 +90,7 @@ def test_segment_outside_the_source_is_refused() -> None:
     """A name map that reads past the source's end: a ``bounds`` PlanError, not a read of
     whatever lies beyond (the planner alone, every rank sees the same rosters)."""
     from torchrefit.layout import ModelLayout, TensorLayout, whole_piece
-    from torchrefit.plan.simulate import plan_world
+    from torchrefit.plan.world_plan import plan_world
 
     def held(rows):
         return ModelLayout((("w", TensorLayout("w", (rows, COLS), "float32", (rows, COLS),
