@@ -1,6 +1,8 @@
-"""Explicit layout of a Hugging Face-named model sharded the way vLLM shards it.
+"""vLLM's tensor-parallel layout: which rows or columns of each global tensor a rank holds.
 
-An engine rank passes ``dst_layout=vllm_tp_layout(tp_rank, tp_size, num_heads=...,
+It describes a model as vLLM shards it, whether its tensors carry vLLM's fused names
+(``qkv_proj``, ``gate_up_proj``, stacked ``w13_weight`` / ``w2_weight``: a live vLLM
+model) or Hugging Face's unfused ones (``q_proj``, ``gate_proj``, ...). An engine rank passes ``dst_layout=vllm_tp_layout(tp_rank, tp_size, num_heads=...,
 num_kv_heads=...)`` to its ``Refitter`` (or the table ``vllm_tp_specs`` returns). Tensor parallel cuts, by
 module (the name's second-last part):
 
@@ -68,6 +70,12 @@ def vllm_tp_specs(
 
 def _spec(name: str, shape: tuple[int, ...], rank: int, size: int, heads: int,
           kv: int) -> TensorSpec | None:
+    if shape == (0,):
+        raise LayoutError(
+            f"{name}: vLLM has emptied this tensor (shape [0]): its values live in a kernel's "
+            "packed copy (vLLM CPU packs linear weights for oneDNN), so nothing can be written "
+            "into it; load it through the engine's load_weights inside vLLM's layerwise reload "
+            "(the torchrefit vLLM backend routes it so), or keep the weights as parameters")
     parts = name.split(".")
     module, leaf = (parts[-2], parts[-1]) if len(parts) > 1 else ("", name)
     if size == 1 or not shape:

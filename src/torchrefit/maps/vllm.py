@@ -11,7 +11,11 @@ which rows, in global coordinates:
   ``experts.w2_weight`` ``[E, H, I]`` its ``down``, from ``transformers`` 5's
   stacked ``mlp.experts.gate_up_proj`` / ``down_proj``, from per-expert
   ``mlp.experts.{e}.gate_proj`` ... (``transformers`` 4 Qwen MoE), or from
-  Mixtral's ``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``;
+  Mixtral's ``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2`` (also under vLLM's
+  ``experts.routed_experts.``);
+* vLLM's engine state (attention ``_k_scale`` / ``_v_scale`` / ``_q_scale`` /
+  ``_prob_scale``, rotary ``cos_sin_cache``; :data:`ENGINE_STATE`) is fed nothing and
+  left as the engine has it, with no ``skip`` needed;
 * ``embed_tokens`` and ``lm_head`` padded to the engine's vocabulary: the source's
   rows fill the first rows, the padding rows are left as the engine has them;
 * every other name is its own source (identity).
@@ -22,6 +26,7 @@ which rows, in global coordinates:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -32,11 +37,19 @@ from ..layout._types import Box
 from .base import Compose, NameMap, Segment, held_name, shape_of, table_rule
 from .megatron_hf import _field, megatron_to_hf
 
-__all__ = ["HfToVllm", "hf_to_vllm", "megatron_to_vllm", "VLLM_FROM_HF"]
+__all__ = ["HfToVllm", "hf_to_vllm", "megatron_to_vllm", "VLLM_FROM_HF", "ENGINE_STATE",
+           "is_engine_state"]
 
 _A = "model.layers.{}.self_attn."
 _M = "model.layers.{}.mlp."
 _X = "model.layers.{}.block_sparse_moe.experts.{e}."
+# vLLM 0.32 holds a MoE layer's stacked experts one module deeper (``experts.routed_experts``)
+_ROUTED = ("", "routed_experts.")
+
+#: vLLM's tensors that are engine state, not weights: attention scales (``_k_scale``,
+#: ``_v_scale``, ``_q_scale``, ``_prob_scale``) and rotary caches. No trainer holds them;
+#: :class:`HfToVllm` feeds them nothing and leaves them as the engine has them.
+ENGINE_STATE = re.compile(r"(^|.*\.)(_(k|v|q|prob)_scale|cos_sin_cache|inv_freq)$")
 
 # Destination template -> (rule, source forms). ``{}`` is the layer, ``{w}`` the leaf
 # (weight or bias), ``{e}`` an expert. A form is a tuple of source templates read one
@@ -47,14 +60,15 @@ VLLM_FROM_HF: dict[str, tuple[str, tuple[tuple[str, ...], ...]]] = {
     _M + "gate_up_proj.{w}": ("halves", ((_M + "gate_proj.{w}", _M + "up_proj.{w}"),)),
     **{_M + f"{s}.gate_up_proj.{{w}}": ("halves", ((_M + f"{s}.gate_proj.{{w}}", _M + f"{s}.up_proj.{{w}}"),))
        for s in ("shared_expert", "shared_experts")},
-    **{f"model.layers.{{}}.{moe}.experts.w13_weight": ("experts", (
+    **{f"model.layers.{{}}.{moe}.experts.{routed}w13_weight": ("experts", (
         (_M + "experts.gate_up_proj",),
         (_M + "experts.{e}.gate_proj.weight", _M + "experts.{e}.up_proj.weight"),
-        (_X + "w1.weight", _X + "w3.weight"))) for moe in ("mlp", "block_sparse_moe")},
-    **{f"model.layers.{{}}.{moe}.experts.w2_weight": ("experts", (
+        (_X + "w1.weight", _X + "w3.weight")))
+       for moe in ("mlp", "block_sparse_moe") for routed in _ROUTED},
+    **{f"model.layers.{{}}.{moe}.experts.{routed}w2_weight": ("experts", (
         (_M + "experts.down_proj",),
         (_M + "experts.{e}.down_proj.weight",),
-        (_X + "w2.weight",))) for moe in ("mlp", "block_sparse_moe")},
+        (_X + "w2.weight",))) for moe in ("mlp", "block_sparse_moe") for routed in _ROUTED},
     "model.layers.{}.block_sparse_moe.gate.{w}": ("whole", (
         (_M + "gate.{w}",), ("model.layers.{}.block_sparse_moe.gate.{w}",))),
     "model.embed_tokens.{w}": ("vocab", (("model.embed_tokens.{w}",),)),
@@ -82,6 +96,8 @@ class HfToVllm(NameMap):
 
     def segments(self, dst_name, dst_shape, src_names, src_aliases):
         dst_shape = tuple(dst_shape)
+        if is_engine_state(dst_name):
+            return []  # all of it is padding (below): the engine's own values stay
         rule = _rule(dst_name)
         if rule is None or (rule[0] != "vocab" and dst_name in src_names):
             return super().segments(dst_name, dst_shape, src_names, src_aliases)
@@ -132,6 +148,8 @@ class HfToVllm(NameMap):
         return [Segment(Box.whole(shape), src, (0,) * len(shape), part=shape != dst_shape)]
 
     def padding(self, dst_name, dst_shape, src_names, src_aliases):
+        if is_engine_state(dst_name):
+            return (Box.whole(tuple(dst_shape)),)
         rule = _rule(dst_name)
         if rule is None or rule[0] != "vocab" or not dst_shape:
             return ()
@@ -143,6 +161,8 @@ class HfToVllm(NameMap):
                     (dst_shape[0] - shape[0],) + tuple(dst_shape[1:])),)
 
     def wanted(self, dst_name: str) -> tuple[str, ...]:
+        if is_engine_state(dst_name):
+            return ()
         rule = _rule(dst_name)
         if rule is None:
             return (dst_name,)
@@ -151,6 +171,11 @@ class HfToVllm(NameMap):
 
     def cache_key(self) -> object:
         return (type(self).__qualname__, self.num_heads, self.num_kv_heads)
+
+
+def is_engine_state(name: str) -> bool:
+    """Whether ``name`` is one of vLLM's non-weight tensors (:data:`ENGINE_STATE`)."""
+    return ENGINE_STATE.match(name) is not None
 
 
 def _stack_rows(dst_shape, names, rows) -> list[Segment]:

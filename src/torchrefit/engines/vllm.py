@@ -1,0 +1,540 @@
+"""torchrefit as vLLM's weight-transfer backend ``"torchrefit"``.
+
+vLLM moves a trainer's weights through its weight-transfer API: the trainer calls
+``init_weight_transfer_engine`` once, then per update ``start_weight_update`` ->
+``update_weights`` -> ``finish_weight_update(weight_version=...)``, through any client
+(the in-process ``LLM``, ``HTTPVLLMWeightSyncClient`` against ``vllm serve``). This
+module is both sides of a backend for it:
+
+* worker side, :class:`TorchrefitWeightTransferEngine` (registered with vLLM's
+  ``WeightTransferEngineFactory`` by the ``vllm.general_plugins`` entry point
+  :func:`register`): on ``init_transfer_engine`` it joins the trainer
+  (:func:`torchrefit.connect`), decides per tensor of the worker's live model how an
+  update reaches it (:func:`decide_routes`: *direct*, written in place where the vLLM
+  parameter is the weight the kernels read; *load_weights*, through vLLM's layerwise
+  reload and the model's ``load_weights``, where vLLM keeps a packed or post-processed
+  copy instead) and plans once. Each update then *receives* (every trainer rank sends
+  its own shards; no gather on the trainer) and *applies* (vLLM's post-load steps, as a
+  fresh load runs them);
+* trainer side, :class:`TorchrefitTrainerWeightTransferEngine` (registered with
+  ``WeightTransferTrainerFactory`` when this module is imported), built from
+  :class:`TorchrefitTrainerInitInfo` on every trainer rank; ``send_weights()`` on every
+  rank drives start / update / finish through rank 0's client concurrently with its
+  own sending.
+
+Both sides check at init that they refit with the same name map, ``skip`` and
+``cast``; an exception in the engine (``load_weights`` included) reaches every trainer
+rank when the update ends, wrapped in :class:`~torchrefit.RefitError`.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from vllm.distributed.weight_transfer.base import (
+    ModuleSource,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.distributed.weight_transfer.factory import (
+    WeightTransferEngineFactory,
+    WeightTransferTrainerFactory,
+)
+
+from ..errors import PlanError, RefitError
+from ..layout._described import named_refit_tensors
+from ..layout.sink import load_weights_sink
+from ..layout.vllm import vllm_tp_specs
+from ..maps.base import NameMap
+from ..maps.vllm import HfToVllm, hf_to_vllm, is_engine_state
+from ..refitter import Refitter
+from ._link import Settings, agree, agree_status, failure, join
+
+__all__ = [
+    "BACKEND", "DIRECT", "LOAD_WEIGHTS", "Route", "decide_routes", "register",
+    "TorchrefitInitInfo", "TorchrefitUpdateInfo", "TorchrefitWeightTransferEngine",
+    "TorchrefitTrainerInitInfo", "TorchrefitTrainerWeightTransferEngine",
+]
+
+_log = logging.getLogger(__name__)
+
+#: the name both factories know this backend by (``WeightTransferConfig(backend=...)``)
+BACKEND = "torchrefit"
+#: how an update reaches a tensor: written in place, or through vLLM's ``load_weights``
+DIRECT, LOAD_WEIGHTS = "direct", "load_weights"
+_DEFAULT_BUCKET_BYTES = 256 << 20
+_DEFAULT_TIMEOUT = 300.0
+
+
+def register() -> None:
+    """Register both sides with vLLM's factories (the ``vllm.general_plugins`` entry
+    point; also run on import). Registering twice is harmless."""
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            BACKEND, __name__, "TorchrefitWeightTransferEngine")
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(
+            BACKEND, __name__, "TorchrefitTrainerWeightTransferEngine")
+
+
+# ------------------------------------------------------------------ init and update info
+@dataclass
+class TorchrefitInitInfo(WeightTransferInitInfo):
+    """What the engine's workers are told at ``init_weight_transfer_engine`` (plain
+    JSON values: the HTTP server carries it). Trainer rank 0 fills it in from
+    :class:`TorchrefitTrainerInitInfo`; users do not build it."""
+
+    master_address: str
+    master_port: int
+    trainer_world_size: int
+    name_map: str = "hf_to_vllm"
+    skip: list[str] = field(default_factory=list)
+    cast: str | bool = "buffers"
+    group_backend: str = "gloo"
+    timeout: float = _DEFAULT_TIMEOUT
+    bucket_bytes: int = _DEFAULT_BUCKET_BYTES
+
+
+@dataclass
+class TorchrefitUpdateInfo(WeightTransferUpdateInfo):
+    """Per update: the trainer's count of updates (for logs); the weights travel apart."""
+
+    update: int = 0
+
+
+@dataclass
+class TorchrefitTrainerInitInfo(TrainerInitInfo):
+    """Trainer-side init info, the same on every trainer rank.
+
+    ``master_address`` / ``master_port``: where trainer rank 0 hosts the rendezvous
+    (it uses ``master_port`` and ``master_port + 1``); the engine's workers must reach
+    it. ``rank``: this rank in the trainer's default process group (the default).
+    ``name_map``: Hugging Face names to vLLM's (default ``hf_to_vllm`` of the source
+    model's config). ``skip`` / ``cast``: as ``tr.Refitter``'s, sent to the engine.
+    ``group_backend``: ``"gloo"`` (CPU, or CUDA staged through the host) or ``"nccl"``.
+    ``timeout``: seconds any rank waits for a peer. ``bucket_bytes``: the engine's
+    buffer for tensors going through ``load_weights``.
+    """
+
+    backend: ClassVar[str] = BACKEND
+
+    master_address: str
+    master_port: int
+    rank: int | None = field(default=None, kw_only=True)
+    name_map: NameMap | None = None
+    skip: tuple[str, ...] = ()
+    cast: str | bool = "buffers"
+    group_backend: str = "gloo"
+    timeout: float = _DEFAULT_TIMEOUT
+    bucket_bytes: int = _DEFAULT_BUCKET_BYTES
+
+    def __post_init__(self) -> None:
+        if self.rank is None:
+            self.rank = dist.get_rank() if dist.is_initialized() else 0
+
+
+# ------------------------------------------------------------------------ routes
+@dataclass(frozen=True)
+class Route:
+    """How an update reaches one tensor of the live vLLM model, and why."""
+
+    way: str  # DIRECT or LOAD_WEIGHTS
+    why: str
+
+
+def decide_routes(model: nn.Module) -> dict[str, Route]:
+    """Per tensor of a live vLLM model (vLLM's names; engine state left out): direct
+    where the parameter is what the kernels read, else through ``load_weights``."""
+    modules = dict(model.named_modules())
+    routes = {}
+    for name, t in named_refit_tensors(model):
+        if is_engine_state(name):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        routes[name] = _route(modules.get(parent, model), leaf, t)
+    return routes
+
+
+def _route(module: nn.Module, leaf: str, t: torch.Tensor) -> Route:
+    if t.numel() == 0:
+        return Route(LOAD_WEIGHTS, "emptied by vLLM: the kernel reads a packed copy")
+    packed = getattr(module, "cpu_linear", None)
+    if packed is not None and packed is not F.linear:
+        return Route(LOAD_WEIGHTS, "vLLM CPU's GEMM reads a packed copy of it")
+    method = getattr(module, "quant_method", None)
+    if hasattr(module, "w13_weight") and _on_cpu(t):
+        return Route(LOAD_WEIGHTS, "vLLM CPU's MoE kernel reads prepacked experts")
+    if method is not None and not type(method).__name__.startswith("Unquantized"):
+        return Route(LOAD_WEIGHTS, f"{type(method).__name__} post-processes it")
+    return Route(DIRECT, "the live weight")
+
+
+def _on_cpu(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+def _loaded_shapes(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    """Meta tensors of the shapes ``names`` had before vLLM processed them (vLLM records
+    them for reloading), for tensors vLLM emptied or repacked."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    modules = dict(model.named_modules())
+    out = {}
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        params, buffers = get_layerwise_info(modules[parent]).restore_metadata
+        meta = params.get(leaf, buffers.get(leaf))
+        live = getattr(modules[parent], leaf)
+        if meta is None and live.numel() > 0:  # kept as loaded (a bias beside a packed weight)
+            meta = live.to("meta")
+        if meta is None:
+            raise PlanError(f"{name}: vLLM recorded no shape for it before processing; it "
+                            "cannot be routed through load_weights", tensor=name)
+        out[name] = meta
+    return out
+
+
+def _sources(name_map: NameMap, dst: dict[str, tuple[int, ...]],
+             src: dict[str, torch.Size]) -> list[str]:
+    """The source names that feed ``dst`` (global shapes), in order; raises naming the
+    first tensor with no source or a source of another shape."""
+    shapes = {n: torch.empty(s, device="meta") for n, s in src.items()}
+    out: dict[str, None] = {}
+    for name, shape in dst.items():
+        segs = name_map.segments(name, shape, shapes, {})
+        if segs is None:
+            wanted = " or ".join(map(repr, name_map.wanted(name) or (name,)))
+            raise PlanError(f"{name}: vLLM tensor (routed through load_weights) has no source "
+                            f"tensor (the trainer holds no {wanted})", tensor=name,
+                            rule="no source")
+        for seg in segs:
+            got = tuple(src[seg.src_name])
+            if not seg.part and got != tuple(shape):
+                raise PlanError(f"{name}: vLLM tensor of global shape {list(shape)} is fed "
+                                f"whole by the trainer's {seg.src_name} of shape {list(got)}",
+                                tensor=name, rule="global shape")
+            out[seg.src_name] = None
+    return list(out)
+
+
+# ------------------------------------------------------------------- worker side
+class TorchrefitWeightTransferEngine(
+        WeightTransferEngine[TorchrefitInitInfo, TorchrefitUpdateInfo]):
+    """vLLM's worker-side engine for backend ``"torchrefit"`` (see the module docstring).
+
+    ``routes`` (after init): ``{vLLM name: Route}`` for this worker's tensors.
+    """
+
+    init_info_cls = TorchrefitInitInfo
+    update_info_cls = TorchrefitUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.routes: dict[str, Route] = {}
+        self._conn = None
+        self._direct: Refitter | None = None
+        self._reload: Refitter | None = None
+        self._load_error: tuple[str, str] | None = None
+        self._reloading = False
+
+    # -- init
+    def init_transfer_engine(self, init_info: TorchrefitInitInfo) -> None:
+        from vllm.distributed.parallel_state import get_tp_group, get_world_group
+
+        world = get_world_group()
+        tp = get_tp_group()
+        self._conn = join("engine", world.rank_in_group, world.world_size,
+                          init_info.master_address, init_info.master_port,
+                          peer_world_size=init_info.trainer_world_size,
+                          backend=init_info.group_backend, timeout=init_info.timeout)
+        name_map = self._name_map(init_info.name_map)
+        settings = Settings(repr(name_map.cache_key()), tuple(init_info.skip), init_info.cast)
+        self.routes = decide_routes(self.model)
+        seen = agree(self._conn, settings, {k: (r.way, r.why) for k, r in self.routes.items()})
+        source = next(extra for role, rank, _, extra in seen if role == "trainer" and rank == 0)
+        ways = {r.way for role, _, _, extra in seen if role == "engine"
+                for r in map(lambda v: Route(*v), extra.values())}
+        heads = name_map.num_heads, name_map.num_kv_heads
+        direct, reload, error = {}, [], None
+        try:
+            direct, reload = self._destinations(name_map, source, tp.rank_in_group,
+                                                tp.world_size, heads)
+        except Exception as e:
+            error = failure(e, f"engine rank {self._conn.rank} planning")
+        agree_status(self._conn, error, "planning the vLLM refit", applied=False)
+        kw = dict(group=self._conn, name_map=name_map, skip=tuple(init_info.skip),
+                  cast=init_info.cast, timeout=init_info.timeout)
+        if DIRECT in ways:
+            self._direct = Refitter(None, direct or None, dst_layout=vllm_tp_specs(
+                direct, tp.rank_in_group, tp.world_size, num_heads=heads[0],
+                num_kv_heads=heads[1]) if direct else None, **kw)
+        if LOAD_WEIGHTS in ways:
+            sink = load_weights_sink(self._load_bucket, reload, bucket_bytes=init_info.bucket_bytes,
+                                     device=self.device) if reload else None
+            self._reload = Refitter(None, self.model if reload else None, dst_layout=sink, **kw)
+        counts = {w: sum(r.way == w for r in self.routes.values()) for w in (DIRECT, LOAD_WEIGHTS)}
+        _log.info("torchrefit: engine rank %d: %d tensors written in place, %d through "
+                  "load_weights", self._conn.rank, counts[DIRECT], counts[LOAD_WEIGHTS])
+        for name, route in self.routes.items():
+            _log.debug("torchrefit: %s: %s (%s)", name, route.way, route.why)
+
+    def _name_map(self, kind: str) -> HfToVllm:
+        if kind != "hf_to_vllm":
+            raise PlanError(f"the vLLM engine builds the name map 'hf_to_vllm' only, not {kind!r}")
+        return hf_to_vllm(self.model_config.hf_text_config)
+
+    def _destinations(self, name_map, source, tp_rank, tp_size, heads):
+        """This worker's direct tensors ``{name: live tensor}`` and what its sink wants
+        ``[(source name, shape, dtype)]`` for the tensors routed through load_weights."""
+        direct = {n: t for n, t in named_refit_tensors(self.model)
+                  if n in self.routes and self.routes[n].way == DIRECT}
+        later = [n for n, r in self.routes.items() if r.way == LOAD_WEIGHTS]
+        metas = _loaded_shapes(self.model, later)
+        specs = vllm_tp_specs(metas, tp_rank, tp_size, num_heads=heads[0], num_kv_heads=heads[1])
+        shapes = {n: (specs[n].global_shape if n in specs else tuple(m.shape))
+                  for n, m in metas.items()}
+        src_shapes = {n: torch.Size(s) for n, (s, _) in source.items()}
+        wanted = _sources(name_map, shapes, src_shapes)
+        return direct, [(n, source[n][0], getattr(torch, source[n][1])) for n in wanted]
+
+    # -- update: start, receive, apply
+    def start_weight_update(self) -> None:
+        if self._reload is not None and self._reload.plan.recv_peers:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+            self._reloading = True
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def receive_weights(self, update_info: TorchrefitUpdateInfo) -> None:
+        """Receive: every refit of this update runs; tensors routed through load_weights
+        reach the model bucket by bucket. Every rank then learns whether any failed."""
+        if self._conn is None:
+            raise RuntimeError("torchrefit: init_weight_transfer_engine was not called")
+        self._load_error = None
+        error = None
+        try:
+            for refitter in (self._direct, self._reload):
+                if refitter is not None:
+                    refitter.refit()
+        except Exception as e:
+            error = failure(e, f"engine rank {self._conn.rank} receiving")
+        error = error or self._load_error
+        if error is not None:
+            self._abandon()
+        agree_status(self._conn, error, f"vLLM weight update {update_info.update}")
+
+    def _load_bucket(self, pairs) -> None:
+        """The sink's ``load_weights``: one bucket into vLLM's loaders. An exception is
+        kept (reported to every rank when the update ends), not raised mid-exchange,
+        which would leave the trainer's ranks waiting for this one."""
+        if self._load_error is not None:
+            return
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+        try:
+            with disable_mtp_completeness_check():
+                self.model.load_weights(pairs)
+        except Exception as e:
+            self._load_error = failure(e, f"engine rank {self._conn.rank}: vLLM's load_weights "
+                                          f"({', '.join(n for n, _ in pairs[:3])}...)")
+
+    def _abandon(self) -> None:
+        """After a failed update: close vLLM's layerwise reload (layers that received
+        nothing get their previous tensors back)."""
+        if self._reloading:
+            self._reloading = False
+            try:
+                self._apply()
+            except Exception:
+                _log.exception("torchrefit: closing vLLM's layerwise reload after a failure")
+
+    def finish_weight_update(self) -> None:
+        """Apply: vLLM's post-load steps for what went through load_weights."""
+        if self._reloading:
+            self._reloading = False
+            self._apply()
+
+    def _apply(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        repack_after_reload(self.model)
+
+    def shutdown(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+def repack_after_reload(model: nn.Module) -> None:
+    """vLLM's post-load steps that its layerwise reload leaves out, so that the model
+    computes as a fresh load of the same weights would (vLLM CPU):
+
+    * a layer sharing its weight with another (a tied ``lm_head``) loads nothing
+      itself, so reload never re-packs it: its kernel kept the old matrix;
+    * a MoE layer's reload runs the update path of its method, which skips the CPU
+      kernel's prepacking of the experts.
+    """
+    owners: dict[int, list[nn.Module]] = {}
+    for m in model.modules():
+        w = m._parameters.get("weight") if hasattr(m, "_parameters") else None
+        if w is not None:
+            owners.setdefault(id(w), []).append(m)
+    for shared in owners.values():
+        for m in shared[1:]:
+            method = getattr(m, "quant_method", None)
+            if method is not None and getattr(m, "cpu_linear", None) is not None:
+                method.process_weights_after_loading(m)
+    for m in model.modules():
+        kernel = getattr(getattr(m, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and hasattr(m, "w13_weight") and _on_cpu(m.w13_weight):
+            experts.process_weights_after_loading(m)
+
+
+# ------------------------------------------------------------------- trainer side
+class TorchrefitTrainerWeightTransferEngine(
+        TrainerWeightTransferEngine[TorchrefitTrainerInitInfo]):
+    """Trainer-side engine for backend ``"torchrefit"``, on every trainer rank.
+
+    ``routes`` (after init): engine rank 0's ``{vLLM name: Route}``.
+    """
+
+    init_info_cls = TorchrefitTrainerInitInfo
+
+    def __init__(self, *, client, source=None, is_sender: bool = True) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.routes: dict[str, Route] = {}
+        self._conn = None
+        self._refitters: list[Refitter] = []
+        self._updates = 0
+        self._rpc = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrefit-rpc")
+
+    @classmethod
+    def trainer_init(cls, init_info: TorchrefitTrainerInitInfo, *, client, source=None):
+        model = _module(source)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        engine = cls(client=client, source=source, is_sender=init_info.rank == 0)
+        name_map = init_info.name_map or hf_to_vllm(getattr(model, "config", None))
+        meta = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                for n, t in named_refit_tensors(model)}
+        pending: Future | None = None
+        if engine.is_sender:
+            worker = TorchrefitInitInfo(
+                init_info.master_address, init_info.master_port, world,
+                "hf_to_vllm" if isinstance(name_map, HfToVllm) else repr(name_map.cache_key()),
+                list(init_info.skip), init_info.cast, init_info.group_backend,
+                init_info.timeout, init_info.bucket_bytes)
+            pending = engine._rpc.submit(client.init_weight_transfer_engine, asdict(worker))
+        try:
+            engine._connect(init_info, world, name_map, meta, model)
+        except BaseException:
+            engine._rpc.shutdown(wait=False)
+            raise
+        if pending is not None:
+            pending.result()  # the engine's own view of its init
+        return engine
+
+    def _connect(self, info, world, name_map, meta, model) -> None:
+        self._conn = join("trainer", info.rank, world, info.master_address, info.master_port,
+                          peer_world_size=None, backend=info.group_backend, timeout=info.timeout)
+        settings = Settings(repr(name_map.cache_key()), tuple(info.skip), info.cast)
+        seen = agree(self._conn, settings, meta if info.rank == 0 else None)
+        engines = [extra for role, _, _, extra in seen if role == "engine"]
+        self.routes = {k: Route(*v) for k, v in engines[0].items()}
+        ways = {way for extra in engines for way, _ in extra.values()}
+        agree_status(self._conn, None, "planning the vLLM refit", applied=False)
+        kw = dict(group=self._conn, name_map=name_map, skip=tuple(info.skip), cast=info.cast,
+                  timeout=info.timeout)
+        self._refitters = [Refitter(model, None, **kw) for way in (DIRECT, LOAD_WEIGHTS)
+                           if way in ways]
+
+    def send_weights(self, weight_version: str | None = None) -> None:
+        """One update, on every trainer rank: rank 0 starts it, runs the engine's
+        ``update_weights`` while every rank sends, and finishes it with
+        ``weight_version`` (what ``llm.get_weight_version()`` then reports)."""
+        self._updates += 1
+        started = self._on_sender(self.client.start_weight_update) if self.is_sender else None
+        self._raise_shared(started, "starting the vLLM weight update")
+        pending = (self._rpc.submit(self.client.update_weights,
+                                    asdict(TorchrefitUpdateInfo(self._updates)))
+                   if self.is_sender else None)
+        error = None
+        try:
+            for refitter in self._refitters:
+                refitter.refit()
+        except Exception as e:
+            error = failure(e, f"trainer rank {self._conn.rank} sending")
+        try:
+            agree_status(self._conn, error, f"vLLM weight update {self._updates}")
+        finally:
+            if pending is not None:
+                try:
+                    pending.result()
+                except Exception:
+                    if error is None and not _failed_here():
+                        raise
+        finished = (self._on_sender(self.client.finish_weight_update, weight_version)
+                    if self.is_sender else None)
+        self._raise_shared(finished, "finishing the vLLM weight update")
+
+    @staticmethod
+    def _on_sender(call, *args) -> tuple[str, str] | None:
+        try:
+            call(*args)
+            return None
+        except Exception as e:
+            return failure(e, "trainer rank 0's client")
+
+    def _raise_shared(self, error: tuple[str, str] | None, what: str) -> None:
+        """Rank 0's client call, told to every trainer rank (its default group)."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [error]
+            dist.broadcast_object_list(box, src=0)
+            error = box[0]
+        if error is not None:
+            raise RefitError(f"{what} failed on the engine (seen by trainer rank 0's client): "
+                             f"{error[1].splitlines()[0]}; this trainer's model is unchanged",
+                             rule="update failed", detail=error[1])
+
+    def shutdown(self) -> None:
+        self._rpc.shutdown(wait=False)
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+def _failed_here() -> bool:
+    """Whether an exception is being handled on this thread (agree_status raised)."""
+    import sys
+
+    return sys.exc_info()[0] is not None
+
+
+def _module(source) -> nn.Module:
+    if isinstance(source, nn.Module):
+        return source
+    if isinstance(source, ModuleSource):
+        return source._module
+    raise TypeError("torchrefit's vLLM backend reads the trainer's model itself: pass "
+                    f"source=ModuleSource(model) or the nn.Module, not {type(source).__name__}")
+
+
+register()

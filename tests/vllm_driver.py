@@ -1,0 +1,337 @@
+"""One real vLLM CPU engine fed by torchrefit's vLLM backend, many cases; run as a script.
+
+``python tests/vllm_driver.py SCENARIO OUT.json`` starts one ``vllm.LLM`` with
+``WeightTransferConfig(backend="torchrefit")`` on a small model config it writes,
+runs the trainer's ranks (rank 0 in this process, holding the ``LLM`` as its client;
+the others spawned, gloo), runs the scenario's cases in order and writes what each
+saw to OUT.json for ``tests/test_vllm_engine.py`` to judge. The oracle is a
+``transformers`` model holding the trainer's weights: vLLM's greedy tokens and top-5
+logprobs against its own, teacher-forced on vLLM's tokens.
+
+Scenarios (``SCENARIOS``): model (dense untied / tied / MoE), trainer ranks (2: FSDP2),
+engine TP size, and ``plain`` (a vLLM plugin of the tests, ``tests/vllm_plain_linears``,
+keeps vLLM's linear weights as plain parameters, as its GPU build does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+SCENARIOS = {
+    "dense": dict(model="dense", trainers=1, tp=1, plain=False),
+    "tied-fsdp": dict(model="tied", trainers=2, tp=1, plain=False),
+    "moe": dict(model="moe", trainers=1, tp=1, plain=False),
+    "moe-fsdp": dict(model="moe", trainers=2, tp=1, plain=False),
+    "plain": dict(model="dense", trainers=1, tp=1, plain=True),
+    "tp2": dict(model="dense", trainers=2, tp=2, plain=False),
+}
+PROMPTS = [[3, 17, 42, 99, 7, 12], [200, 5, 61, 8]]
+MAX_TOKENS = 6
+TOP = 5
+
+
+def config(kind: str) -> dict:
+    base = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256,
+                max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+                tie_word_embeddings=kind == "tied", torch_dtype="float32")
+    if kind == "moe":
+        return dict(base, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                    moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    return dict(base, architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+
+
+def hf_model(cfg: dict, seed: int):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    model = AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32).eval()
+    with torch.no_grad():  # a spread wide enough that a change shows in greedy tokens
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.8, 1.2)
+    return model
+
+
+def step(model, k: int) -> None:
+    """A deterministic training step: every weight moves (version k)."""
+    import torch
+
+    with torch.no_grad():
+        for i, (_, p) in enumerate(sorted(model.named_parameters())):
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.mul_(-1.0 if i % 3 == k % 3 else 0.9).add_(0.01 * k)
+
+
+# ------------------------------------------------------------------ trainer ranks
+def trainer(rank: int, world: int, scenario: str, port: int, dist_port: int, conn=None):
+    """Every trainer rank runs the same sequence; rank 0 also judges the engine."""
+    import torch
+    import torch.distributed as dist
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    import torchrefit as tr
+    from torchrefit.engines.vllm import TorchrefitTrainerInitInfo
+
+    sc = SCENARIOS[scenario]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank,
+                            world_size=world)
+    cfg = config(sc["model"])
+    model = hf_model(cfg, seed=0)
+    if world > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    llm = conn  # rank 0 only: the LLM (the in-process client)
+    out: dict = {"cases": {}}
+    client = _Client(llm) if llm is not None else _Unused()
+    ports = iter(range(port, port + 100, 2))
+
+    def init(**kw):
+        info = TorchrefitTrainerInitInfo("127.0.0.1", next(ports), timeout=60.0, **kw)
+        return WeightTransferTrainerFactory.trainer_init(info, client=client,
+                                                         source=ModuleSource(model))
+
+    def expect_error(name, fn):
+        t0 = time.monotonic()
+        try:
+            fn()
+            out["cases"][name] = {"raised": None}
+        except Exception as e:
+            out["cases"][name] = {"raised": type(e).__name__, "message": str(e),
+                                  "seconds": time.monotonic() - t0}
+        _barrier()
+
+    if sc["model"] == "dense" and not sc["plain"] and sc["tp"] == 1:
+        expect_error("disagreeing_name_map", lambda: init(
+            name_map=tr.maps.hf_to_vllm(num_heads=4, num_kv_heads=4)))
+        if rank == 0:
+            llm.llm_engine.collective_rpc(_rename_down_proj, args=("mlp.down_proj", "mlp.down"))
+        expect_error("mismatched_name", lambda: init())
+        if rank == 0:
+            llm.llm_engine.collective_rpc(_rename_down_proj, args=("mlp.down", "mlp.down_proj"))
+        wrong = hf_model(dict(cfg, intermediate_size=192), seed=0)
+        expect_error("mismatched_shape", lambda: WeightTransferTrainerFactory.trainer_init(
+            TorchrefitTrainerInitInfo("127.0.0.1", next(ports), timeout=60.0),
+            client=client, source=wrong))
+
+    sender = init()
+    if rank == 0:
+        out["routes"] = {k: [r.way, r.why] for k, r in sender.routes.items()}
+        out["dummy"] = _judge(llm, _full(model))  # before any update: vLLM's dummy weights
+    else:
+        _full(model)
+
+    if sc["model"] == "dense" and not sc["plain"] and sc["tp"] == 1:
+        # fairness: the same weights through vLLM's own reload_weights pass the oracle
+        full = _full(model)
+        if rank == 0:
+            llm.llm_engine.collective_rpc(_vllm_reload, args=(_to_bytes(full),))
+            out["cases"]["vllm_reload"] = _judge(llm, full)
+        _barrier()
+
+    for k in (1, 2):
+        if k == 2:
+            step(model, k)
+            full = _full(model)
+            if rank == 0:  # a skipped update: the engine still holds version 1
+                out["cases"]["skipped_update"] = _judge(llm, full)
+        t0 = time.monotonic()
+        sender.send_weights(weight_version=f"v{k}")
+        seconds = time.monotonic() - t0
+        full = _full(model)
+        if rank == 0:
+            out["cases"][f"version_{k}"] = dict(_judge(llm, full), seconds=seconds,
+                                                weight_version=llm.get_weight_version())
+
+    if sc["model"] in ("dense", "moe") and sc["trainers"] == 1 and not sc["plain"]:
+        if rank == 0:
+            llm.llm_engine.collective_rpc(_fail_next_load)
+        step(model, 3)
+        expect_error("engine_load_weights_raises", lambda: sender.send_weights(weight_version="v3"))
+        if rank == 0:
+            out["cases"]["engine_load_weights_raises"]["weight_version"] = llm.get_weight_version()
+        sender.send_weights(weight_version="v4")
+        full = _full(model)
+        if rank == 0:
+            out["cases"]["after_failure"] = dict(_judge(llm, full),
+                                                 weight_version=llm.get_weight_version())
+    sender.shutdown()
+    dist.destroy_process_group()
+    return out
+
+
+def _barrier():
+    import torch.distributed as dist
+
+    if dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _full(model) -> dict:
+    """The trainer's weights, whole (a collective under FSDP2)."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = t.detach().clone()
+    return out
+
+
+class _Client:
+    """vLLM's four weight-sync methods on the in-process LLM."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info):
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self):
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info):
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version=None):
+        self.llm.finish_weight_update(weight_version=weight_version)
+
+
+class _Unused:
+    def __getattr__(self, name):
+        raise AssertionError(f"a trainer rank other than 0 called its client's {name}")
+
+
+# ---------------------------------------------------------- functions run on the workers
+def _rename_down_proj(worker, old: str, new: str):
+    """Rename layer 0's down_proj module on the worker (a name the trainer lacks)."""
+    layer = worker.model_runner.model.model.layers[0]
+    mlp = layer.mlp
+    parent, child = old.split(".")[-1], new.split(".")[-1]
+    mod = getattr(mlp, parent)
+    delattr(mlp, parent)
+    setattr(mlp, child, mod)
+
+
+def _to_bytes(weights: dict) -> bytes:
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(weights, buf)
+    return buf.getvalue()
+
+
+def _vllm_reload(worker, data: bytes):
+    """vLLM's own in-place reload (``reload_weights``) of the weights ``data`` holds."""
+    import io
+
+    import torch
+
+    weights = torch.load(io.BytesIO(data))
+    worker.reload_weights(weights_iterator=list(weights.items()))
+
+
+def _fail_next_load(worker):
+    model = worker.model_runner.model
+    original = model.load_weights
+
+    def failing(weights):
+        model.load_weights = original
+        raise ValueError("injected failure inside load_weights")
+
+    model.load_weights = failing
+
+
+# ------------------------------------------------------------------------- oracle
+def _judge(llm, weights: dict) -> dict:
+    """vLLM's greedy tokens and top-5 logprobs against a transformers model holding
+    ``weights``: the largest logprob difference and whether every token agrees."""
+    import torch
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params,
+                        use_tqdm=False)
+    oracle = hf_model(json.loads(os.environ["TORCHREFIT_VLLM_CONFIG_JSON"]), seed=0)
+    missing = oracle.load_state_dict(weights, strict=False)
+    assert not missing.missing_keys or oracle.config.tie_word_embeddings, missing
+    worst, tokens_equal = 0.0, True
+    for prompt, o in zip(PROMPTS, outs):
+        gen = list(o.outputs[0].token_ids)
+        ids = torch.tensor([prompt + gen])
+        with torch.no_grad():
+            logp = torch.log_softmax(oracle(ids).logits[0].double(), -1)
+        for i, (tok, lp) in enumerate(zip(gen, o.outputs[0].logprobs)):
+            row = logp[len(prompt) - 1 + i]
+            tokens_equal &= int(row.argmax()) == tok
+            for t, v in lp.items():
+                worst = max(worst, abs(float(row[t]) - v.logprob))
+    return {"max_logprob_diff": worst, "tokens_equal": bool(tokens_equal)}
+
+
+# --------------------------------------------------------------------------- main
+def _spawned(rank, world, scenario, port, dist_port, cfg_json):
+    os.environ["TORCHREFIT_VLLM_CONFIG_JSON"] = cfg_json
+    trainer(rank, world, scenario, port, dist_port)
+
+
+def main(scenario: str, out_path: str) -> None:
+    import tempfile
+
+    import torch.multiprocessing as mp
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    sc = SCENARIOS[scenario]
+    cfg = config(sc["model"])
+    cfg_json = json.dumps(cfg)
+    os.environ["TORCHREFIT_VLLM_CONFIG_JSON"] = cfg_json
+    workdir = tempfile.mkdtemp(prefix="torchrefit-vllm-")
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    t0 = time.monotonic()
+    llm = LLM(model=workdir, load_format="dummy", skip_tokenizer_init=True, dtype="float32",
+              enforce_eager=True, max_model_len=128, tensor_parallel_size=sc["tp"],
+              weight_transfer_config=WeightTransferConfig(backend="torchrefit"))
+    started = time.monotonic() - t0
+    port, dist_port = _free_port(), _free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_spawned, args=(r, sc["trainers"], scenario, port, dist_port,
+                                                 cfg_json))
+             for r in range(1, sc["trainers"])]
+    for p in procs:
+        p.start()
+    result: dict = {"engine_start_seconds": started}
+    try:
+        result.update(trainer(0, sc["trainers"], scenario, port, dist_port, conn=llm))
+    except Exception:
+        result["error"] = traceback.format_exc()
+    for p in procs:
+        p.join(120)
+        result.setdefault("trainer_exit", []).append(p.exitcode)
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1)
+    del llm
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
+    os._exit(0)  # vLLM's engine threads: leave at once
