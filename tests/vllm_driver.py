@@ -148,10 +148,14 @@ def trainer(rank: int, world: int, scenario: str, port: int, dist_port: int, con
         t0 = time.monotonic()
         sender.send_weights(weight_version=f"v{k}")
         seconds = time.monotonic() - t0
+        sent = [None] * world
+        dist.all_gather_object(sent, sum(r.bytes_sent for r in sender.reports))
         full = _full(model)
         if rank == 0:
-            out["cases"][f"version_{k}"] = dict(_judge(llm, full), seconds=seconds,
-                                                weight_version=llm.get_weight_version())
+            out["cases"][f"version_{k}"] = dict(
+                _judge(llm, full), seconds=seconds, weight_version=llm.get_weight_version(),
+                bytes_sent=sent, model_bytes=sum(t.numel() * t.element_size()
+                                                 for t in full.values()))
 
     if sc["model"] in ("dense", "moe") and sc["trainers"] == 1 and not sc["plain"]:
         if rank == 0:
@@ -296,6 +300,8 @@ def main(scenario: str, out_path: str) -> None:
     cfg = config(sc["model"])
     cfg_json = json.dumps(cfg)
     os.environ["TORCHREFIT_VLLM_CONFIG_JSON"] = cfg_json
+    if sc["tp"] > 1:  # one NUMA node here: vLLM CPU cannot bind each worker to its own
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     workdir = tempfile.mkdtemp(prefix="torchrefit-vllm-")
     with open(os.path.join(workdir, "config.json"), "w") as f:
         json.dump(cfg, f)

@@ -414,7 +414,9 @@ class TorchrefitTrainerWeightTransferEngine(
         TrainerWeightTransferEngine[TorchrefitTrainerInitInfo]):
     """Trainer-side engine for backend ``"torchrefit"``, on every trainer rank.
 
-    ``routes`` (after init): engine rank 0's ``{vLLM name: Route}``.
+    ``routes`` (after init): engine rank 0's ``{vLLM name: Route}``. ``reports``: this
+    rank's :class:`~torchrefit.RefitReport` of each refit of the last update (its bytes
+    sent are its own shards only).
     """
 
     init_info_cls = TorchrefitTrainerInitInfo
@@ -424,6 +426,7 @@ class TorchrefitTrainerWeightTransferEngine(
         self.routes: dict[str, Route] = {}
         self._conn = None
         self._refitters: list[Refitter] = []
+        self.reports: list = []
         self._updates = 0
         self._rpc = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrefit-rpc")
 
@@ -478,8 +481,7 @@ class TorchrefitTrainerWeightTransferEngine(
                    if self.is_sender else None)
         error = None
         try:
-            for refitter in self._refitters:
-                refitter.refit()
+            self.reports = [refitter.refit() for refitter in self._refitters]
         except Exception as e:
             error = failure(e, f"trainer rank {self._conn.rank} sending")
         try:

