@@ -79,7 +79,7 @@ def assert_fails_oracle(case: dict) -> None:
     assert not case["tokens_equal"] or case["max_logprob_diff"] > 100 * TOL, case
 
 
-@pytest.mark.parametrize("scenario", ["dense", "tied-fsdp", "moe", "plain"])
+@pytest.mark.parametrize("scenario", ["dense", "tied-fsdp", "moe", "plain", "tp2"])
 def test_two_versions_equal_the_oracle(scenario, tmp_path_factory):
     r = run(scenario, tmp_path_factory)
     cases = r["cases"]
@@ -94,11 +94,14 @@ def test_vllm_own_reload_passes_the_oracle(tmp_path_factory):
     assert_matches_oracle(run("dense", tmp_path_factory)["cases"]["vllm_reload"])
 
 
-def test_fsdp2_ranks_send_only_their_shards(tmp_path_factory):
-    case = run("tied-fsdp", tmp_path_factory)["cases"]["version_2"]
+@pytest.mark.parametrize("scenario, workers", [("tied-fsdp", 1), ("tp2", 2)])
+def test_fsdp2_ranks_send_only_their_shards(scenario, workers, tmp_path_factory):
+    case = run(scenario, tmp_path_factory)["cases"]["version_2"]
     sent, total = case["bytes_sent"], case["model_bytes"]
-    assert len(sent) == 2 and all(0 < s < total for s in sent), case
-    assert sum(sent) == total, case  # each byte once, from the rank that holds it
+    assert len(sent) == 2 and all(0 < s < workers * total for s in sent), case
+    # each byte once per engine worker (load_weights takes whole tensors), each from the
+    # trainer rank that holds it: no rank gathers and sends the whole model
+    assert sum(sent) == workers * total, case
 
 
 def test_routes_on_the_cpu_build(tmp_path_factory):

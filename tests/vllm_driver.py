@@ -72,7 +72,6 @@ def step(model, k: int) -> None:
 # ------------------------------------------------------------------ trainer ranks
 def trainer(rank: int, world: int, scenario: str, port: int, dist_port: int, conn=None):
     """Every trainer rank runs the same sequence; rank 0 also judges the engine."""
-    import torch
     import torch.distributed as dist
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -327,7 +326,7 @@ def main(scenario: str, out_path: str) -> None:
         result.setdefault("trainer_exit", []).append(p.exitcode)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
-    del llm
+    llm.llm_engine.engine_core.shutdown()  # the engine's processes go with it
 
 
 def _free_port() -> int:

@@ -42,8 +42,10 @@ class Settings:
 
 
 def join(role: str, rank: int, world_size: int, address: str, port: int, *,
-         peer_world_size: int | None, backend: str, timeout: float) -> Connection:
-    """Every rank of both jobs: learn the engine's size where not given, then connect."""
+         peer_world_size: int | None, backend: str,
+         timeout: float) -> tuple[Connection, dist.TCPStore]:
+    """Every rank of both jobs: learn the engine's size where not given, then connect.
+    Returns the connection and the small store (keep it: trainer rank 0 hosts it)."""
     store = _discovery_store(role, rank, address, port, timeout)
     if role == "engine" and rank == 0:
         store.set(_ENGINES, str(world_size))
@@ -55,10 +57,8 @@ def join(role: str, rank: int, world_size: int, address: str, port: int, *,
                 f"{role} rank {rank}: the engine did not publish its size at {address}:{port} "
                 f"within {timeout:g} s (did init_weight_transfer_engine reach the engine?): "
                 f"{type(e).__name__}: {e}") from e
-    conn = connect(role, rank, world_size, peer_world_size, address, port + 1, backend, timeout)
-    if role == "trainer" and rank == 0:
-        object.__setattr__(conn, "_discovery", store)  # the host keeps its store alive
-    return conn
+    return connect(role, rank, world_size, peer_world_size, address, port + 1, backend,
+                   timeout), store
 
 
 def _discovery_store(role: str, rank: int, address: str, port: int,

@@ -242,7 +242,7 @@ class TorchrefitWeightTransferEngine(
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.routes: dict[str, Route] = {}
-        self._conn = None
+        self._conn = self._store = None
         self._direct: Refitter | None = None
         self._reload: Refitter | None = None
         self._load_error: tuple[str, str] | None = None
@@ -254,7 +254,7 @@ class TorchrefitWeightTransferEngine(
 
         world = get_world_group()
         tp = get_tp_group()
-        self._conn = join("engine", world.rank_in_group, world.world_size,
+        self._conn, self._store = join("engine", world.rank_in_group, world.world_size,
                           init_info.master_address, init_info.master_port,
                           peer_world_size=init_info.trainer_world_size,
                           backend=init_info.group_backend, timeout=init_info.timeout)
@@ -424,7 +424,7 @@ class TorchrefitTrainerWeightTransferEngine(
     def __init__(self, *, client, source=None, is_sender: bool = True) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.routes: dict[str, Route] = {}
-        self._conn = None
+        self._conn = self._store = None
         self._refitters: list[Refitter] = []
         self.reports: list = []
         self._updates = 0
@@ -456,7 +456,7 @@ class TorchrefitTrainerWeightTransferEngine(
         return engine
 
     def _connect(self, info, world, name_map, meta, model) -> None:
-        self._conn = join("trainer", info.rank, world, info.master_address, info.master_port,
+        self._conn, self._store = join("trainer", info.rank, world, info.master_address, info.master_port,
                           peer_world_size=None, backend=info.group_backend, timeout=info.timeout)
         settings = Settings(repr(name_map.cache_key()), tuple(info.skip), info.cast)
         seen = agree(self._conn, settings, meta if info.rank == 0 else None)
