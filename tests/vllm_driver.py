@@ -8,6 +8,9 @@ saw to OUT.json for ``tests/test_vllm_engine.py`` to judge. The oracle is a
 ``transformers`` model holding the trainer's weights: vLLM's greedy tokens and top-5
 logprobs against its own, teacher-forced on vLLM's tokens.
 
+``python tests/vllm_driver.py http OUT.json`` does the same through ``vllm serve`` and
+vLLM's ``HTTPVLLMWeightSyncClient`` (one trainer rank, dense model).
+
 Scenarios (``SCENARIOS``): model (dense untied / tied / MoE), trainer ranks (2: FSDP2),
 engine TP size, and ``plain`` (a vLLM plugin of the tests, ``tests/vllm_plain_linears``,
 keeps vLLM's linear weights as plain parameters, as its GPU build does).
@@ -259,27 +262,128 @@ def _fail_next_load(worker):
 def _judge(llm, weights: dict) -> dict:
     """vLLM's greedy tokens and top-5 logprobs against a transformers model holding
     ``weights``: the largest logprob difference and whether every token agrees."""
-    import torch
     from vllm import SamplingParams, TokensPrompt
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params,
                         use_tqdm=False)
+    return _compare([(list(o.outputs[0].token_ids),
+                      [{t: v.logprob for t, v in lp.items()} for lp in o.outputs[0].logprobs])
+                     for o in outs], weights)
+
+
+def _judge_http(base: str, model: str, weights: dict) -> dict:
+    """:func:`_judge` through ``vllm serve``'s ``/v1/completions``."""
+    import requests
+
+    outs = []
+    for prompt in PROMPTS:
+        body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                "logprobs": TOP, "return_tokens_as_token_ids": True}
+        r = requests.post(f"{base}/v1/completions", json=body, timeout=120)
+        r.raise_for_status()
+        lp = r.json()["choices"][0]["logprobs"]
+        tokens = [_token_id(t) for t in lp["tokens"]]
+        outs.append((tokens, [{_token_id(t): v for t, v in top.items()}
+                              for top in lp["top_logprobs"]]))
+    return _compare(outs, weights)
+
+
+def _token_id(text: str) -> int:
+    return int(text.rsplit(":", 1)[1])
+
+
+def _compare(outs: list, weights: dict) -> dict:
+    """``outs``: per prompt, vLLM's generated tokens and top logprobs at each step."""
+    import torch
+
     oracle = hf_model(json.loads(os.environ["TORCHREFIT_VLLM_CONFIG_JSON"]), seed=0)
     missing = oracle.load_state_dict(weights, strict=False)
     assert not missing.missing_keys or oracle.config.tie_word_embeddings, missing
     worst, tokens_equal = 0.0, True
-    for prompt, o in zip(PROMPTS, outs):
-        gen = list(o.outputs[0].token_ids)
+    for prompt, (gen, logprobs) in zip(PROMPTS, outs):
         ids = torch.tensor([prompt + gen])
         with torch.no_grad():
             logp = torch.log_softmax(oracle(ids).logits[0].double(), -1)
-        for i, (tok, lp) in enumerate(zip(gen, o.outputs[0].logprobs)):
+        for i, (tok, lp) in enumerate(zip(gen, logprobs)):
             row = logp[len(prompt) - 1 + i]
             tokens_equal &= int(row.argmax()) == tok
             for t, v in lp.items():
-                worst = max(worst, abs(float(row[t]) - v.logprob))
+                worst = max(worst, abs(float(row[t]) - v))
     return {"max_logprob_diff": worst, "tokens_equal": bool(tokens_equal)}
+
+
+def http(out_path: str) -> None:
+    """``vllm serve --weight-transfer-config '{"backend": "torchrefit"}'`` and a trainer
+    launched apart, through vLLM's ``HTTPVLLMWeightSyncClient``."""
+    import subprocess
+    import tempfile
+
+    import requests
+    import torch.distributed as dist
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from torchrefit.engines.vllm import TorchrefitTrainerInitInfo
+
+    cfg = config("dense")
+    os.environ["TORCHREFIT_VLLM_CONFIG_JSON"] = json.dumps(cfg)
+    workdir = tempfile.mkdtemp(prefix="torchrefit-vllm-")
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # vLLM's weight-transfer routes
+    server = subprocess.Popen(
+        ["vllm", "serve", workdir, "--port", str(port), "--load-format", "dummy",
+         "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
+         "--max-model-len", "128", "--weight-transfer-config", '{"backend": "torchrefit"}'],
+        env=env, stdout=subprocess.DEVNULL, stderr=open(out_path + ".server.log", "w"))
+    result: dict = {"cases": {}}
+    try:
+        _wait_healthy(base, server)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                                world_size=1)
+        model = hf_model(cfg, seed=0)
+        sender = WeightTransferTrainerFactory.trainer_init(
+            TorchrefitTrainerInitInfo("127.0.0.1", _free_port(), timeout=60.0),
+            client=HTTPVLLMWeightSyncClient(base), source=ModuleSource(model))
+        for k in (1, 2):
+            if k == 2:
+                step(model, k)
+                result["cases"]["skipped_update"] = _judge_http(base, workdir, _full(model))
+            sender.send_weights(weight_version=f"v{k}")
+            version = requests.get(f"{base}/weight_info", timeout=30).json()["weight_version"]
+            result["cases"][f"version_{k}"] = dict(_judge_http(base, workdir, _full(model)),
+                                                   weight_version=version)
+        sender.shutdown()
+    except Exception:
+        result["error"] = traceback.format_exc()
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def _wait_healthy(base: str, server, limit: float = 400.0) -> None:
+    import requests
+
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {server.returncode}")
+        try:
+            if requests.get(f"{base}/health", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(2)
+    raise RuntimeError(f"vllm serve was not healthy within {limit:g} s")
 
 
 # --------------------------------------------------------------------------- main
@@ -338,5 +442,8 @@ def _free_port() -> int:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "http":
+        http(sys.argv[2])
+    else:
+        main(sys.argv[1], sys.argv[2])
     os._exit(0)  # vLLM's engine threads: leave at once

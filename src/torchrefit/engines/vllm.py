@@ -30,7 +30,7 @@ rank when the update ends, wrapped in :class:`~torchrefit.RefitError`.
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
@@ -449,10 +449,12 @@ class TorchrefitTrainerWeightTransferEngine(
         try:
             engine._connect(init_info, world, name_map, meta, model)
         except BaseException:
+            if pending is not None:  # the engine fails alike: let its RPC return
+                wait([pending], timeout=init_info.timeout)
             engine._rpc.shutdown(wait=False)
             raise
-        if pending is not None:
-            pending.result()  # the engine's own view of its init
+        engine._raise_shared(engine._on_sender(pending.result) if pending else None,
+                             "initializing the vLLM weight transfer")
         return engine
 
     def _connect(self, info, world, name_map, meta, model) -> None:
@@ -486,15 +488,14 @@ class TorchrefitTrainerWeightTransferEngine(
             error = failure(e, f"trainer rank {self._conn.rank} sending")
         try:
             agree_status(self._conn, error, f"vLLM weight update {self._updates}")
-        finally:
-            if pending is not None:
-                try:
-                    pending.result()
-                except Exception:
-                    if error is None and not _failed_here():
-                        raise
-        finished = (self._on_sender(self.client.finish_weight_update, weight_version)
-                    if self.is_sender else None)
+        except RefitError:
+            if pending is not None:  # the engine raised the same error: let its RPC return
+                wait([pending], timeout=self._conn.timeout)
+            raise
+        finished = None
+        if pending is not None:  # the engine's own answer (its RPC may fail after the exchange)
+            finished = (self._on_sender(pending.result)
+                        or self._on_sender(self.client.finish_weight_update, weight_version))
         self._raise_shared(finished, "finishing the vLLM weight update")
 
     @staticmethod
@@ -521,13 +522,6 @@ class TorchrefitTrainerWeightTransferEngine(
         if self._conn is not None:
             self._conn.close()
             self._conn = None
-
-
-def _failed_here() -> bool:
-    """Whether an exception is being handled on this thread (agree_status raised)."""
-    import sys
-
-    return sys.exc_info()[0] is not None
 
 
 def _module(source) -> nn.Module:

@@ -2,8 +2,9 @@
 
 It describes a model as vLLM shards it, whether its tensors carry vLLM's fused names
 (``qkv_proj``, ``gate_up_proj``, stacked ``w13_weight`` / ``w2_weight``: a live vLLM
-model) or Hugging Face's unfused ones (``q_proj``, ``gate_proj``, ...). An engine rank passes ``dst_layout=vllm_tp_layout(tp_rank, tp_size, num_heads=...,
-num_kv_heads=...)`` to its ``Refitter`` (or the table ``vllm_tp_specs`` returns). Tensor parallel cuts, by
+model) or Hugging Face's unfused ones (``q_proj``, ``gate_proj``, ...). An engine rank
+passes ``dst_layout=vllm_tp_layout(tp_rank, tp_size, num_heads=..., num_kv_heads=...)``
+to its ``Refitter`` (or the table ``vllm_tp_specs`` returns). Tensor parallel cuts, by
 module (the name's second-last part):
 
 * column parallel, rows cut plainly: ``q_proj``, ``gate_proj``, ``up_proj``,
@@ -25,6 +26,10 @@ experts as vLLM's fused MoE holds them under tensor parallelism: ``w13_weight``
 ``w2_weight`` ``[E, H, I]`` its columns (dim 2). A padded vocabulary is cut like
 any column-parallel tensor (vLLM pads it to a multiple of the TP size); expert
 parallelism is not described.
+
+A tensor vLLM emptied (its CPU build leaves each packed linear's ``weight`` a ``[0]``
+parameter) raises :class:`LayoutError` naming it as emptied: only the engine's
+``load_weights`` can reach it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,117 @@
+"""One weight update into a real vLLM CPU engine: torchrefit's backend against vLLM's own reload.
+
+    VLLM_CPU_KVCACHE_SPACE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 \\
+        python benchmarks/vllm_update.py --model dense --repeats 5
+
+Starts one ``vllm.LLM(weight_transfer_config=WeightTransferConfig(backend="torchrefit"))``
+(float32, dummy weights) on a model config it writes, with one trainer rank in this
+process (gloo) holding a ``transformers`` model of the same config, and prints per model:
+
+* ``torchrefit``: the median wall time of ``sender.send_weights()`` (start, the
+  exchange over gloo, vLLM's layerwise reload and post-load steps, finish; every RPC
+  to the engine included);
+* ``vllm reload``: the median time of vLLM's ``reload_weights`` of the same weights,
+  measured inside the worker with the state dict already there (no transport at all);
+* bytes each trainer rank sent, against vLLM's ``nccl`` backend, where trainer rank 0
+  broadcasts every tensor whole (the model's bytes from rank 0, none from the others;
+  counted, not run: vLLM's GPU build does not run on the project's GPU machines).
+
+Models: ``dense`` / ``moe`` (the test models), ``dense-0.5b`` (a Qwen2-0.5B shape, tied).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+QWEN2_05B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896,
+                 intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, head_dim=64, vocab_size=151936,
+                 max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1e6,
+                 tie_word_embeddings=True, torch_dtype="float32")
+
+
+def _reload_timed(worker, data: bytes, repeats: int) -> list[float]:
+    import io
+
+    import torch
+
+    weights = list(torch.load(io.BytesIO(data)).items())
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        worker.reload_weights(weights_iterator=weights)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def run(name: str, repeats: int) -> dict:
+    import torch.distributed as dist
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm_driver import _Client, _free_port, _full, _to_bytes, config, hf_model, step
+
+    from torchrefit.engines.vllm import TorchrefitTrainerInitInfo
+
+    cfg = QWEN2_05B if name == "dense-0.5b" else config(name)
+    workdir = tempfile.mkdtemp(prefix="torchrefit-bench-")
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    llm = LLM(model=workdir, load_format="dummy", skip_tokenizer_init=True, dtype="float32",
+              enforce_eager=True, max_model_len=128,
+              weight_transfer_config=WeightTransferConfig(backend="torchrefit"))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)
+    model = hf_model(cfg, seed=0)
+    sender = WeightTransferTrainerFactory.trainer_init(
+        TorchrefitTrainerInitInfo("127.0.0.1", _free_port()), client=_Client(llm),
+        source=ModuleSource(model))
+    sender.send_weights(weight_version="warm")  # the first refit compiles its plan
+    ours = []
+    for k in range(repeats):
+        step(model, k + 1)
+        t0 = time.perf_counter()
+        sender.send_weights(weight_version=str(k))
+        ours.append(time.perf_counter() - t0)
+    full = _full(model)
+    theirs = llm.llm_engine.collective_rpc(_reload_timed, args=(_to_bytes(full), repeats))[0]
+    model_bytes = sum(t.numel() * t.element_size() for t in full.values())
+    sent = sum(r.bytes_sent for r in sender.reports)
+    routes = sender.routes
+    sender.shutdown()
+    dist.destroy_process_group()
+    llm.llm_engine.engine_core.shutdown()
+    return {"model": name, "torchrefit_s": statistics.median(ours),
+            "vllm_reload_s": statistics.median(theirs), "bytes_sent_rank0": sent,
+            "nccl_bytes_rank0": model_bytes,
+            "load_weights_tensors": sum(r.way == "load_weights" for r in routes.values()),
+            "direct_tensors": sum(r.way == "direct" for r in routes.values())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=["dense", "moe", "dense-0.5b"], default="dense")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    r = run(args.model, args.repeats)
+    print(f"{r['model']}: torchrefit send_weights {r['torchrefit_s'] * 1e3:.1f} ms | vLLM "
+          f"reload_weights (in the worker, no transport) {r['vllm_reload_s'] * 1e3:.1f} ms | "
+          f"bytes from trainer rank 0: torchrefit {r['bytes_sent_rank0']:,}, nccl backend "
+          f"{r['nccl_bytes_rank0']:,} | tensors: {r['direct_tensors']} in place, "
+          f"{r['load_weights_tensors']} through load_weights")
+    print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()
+    os._exit(0)
