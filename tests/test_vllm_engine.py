@@ -139,11 +139,32 @@ def test_init_errors_name_the_difference(tmp_path_factory):
         assert case["seconds"] < 10, case  # at once, not by a timeout
 
 
-@pytest.mark.parametrize("scenario", ["dense", "moe"])
+def test_http_server_path(tmp_path_factory):
+    """``vllm serve --weight-transfer-config '{"backend": "torchrefit"}'`` driven by a
+    trainer launched apart through vLLM's ``HTTPVLLMWeightSyncClient``."""
+    cases = run("http", tmp_path_factory)["cases"]
+    for k in (1, 2):
+        assert_matches_oracle(cases[f"version_{k}"])
+        assert cases[f"version_{k}"]["weight_version"] == f"v{k}"
+    assert_fails_oracle(cases["skipped_update"])
+
+
+def test_trainer_ranks_that_disagree_fail_at_init(tmp_path_factory):
+    case = run("tied-fsdp", tmp_path_factory)["cases"]["disagreeing_skip"]
+    for seen in case["ranks"]:  # both trainer ranks, naming the setting and the values
+        assert seen["raised"] == "PlanError", case
+        assert "same skip" in seen["message"] and "*.q_norm.weight" in seen["message"], case
+        assert seen["seconds"] < 10, case
+
+
+@pytest.mark.parametrize("scenario", ["dense", "moe", "tied-fsdp"])
 def test_engine_exception_reaches_the_trainer(scenario, tmp_path_factory):
     cases = run(scenario, tmp_path_factory)["cases"]
     case = cases["engine_load_weights_raises"]
     assert case["raised"] == "RefitError", case
+    for seen in case["ranks"]:  # every trainer rank, at once
+        assert seen["raised"] == "RefitError" and seen["seconds"] < 10, case
+        assert "injected failure inside load_weights" in seen["message"], case
     assert "injected failure inside load_weights" in case["message"], case
     assert "engine rank 0" in case["message"] and "this trainer's model is unchanged" in case[
         "message"]

