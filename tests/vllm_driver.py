@@ -98,8 +98,9 @@ def trainer(rank: int, world: int, scenario: str, port: int, dist_port: int, con
     client = _Client(llm) if llm is not None else _Unused()
     ports = iter(range(port, port + 100, 2))
 
-    def init(**kw):
-        info = TorchrefitTrainerInitInfo("127.0.0.1", next(ports), timeout=60.0, **kw)
+    def init(**kw):  # buckets of 256 KiB: load_weights sees many, as with a large model
+        info = TorchrefitTrainerInitInfo("127.0.0.1", next(ports), timeout=60.0,
+                                         bucket_bytes=1 << 18, **kw)
         return WeightTransferTrainerFactory.trainer_init(info, client=client,
                                                          source=ModuleSource(model))
 
