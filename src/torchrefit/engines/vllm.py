@@ -349,8 +349,10 @@ class TorchrefitWeightTransferEngine(
             disable_mtp_completeness_check,
         )
         try:
+            # copies: vLLM's layerwise reload keeps what it is given until the layer is
+            # complete, and the sink's next bucket overwrites this one's buffer
             with disable_mtp_completeness_check():
-                self.model.load_weights(pairs)
+                self.model.load_weights([(n, t.clone()) for n, t in pairs])
         except Exception as e:
             self._load_error = failure(e, f"engine rank {self._conn.rank}: vLLM's load_weights "
                                           f"({', '.join(n for n, _ in pairs[:3])}...)")
