@@ -129,7 +129,9 @@ def trainer(rank: int, world: int, scenario: str, port: int, dist_port: int, con
             TorchrefitTrainerInitInfo("127.0.0.1", next(ports), timeout=60.0),
             client=client, source=wrong))
 
-    if world > 1:  # one trainer rank skips a tensor the others do not
+    # one trainer rank skips a tensor the others do not (engine TP1: at TP2 vLLM's
+    # executor leaves the second worker's reply to a failed call queued for the next one)
+    if world > 1 and sc["tp"] == 1:
         expect_error("disagreeing_skip", lambda: init(skip=("*.q_norm.weight",) * rank))
 
     sender = init()
