@@ -5,7 +5,7 @@ Engine-agnostic; :mod:`torchrefit.engines.vllm` uses it on both sides.
 * :func:`join`: the trainer's rank 0 hosts a small store on ``port`` where the engine
   publishes its number of ranks (the trainer need not be told), then every rank of
   both jobs calls :func:`torchrefit.connect` on ``port + 1``.
-* :func:`agree`: every rank of both jobs gathers every rank's :class:`Settings` (and
+* :func:`agree`: every rank of both jobs gathers every rank's :class:`Terms` (and
   whatever else the backend shares once) and raises the same :class:`PlanError` on
   every rank where any two differ, naming the setting and who holds which value.
 * :func:`agree_status`: after each update, every rank learns whether any rank failed
@@ -26,13 +26,13 @@ from .._collectives import all_gather_pickled
 from ..connect import Connection, connect
 from ..errors import ConnectError, PlanError, RefitError
 
-__all__ = ["Settings", "join", "agree", "agree_status", "failure"]
+__all__ = ["Terms", "join", "agree", "agree_status", "failure"]
 
 _ENGINES = "torchrefit/engine_world_size"
 
 
 @dataclass(frozen=True)
-class Settings:
+class Terms:
     """What the two jobs' refits must agree on: the name map (its ``cache_key``, as
     text), the ``skip`` globs and the ``cast`` policy."""
 
@@ -73,10 +73,10 @@ def _discovery_store(role: str, rank: int, address: str, port: int,
                            f"within {timeout:g} s): {type(e).__name__}: {e}") from e
 
 
-def agree(conn: Connection, settings: Settings, extra: Any = None) -> list[tuple]:
-    """Every rank's ``(role, rank, settings, extra)``; raises on every rank where the
-    settings differ anywhere."""
-    seen = all_gather_pickled((conn.role, conn.rank, settings, extra), conn.group, conn.timeout)
+def agree(conn: Connection, terms: Terms, extra: Any = None) -> list[tuple]:
+    """Every rank's ``(role, rank, terms, extra)``; raises on every rank where the
+    terms differ anywhere."""
+    seen = all_gather_pickled((conn.role, conn.rank, terms, extra), conn.group, conn.timeout)
     for field in ("name_map", "skip", "cast"):
         values: dict[Any, list[str]] = {}
         for role, rank, theirs, _ in seen:

@@ -58,7 +58,7 @@ from ..layout.vllm import vllm_tp_specs
 from ..maps.base import NameMap
 from ..maps.vllm import HfToVllm, hf_to_vllm, is_engine_state
 from ..refitter import Refitter
-from ._link import Settings, agree, agree_status, failure, join
+from ._link import Terms, agree, agree_status, failure, join
 
 __all__ = [
     "BACKEND", "DIRECT", "LOAD_WEIGHTS", "Route", "decide_routes", "register",
@@ -259,9 +259,9 @@ class TorchrefitWeightTransferEngine(
                           peer_world_size=init_info.trainer_world_size,
                           backend=init_info.group_backend, timeout=init_info.timeout)
         name_map = self._name_map(init_info.name_map)
-        settings = Settings(repr(name_map.cache_key()), tuple(init_info.skip), init_info.cast)
+        terms = Terms(repr(name_map.cache_key()), tuple(init_info.skip), init_info.cast)
         self.routes = decide_routes(self.model)
-        seen = agree(self._conn, settings, {k: (r.way, r.why) for k, r in self.routes.items()})
+        seen = agree(self._conn, terms, {k: (r.way, r.why) for k, r in self.routes.items()})
         source = next(extra for role, rank, _, extra in seen if role == "trainer" and rank == 0)
         ways = {r.way for role, _, _, extra in seen if role == "engine"
                 for r in map(lambda v: Route(*v), extra.values())}
@@ -462,8 +462,8 @@ class TorchrefitTrainerWeightTransferEngine(
     def _connect(self, info, world, name_map, meta, model) -> None:
         self._conn, self._store = join("trainer", info.rank, world, info.master_address, info.master_port,
                           peer_world_size=None, backend=info.group_backend, timeout=info.timeout)
-        settings = Settings(repr(name_map.cache_key()), tuple(info.skip), info.cast)
-        seen = agree(self._conn, settings, meta if info.rank == 0 else None)
+        terms = Terms(repr(name_map.cache_key()), tuple(info.skip), info.cast)
+        seen = agree(self._conn, terms, meta if info.rank == 0 else None)
         engines = [extra for role, _, _, extra in seen if role == "engine"]
         self.routes = {k: Route(*v) for k, v in engines[0].items()}
         ways = {way for extra in engines for way, _ in extra.values()}
