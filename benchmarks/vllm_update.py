@@ -10,8 +10,8 @@ process (gloo) holding a ``transformers`` model of the same config, and prints p
 * ``torchrefit``: the median wall time of ``sender.send_weights()`` (start, the
   exchange over gloo, vLLM's layerwise reload and post-load steps, finish; every RPC
   to the engine included);
-* ``vllm reload``: the median time of vLLM's ``reload_weights`` of the same weights,
-  measured inside the worker with the state dict already there (no transport at all);
+* ``vllm reload``: the median time of vLLM's ``reload_weights`` of tensors of the same
+  names and shapes, made inside the worker (no transport at all);
 * bytes each trainer rank sent, against vLLM's ``nccl`` backend, where trainer rank 0
   broadcasts every tensor whole (the model's bytes from rank 0, none from the others;
   counted, not run: vLLM's GPU build does not run on the project's GPU machines).
@@ -39,12 +39,12 @@ QWEN2_05B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_
                  tie_word_embeddings=True, torch_dtype="float32")
 
 
-def _reload_timed(worker, data: bytes, repeats: int) -> list[float]:
-    import io
-
+def _reload_timed(worker, shapes: dict, repeats: int) -> list[float]:
+    """vLLM's reload_weights of tensors of the trainer's names and shapes, made in the
+    worker (the same bytes as the update; no transport)."""
     import torch
 
-    weights = list(torch.load(io.BytesIO(data)).items())
+    weights = [(n, torch.randn(s) * 0.02) for n, s in shapes.items()]
     out = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -59,7 +59,7 @@ def run(name: str, repeats: int) -> dict:
     from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    from vllm_driver import _Client, _free_port, _full, _to_bytes, config, hf_model, step
+    from vllm_driver import _Client, _free_port, _full, config, hf_model, step
 
     from torchrefit.engines.vllm import TorchrefitTrainerInitInfo
 
@@ -84,7 +84,8 @@ def run(name: str, repeats: int) -> dict:
         sender.send_weights(weight_version=str(k))
         ours.append(time.perf_counter() - t0)
     full = _full(model)
-    theirs = llm.llm_engine.collective_rpc(_reload_timed, args=(_to_bytes(full), repeats))[0]
+    shapes = {n: list(t.shape) for n, t in full.items()}
+    theirs = llm.llm_engine.collective_rpc(_reload_timed, args=(shapes, repeats))[0]
     model_bytes = sum(t.numel() * t.element_size() for t in full.values())
     sent = sum(r.bytes_sent for r in sender.reports)
     routes = sender.routes

@@ -72,7 +72,7 @@ _log = logging.getLogger(__name__)
 BACKEND = "torchrefit"
 #: how an update reaches a tensor: written in place, or through vLLM's ``load_weights``
 DIRECT, LOAD_WEIGHTS = "direct", "load_weights"
-_DEFAULT_BUCKET_BYTES = 256 << 20
+_DEFAULT_BUCKET_BYTES = 1 << 30  # the largest tensor must fit (a 0.5 B float32 vocabulary: 544 MB)
 _DEFAULT_TIMEOUT = 300.0
 
 
