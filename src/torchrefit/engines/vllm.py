@@ -245,6 +245,7 @@ class TorchrefitWeightTransferEngine(
         self._conn = self._store = None
         self._direct: Refitter | None = None
         self._reload: Refitter | None = None
+        self._sink = None
         self._load_error: tuple[str, str] | None = None
         self._reloading = False
 
@@ -280,9 +281,11 @@ class TorchrefitWeightTransferEngine(
                 direct, tp.rank_in_group, tp.world_size, num_heads=heads[0],
                 num_kv_heads=heads[1]) if direct else None, **kw)
         if LOAD_WEIGHTS in ways:
-            sink = load_weights_sink(self._load_bucket, reload, bucket_bytes=init_info.bucket_bytes,
-                                     device=self.device) if reload else None
-            self._reload = Refitter(None, self.model if reload else None, dst_layout=sink, **kw)
+            self._sink = load_weights_sink(
+                self._load_bucket, reload, bucket_bytes=init_info.bucket_bytes,
+                device=self.device) if reload else None
+            self._reload = Refitter(None, self.model if reload else None,
+                                    dst_layout=self._sink, **kw)
         counts = {w: sum(r.way == w for r in self.routes.values()) for w in (DIRECT, LOAD_WEIGHTS)}
         _log.info("torchrefit: engine rank %d: %d tensors written in place, %d through "
                   "load_weights", self._conn.rank, counts[DIRECT], counts[LOAD_WEIGHTS])
@@ -310,7 +313,7 @@ class TorchrefitWeightTransferEngine(
 
     # -- update: start, receive, apply
     def start_weight_update(self) -> None:
-        if self._reload is not None and self._reload.plan.recv_peers:
+        if self._sink is not None:  # this worker has tensors routed through load_weights
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
             initialize_layerwise_reload(self.model)
@@ -438,13 +441,16 @@ class TorchrefitTrainerWeightTransferEngine(
         world = dist.get_world_size() if dist.is_initialized() else 1
         engine = cls(client=client, source=source, is_sender=init_info.rank == 0)
         name_map = init_info.name_map or hf_to_vllm(getattr(model, "config", None))
+        if not isinstance(name_map, HfToVllm):  # the engine builds this one from its config
+            raise TypeError("torchrefit's vLLM backend maps Hugging Face names: name_map must "
+                            f"be tr.maps.hf_to_vllm(...), not {type(name_map).__name__}")
         meta = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch."))
                 for n, t in named_refit_tensors(model)}
         pending: Future | None = None
         if engine.is_sender:
             worker = TorchrefitInitInfo(
                 init_info.master_address, init_info.master_port, world,
-                "hf_to_vllm" if isinstance(name_map, HfToVllm) else repr(name_map.cache_key()),
+                "hf_to_vllm",
                 list(init_info.skip), init_info.cast, init_info.group_backend,
                 init_info.timeout, init_info.bucket_bytes)
             pending = engine._rpc.submit(client.init_weight_transfer_engine, asdict(worker))
