@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every one-GPU benchmark behind BENCHMARKS.md, and the GPU tests, on this machine's card.
 # Usage (repo root, one GPU, e.g. an H100 80GB or an H200):
-#   bash benchmarks/run_gpu.sh [all|tests|matrix|transports|fp8|reliability]
+#   bash benchmarks/run_gpu.sh [all|tests|matrix|transports|fp8|reliability|watch|stage]
 # Results go to benchmarks/results/<card>/<benchmark>/ ($OUT replaces benchmarks/results/<card>),
 # each with its run.log. megatron-core importable puts its swap_model_weights beside
 # torchrefit in the matrix (pip install --no-deps megatron-core); without it, toy models only.
@@ -60,8 +60,37 @@ reliability() {
   python3 benchmarks/reliability.py --model gpt-4b --refits 1000 --iters 5 --json "$R/reliability_gpt4b.json"
 }
 
+# `watch`: the default watch="every" as a new environment gets it: a fresh kernel cache, so
+# the first bench's Refitter starts the native checks' background build; once it landed,
+# four presets with the default settings (host time per refit, device and wall x floor)
+watch() {
+  folder watch
+  export TORCHREFIT_KERNEL_CACHE=$(mktemp -d)
+  local b=(python3 -m torchrefit bench --transport nccl --variant graph --warmup 3 --iters 20)
+  "${b[@]}" --model qwen3-30b-a3b --layers 8 --label first_qwen3 --json "$R/first_qwen3.json"
+  for _ in $(seq 90); do python3 -m torchrefit native status | grep -q ": used" && break; sleep 2; done
+  python3 -m torchrefit native status
+  "${b[@]}" --model qwen3-30b-a3b --layers 8 --label qwen3 --json "$R/qwen3.json"
+  "${b[@]}" --model deepseek-v3-moe --layers 1 --label deepseek --json "$R/deepseek.json"
+  "${b[@]}" --model llama-8b --label llama --json "$R/llama.json"
+  "${b[@]}" --model gpt-4b --label gpt --json "$R/gpt.json"
+}
+
+# `stage`: refit while the engine serves: two processes (trainer, engine), a plain refit
+# and stage() + commit() in one run, over ipc and gloo; the engine's matmul loop while a
+# stage runs against the same loop idle
+stage() {
+  folder stage
+  for t in ipc gloo; do
+    python3 -m torchrefit bench --stage --model gpt-4b --nproc 2 --mode non-collocated --transport $t \
+      --warmup 2 --iters 8 --label stage_gpt_$t --json "$R/stage_gpt_$t.json"
+  done
+  python3 benchmarks/stage_commit.py --transport ipc --hidden 4096 --layers 8 --vocab 32000 --stages 6 \
+    --json "$R/stage_commit_ipc.json"
+}
+
 case ${1:-all} in
-  all) (tests); (matrix); (transports); (fp8); (reliability) ;;
-  tests|matrix|transports|fp8|reliability) "$1" ;;
+  all) (tests); (matrix); (transports); (fp8); (reliability); (watch); (stage) ;;
+  tests|matrix|transports|fp8|reliability|watch|stage) "$1" ;;
   *) echo "unknown benchmark: $1"; exit 2 ;;
 esac
