@@ -33,15 +33,8 @@ import torch
 import torch.distributed as dist
 
 import torchrefit as tr
+from torchrefit.bench.runner import rank_device
 from torchrefit.testing import Mesh, ModelSpec, build_toy, run_world
-
-
-def _device(rank: int) -> torch.device:
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    device = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
-    return device
 
 
 def _sync(device: torch.device) -> None:
@@ -68,7 +61,7 @@ def _steps_per_s(step, until) -> tuple[float, int]:
 
 
 def _rank(rank: int, world: int, args) -> dict:
-    device = _device(rank)
+    device = rank_device(rank)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     spec = ModelSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, groups=args.heads,
                      ffn=4 * args.hidden, vocab=args.vocab, swiglu=False, dtype=dtype)

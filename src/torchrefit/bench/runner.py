@@ -30,7 +30,7 @@ from .hf_models import build_hf_destination
 from .megatron_models import build_megatron_gpt, megatron_available, megatron_swap
 from .timing import copy_bandwidth, device_times, host_times, link_bandwidth, summarize, time_calls
 
-__all__ = ["run_bench", "backend_for", "FP8_BLOCK"]
+__all__ = ["run_bench", "backend_for", "rank_device", "FP8_BLOCK"]
 
 FP8_BLOCK = (128, 128)
 
@@ -57,7 +57,9 @@ def run_bench(cfg: BenchConfig) -> list[dict]:
     return _aggregate(cfg, per_rank)
 
 
-def _device(rank: int) -> torch.device:
+def rank_device(rank: int) -> torch.device:
+    """The device a bench rank runs on: its own GPU where there are enough, else
+    GPUs shared round-robin; the CPU without one."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
     device = torch.device("cuda", rank % torch.cuda.device_count())
@@ -82,7 +84,7 @@ def _bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
 
     if cfg.settings is not None:
         tr.settings.configure(**dataclasses.asdict(cfg.settings))
-    device = _device(rank)
+    device = rank_device(rank)
     src, dst = _models(cfg, rank, device)
     # measured once every rank is idle: processes sharing a GPU would otherwise build
     # models during the measurement and lower the floor's bandwidth (a barrier alone
