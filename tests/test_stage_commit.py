@@ -343,3 +343,30 @@ def test_commit_copies_only_written_regions_and_follows_moved_storage() -> None:
     assert not commit.current(live)  # its views would write the old storage: compiled again
     compile_commit(boxes, live, twins).run()
     assert torch.equal(padded[:4], torch.full((4, 3), 7.0)) and torch.equal(padded[4:], torch.full((2, 3), -2.0))
+    commit = compile_commit(boxes, live, twins)
+    with torch.no_grad():
+        whole.data = torch.zeros(4, 3)  # a tensor written whole, re-allocated
+    assert not commit.current(live)  # the compiled copies hold the old address
+    compile_commit(boxes, live, twins).run()
+    assert torch.equal(whole, torch.ones(4, 3))
+
+
+def test_commit_runs_the_refits_compiled_local_copies() -> None:
+    """Large copies one by one, small ones fused, as a refit's local copies; each exact."""
+    from torchrefit.execute.local import SMALL_COPY_BYTES
+    from torchrefit.execute.staged import compile_commit
+    from torchrefit.layout import Box
+
+    n = SMALL_COPY_BYTES // 4 + 64  # float32 elements of a large copy
+    live = {"big": torch.nn.Parameter(torch.zeros(n)), "small": torch.zeros(10, 4),
+            "half": torch.full((8, 4), -1.0, dtype=torch.bfloat16)}
+    twins = {"big": torch.arange(n, dtype=torch.float32), "small": torch.randn(10, 4),
+             "half": torch.randn(8, 4).bfloat16()}
+    boxes = {"big": (Box((0,), (n,)),), "small": (Box((0, 0), (10, 4)),), "half": (Box((2, 0), (3, 4)),)}
+    commit = compile_commit(boxes, live, twins)
+    assert commit.local is not None and len(commit.local.big) == 1 and len(commit.local.small) == 2
+    commit.run()
+    assert torch.equal(live["big"], twins["big"]) and torch.equal(live["small"], twins["small"])
+    assert torch.equal(live["half"][2:5], twins["half"][2:5])
+    assert torch.equal(live["half"][:2], torch.full((2, 4), -1.0, dtype=torch.bfloat16))
+    assert torch.equal(live["half"][5:], torch.full((3, 4), -1.0, dtype=torch.bfloat16))

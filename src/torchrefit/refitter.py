@@ -605,7 +605,11 @@ class Refitter:
     def _commit_copies(self) -> Commit:
         live = self._dst.tensors if self._dst else {}
         if self._commit is None or not self._commit.current(live):
-            self._commit = compile_commit(self._stage_boxes, live, self._twins or {})
+            # the refit's own local copies, captured in a CUDA graph where the twins are on
+            # the device (the side streams are kept across recompiles)
+            side = self._commit.side if self._commit is not None else None
+            self._commit = compile_commit(self._stage_boxes, live, self._twins or {}, side,
+                                          self.cuda_graph and self.staging == "device")
         return self._commit
 
     @set_aside

@@ -9,6 +9,13 @@ copies the written regions of every twin into them, on the caller's stream.
 Who calls what: ``Refitter`` makes the twins once (:func:`make_twins`), compiles a
 ``Program`` whose destination tensors are the twins, and at commit builds or reuses
 a :class:`Commit` from the live tensors (:func:`compile_commit`).
+
+With device staging (and on CPU) the commit's copies are the refit's own compiled local
+copies (``execute.local.compile_copies``: large copies on parallel side streams or one
+batched kernel, small ones fused, all captured in one CUDA graph with ``cuda_graph``),
+replayed on the caller's stream: the commit runs at the speed of a refit's local copies.
+Host twins are copied by one ``torch._foreach_copy_(non_blocking=True)`` from pinned
+memory (a CUDA graph of copies out of pinned host memory is not captured).
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import torch
 
 from ..layout._types import Box
 from ..plan.types import RankPlan
+from .local import LANES, Copy, LocalCopies, compile_copies
+from .streams import SideStreams
 
 __all__ = ["STAGING", "Commit", "compile_commit", "make_twins", "written_boxes"]
 
@@ -64,52 +73,64 @@ def make_twins(keys, live: Mapping[str, torch.Tensor], where: str) -> dict[str, 
 @dataclass(frozen=True, eq=False)
 class Commit:
     """The copies of one commit: ``live[i].copy_(twin[i])`` for every i, one ordered unit
-    on the caller's stream. Whole tensors the plan writes entirely are copied as the
-    tensors themselves (so a storage that moved since is followed); partly written ones
-    as views of their written boxes, valid while their storage stays where it was
-    (``pointers``)."""
+    on the caller's stream. Whole tensors the plan writes entirely are copied whole;
+    partly written ones as views of their written boxes. The copies hold the live
+    tensors' addresses (views, merged runs, a captured graph): they are valid while
+    every live tensor is the one seen, where it was (:meth:`current`); else the
+    Refitter compiles them again, following a tensor replaced or a storage moved.
+    ``local``: the compiled copies replayed through ``side`` (device staging, CPU), or
+    None (host twins: one pinned ``_foreach_copy_``)."""
 
     live: tuple[torch.Tensor, ...]
     twins: tuple[torch.Tensor, ...]
     keys: tuple[str, ...]  # the destination keys, and the live tensor of each then
     tensors: tuple[torch.Tensor, ...]
-    viewed: tuple[torch.Tensor, ...]  # live tensors the views were taken from
     pointers: tuple[int, ...]  # their data pointers then
     nbytes: int
+    local: LocalCopies | None = None
+    side: SideStreams | None = None
 
     def current(self, live: Mapping[str, torch.Tensor]) -> bool:
         """Whether these copies still write the tensors ``live`` holds now, where they are."""
         return (all(live[k] is t for k, t in zip(self.keys, self.tensors))
-                and tuple(t.data_ptr() for t in self.viewed) == self.pointers)
+                and tuple(t.data_ptr() for t in self.tensors) == self.pointers)
 
     def run(self) -> None:
         if not self.live:
             return
-        was = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)  # copies into leaves that require grad
-        try:
-            torch._foreach_copy_(list(self.live), list(self.twins), non_blocking=True)
-        finally:
-            torch._C._set_grad_enabled(was)
+        with torch.no_grad():  # copies into leaves that require grad
+            if self.local is not None:
+                self.local.run_on_caller(self.side)
+            else:
+                torch._foreach_copy_(list(self.live), list(self.twins), non_blocking=True)
 
 
 def compile_commit(boxes: Mapping[str, tuple[Box, ...]], live: Mapping[str, torch.Tensor],
-                   twins: Mapping[str, torch.Tensor]) -> Commit:
+                   twins: Mapping[str, torch.Tensor], side: SideStreams | None = None,
+                   cuda_graph: bool = False) -> Commit:
     """The copies that install ``twins`` into ``live``: the whole tensor where the plan
     writes all of it, else each written box (a padded tensor's padding, or a tensor only
-    partly covered, keeps its live values)."""
-    dst, src, viewed, nbytes = [], [], [], 0
+    partly covered, keeps its live values). Where every twin is on its live tensor's
+    device, they are compiled as a refit's local copies (``compile_copies`` through
+    ``side``, made here if not given; captured in a CUDA graph with ``cuda_graph``)."""
+    dst, src, names, nbytes = [], [], [], 0
     for key, written in boxes.items():
-        tensor, twin = live[key], twins[key]
+        tensor, twin = live[key].detach(), twins[key]
         if sum(b.numel for b in written) == tensor.numel():
             dst.append(tensor)
             src.append(twin)
+            names.append(key)
         else:
-            base = tensor.detach()
-            viewed.append(tensor)
             for b in written:
-                dst.append(base[b.slices()] if b.ndim else base)
+                dst.append(tensor[b.slices()] if b.ndim else tensor)
                 src.append(twin[b.slices()] if b.ndim else twin)
+                names.append(key)
         nbytes += sum(b.numel for b in written) * tensor.element_size()
-    return Commit(tuple(dst), tuple(src), tuple(boxes), tuple(live[k] for k in boxes), tuple(viewed),
-                  tuple(t.data_ptr() for t in viewed), nbytes)
+    local = None
+    if dst and all(d.device == s.device for d, s in zip(dst, src)):
+        if side is None:
+            side = SideStreams(dst[0].device, LANES)
+        local = compile_copies([Copy(d, s, n) for d, s, n in zip(dst, src, names)], side, cuda_graph)
+    tensors = tuple(live[k] for k in boxes)
+    return Commit(tuple(dst), tuple(src), tuple(boxes), tensors, tuple(t.data_ptr() for t in tensors),
+                  nbytes, local, side if local is not None else None)
