@@ -174,3 +174,21 @@ def test_engine_exception_reaches_the_trainer(scenario, tmp_path_factory):
     after = cases["after_failure"]  # and the next update applies in full
     assert_matches_oracle(after)
     assert after["weight_version"] == "v4"
+
+
+@pytest.mark.parametrize("scenario", ["dense", "plain"])
+def test_serve_while_staging(scenario, tmp_path_factory) -> None:
+    """``serve_while_staging``: tokens while a stage is in flight (its bytes held back)
+    and once it is fully staged come from the served version exactly, and the version
+    stays; after ``commit_weights`` from the staged one (load_weights route and in place)."""
+    got = run(scenario, tmp_path_factory)
+    served = "v4" if scenario == "dense" else "v2"
+    for k in (5, 6):
+        case = got["cases"][f"staged_{k}"]
+        for when in ("in_flight", "staged"):
+            assert_matches_oracle(case[when])
+            assert case[when]["weight_version"] == served, (k, when, case[when])
+        assert_fails_oracle(case["staged_vs_next"])  # the versions differ in what is checked
+        assert_matches_oracle(case["committed"])
+        assert case["committed"]["weight_version"] == f"v{k}"
+        served = f"v{k}"

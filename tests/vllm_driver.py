@@ -180,8 +180,55 @@ def trainer(rank: int, world: int, scenario: str, port: int, dist_port: int, con
             out["cases"]["after_failure"] = dict(_judge(llm, full),
                                                  weight_version=llm.get_weight_version())
     sender.shutdown()
+    if sc["model"] == "dense" and sc["tp"] == 1:  # the same engine, staged updates
+        _serve_while_staging(out, init(serve_while_staging=True), model, llm, rank)
     dist.destroy_process_group()
     return out
+
+
+def _serve_while_staging(out: dict, sender, model, llm, rank: int) -> None:
+    """Two staged updates: the engine generates while its stage waits for the trainer's
+    bytes (the trainer's first send held back until then) and again once every byte is
+    in staging, both from the version it serves; after ``commit_weights`` from the next."""
+    serving = _full(model)
+    first = sender._refitters[0]
+    send = "stage" if sender._ways[0] == "direct" else "refit"
+    for k in (5, 6):
+        step(model, k)
+        staged = _full(model)
+        seen: dict = {}
+        setattr(first, send, _HeldBack(getattr(first, send), seen, llm if rank == 0 else None,
+                                       serving))
+        try:
+            sender.stage_weights()
+        finally:
+            delattr(first, send)
+        if rank == 0:  # every byte in staging, nothing committed
+            seen["staged"] = dict(_judge(llm, serving), weight_version=llm.get_weight_version())
+            seen["staged_vs_next"] = _judge(llm, staged)
+        t0 = time.monotonic()
+        sender.commit_weights(weight_version=f"v{k}")
+        seconds = time.monotonic() - t0
+        if rank == 0:
+            seen["committed"] = dict(_judge(llm, staged), weight_version=llm.get_weight_version(),
+                                     commit_seconds=seconds)
+            out["cases"][f"staged_{k}"] = seen
+        serving = staged
+    sender.shutdown()
+
+
+class _HeldBack:
+    """A trainer's send that first lets rank 0 judge the engine: its ``update_weights``
+    returned and its stage waits for these bytes."""
+
+    def __init__(self, send, seen: dict, llm, serving: dict) -> None:
+        self.send, self.seen, self.llm, self.serving = send, seen, llm, serving
+
+    def __call__(self, *args, **kw):
+        if self.llm is not None:
+            self.seen["in_flight"] = dict(_judge(self.llm, self.serving),
+                                          weight_version=self.llm.get_weight_version())
+        return self.send(*args, **kw)
 
 
 def _barrier():

@@ -34,11 +34,13 @@ _ENGINES = "torchrefit/engine_world_size"
 @dataclass(frozen=True)
 class Terms:
     """What the two jobs' refits must agree on: the name map (its ``cache_key``, as
-    text), the ``skip`` globs and the ``cast`` policy."""
+    text), the ``skip`` globs, the ``cast`` policy and whether updates are staged
+    while the engine serves (``staged``: then both sides stage and commit)."""
 
     name_map: str
     skip: tuple[str, ...]
     cast: str | bool
+    staged: bool = False
 
 
 def join(role: str, rank: int, world_size: int, address: str, port: int, *,
@@ -77,7 +79,7 @@ def agree(conn: Connection, terms: Terms, extra: Any = None) -> list[tuple]:
     """Every rank's ``(role, rank, terms, extra)``; raises on every rank where the
     terms differ anywhere."""
     seen = all_gather_pickled((conn.role, conn.rank, terms, extra), conn.group, conn.timeout)
-    for field in ("name_map", "skip", "cast"):
+    for field in ("name_map", "skip", "cast", "staged"):
         values: dict[Any, list[str]] = {}
         for role, rank, theirs, _ in seen:
             values.setdefault(getattr(theirs, field), []).append(f"{role} rank {rank}")

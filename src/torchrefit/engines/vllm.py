@@ -22,8 +22,17 @@ module is both sides of a backend for it:
   rank drives start / update / finish through rank 0's client concurrently with its
   own sending.
 
-Both sides check at init that they refit with the same name map, ``skip`` and
-``cast``; an exception in the engine (``load_weights`` included) reaches every trainer
+With ``TorchrefitTrainerInitInfo(serve_while_staging=True)`` an update is staged
+while the engine serves (vLLM's ``defers_processing`` contract): the worker's
+``update_weights`` starts a stage and returns at once, the bytes stream into staging
+(``Refitter.stage()`` twins for the in-place tensors, the held ``load_weights`` buffer
+for the others) while the engine keeps generating from version v, and
+``finish_weight_update`` commits: the in-place twins are copied into the live
+tensors and the held tensors go through vLLM's layerwise reload, so the engine stalls
+only there (docs/vllm.md).
+
+Both sides check at init that they refit with the same name map, ``skip``,
+``cast`` and staging; an exception in the engine (``load_weights`` included) reaches every trainer
 rank when the update ends, wrapped in :class:`~torchrefit.RefitError`.
 """
 
@@ -74,6 +83,7 @@ BACKEND = "torchrefit"
 DIRECT, LOAD_WEIGHTS = "direct", "load_weights"
 _DEFAULT_BUCKET_BYTES = 1 << 30  # the largest tensor must fit (a 0.5 B float32 vocabulary: 544 MB)
 _DEFAULT_TIMEOUT = 300.0
+_ALL_AT_ONCE = 1 << 62  # a staged sink's bucket: its buffer is what the worker wants, once
 
 
 def register() -> None:
@@ -103,6 +113,7 @@ class TorchrefitInitInfo(WeightTransferInitInfo):
     group_backend: str = "gloo"
     timeout: float = _DEFAULT_TIMEOUT
     bucket_bytes: int = _DEFAULT_BUCKET_BYTES
+    staged: bool = False
 
 
 @dataclass
@@ -123,7 +134,10 @@ class TorchrefitTrainerInitInfo(TrainerInitInfo):
     model's config). ``skip`` / ``cast``: as ``tr.Refitter``'s, sent to the engine.
     ``group_backend``: ``"gloo"`` (CPU, or CUDA staged through the host) or ``"nccl"``.
     ``timeout``: seconds any rank waits for a peer. ``bucket_bytes``: the engine's
-    buffer for tensors going through ``load_weights``.
+    buffer for tensors going through ``load_weights``. ``serve_while_staging``: each
+    update is staged while the engine serves and installed by ``finish_weight_update``
+    (the engine then holds a staging copy of the bytes it receives: in-place tensors'
+    twins, and every tensor bound for ``load_weights`` at once instead of a bucket).
     """
 
     backend: ClassVar[str] = BACKEND
@@ -137,6 +151,7 @@ class TorchrefitTrainerInitInfo(TrainerInitInfo):
     group_backend: str = "gloo"
     timeout: float = _DEFAULT_TIMEOUT
     bucket_bytes: int = _DEFAULT_BUCKET_BYTES
+    serve_while_staging: bool = False
 
     def __post_init__(self) -> None:
         if self.rank is None:
@@ -248,6 +263,10 @@ class TorchrefitWeightTransferEngine(
         self._sink = None
         self._load_error: tuple[str, str] | None = None
         self._reloading = False
+        self._staged = False  # serve while staging: update_weights stages, finish commits
+        self._stager: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None  # the update being staged
+        self._held: list | None = None  # staged tensors bound for load_weights
 
     # -- init
     def init_transfer_engine(self, init_info: TorchrefitInitInfo) -> None:
@@ -260,7 +279,9 @@ class TorchrefitWeightTransferEngine(
                           peer_world_size=init_info.trainer_world_size,
                           backend=init_info.group_backend, timeout=init_info.timeout)
         name_map = self._name_map(init_info.name_map)
-        terms = Terms(repr(name_map.cache_key()), tuple(init_info.skip), init_info.cast)
+        terms = Terms(repr(name_map.cache_key()), tuple(init_info.skip), init_info.cast,
+                      init_info.staged)
+        self._staged = self.defers_processing = init_info.staged
         self.routes = decide_routes(self.model)
         seen = agree(self._conn, terms, {k: (r.way, r.why) for k, r in self.routes.items()})
         source = next(extra for role, rank, _, extra in seen if role == "trainer" and rank == 0)
@@ -281,11 +302,14 @@ class TorchrefitWeightTransferEngine(
                 direct, tp.rank_in_group, tp.world_size, num_heads=heads[0],
                 num_kv_heads=heads[1]) if direct else None, **kw)
         if LOAD_WEIGHTS in ways:
+            # staged: one bucket holding every tensor until the commit (the staging area)
             self._sink = load_weights_sink(
-                self._load_bucket, reload, bucket_bytes=init_info.bucket_bytes,
+                self._hold if self._staged else self._load_bucket, reload,
+                bucket_bytes=_ALL_AT_ONCE if self._staged else init_info.bucket_bytes,
                 device=self.device) if reload else None
-            self._reload = Refitter(None, self.model if reload else None,
-                                    dst_layout=self._sink, **kw)
+            # staged, the version is stamped at the commit (on the direct Refitter's tensors)
+            self._reload = Refitter(None, (nn.Module() if self._staged else self.model)
+                                    if reload else None, dst_layout=self._sink, **kw)
         counts = {w: sum(r.way == w for r in self.routes.values()) for w in (DIRECT, LOAD_WEIGHTS)}
         _log.info("torchrefit: engine rank %d: %d tensors written in place, %d through "
                   "load_weights", self._conn.rank, counts[DIRECT], counts[LOAD_WEIGHTS])
@@ -313,16 +337,75 @@ class TorchrefitWeightTransferEngine(
 
     # -- update: start, receive, apply
     def start_weight_update(self) -> None:
-        if self._sink is not None:  # this worker has tensors routed through load_weights
+        if self._sink is not None and not self._staged:  # this worker has tensors routed through load_weights
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
             initialize_layerwise_reload(self.model)
             self._reloading = True
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.receive_weights(self.parse_update_info(update_info))
+        info = self.parse_update_info(update_info)
+        if self._staged:  # stage in the background; the engine keeps serving version v
+            if self._pending is not None:
+                raise RuntimeError("torchrefit: update_weights while the previous update is "
+                                   "still staged: call finish_weight_update first")
+            if self._stager is None:
+                self._stager = ThreadPoolExecutor(1, thread_name_prefix="torchrefit-vllm-stage")
+            self._pending = self._stager.submit(self.stage_weights, info)
+            return
+        self.receive_weights(info)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+
+    def stage_weights(self, update_info: TorchrefitUpdateInfo) -> None:
+        """Stage (on the worker's stage thread): every byte of the update into staging,
+        nothing live written; every rank then learns whether any failed."""
+        self._held = None
+        error = None
+        try:
+            if self._direct is not None:
+                self._direct.stage()
+            if self._reload is not None:
+                self._reload.refit()  # into the held buffer: load_weights runs at the commit
+        except Exception as e:
+            error = failure(e, f"engine rank {self._conn.rank} staging")
+        agree_status(self._conn, error, f"vLLM weight update {update_info.update} (staging)",
+                     applied=False)
+
+    def _hold(self, pairs) -> None:
+        """The staged sink's ``load_weights``: keep the one bucket for the commit."""
+        self._held = list(pairs)
+
+    def drain_pending(self) -> None:
+        """Install a staged update (as ``finish_weight_update`` does before it returns)."""
+        self._commit_staged()
+
+    def _commit_staged(self) -> None:
+        """Wait for the stage; if it completed on every rank, install it: the in-place
+        twins into the live tensors, the held tensors through vLLM's layerwise reload. A
+        stage that failed (already raised on every trainer rank) installs nothing."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except RefitError:
+            _log.warning("torchrefit: the staged update failed; nothing committed", exc_info=True)
+            return
+        if self._direct is not None:
+            self._direct.commit()
+        held, self._held = self._held, None
+        if held:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+            self._reloading = True
+            self._load_error = None
+            self._load_bucket(held)
+            if self._load_error is not None:
+                self._abandon()
+                raise RefitError(f"committing the staged update: {self._load_error[1].splitlines()[0]}",
+                                 rule="update failed", detail=self._load_error[1])
 
     def receive_weights(self, update_info: TorchrefitUpdateInfo) -> None:
         """Receive: every refit of this update runs; tensors routed through load_weights
@@ -371,7 +454,10 @@ class TorchrefitWeightTransferEngine(
                 _log.exception("torchrefit: closing vLLM's layerwise reload after a failure")
 
     def finish_weight_update(self) -> None:
-        """Apply: vLLM's post-load steps for what went through load_weights."""
+        """Apply: vLLM's post-load steps for what went through load_weights (staged: the
+        commit first)."""
+        if self._staged:
+            self._commit_staged()
         if self._reloading:
             self._reloading = False
             self._apply()
@@ -431,6 +517,8 @@ class TorchrefitTrainerWeightTransferEngine(
         self.routes: dict[str, Route] = {}
         self._conn = self._store = None
         self._refitters: list[Refitter] = []
+        self._ways: list[str] = []  # the route each Refitter serves
+        self._staged = False
         self.reports: list = []
         self._updates = 0
         self._rpc = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrefit-rpc")
@@ -452,7 +540,7 @@ class TorchrefitTrainerWeightTransferEngine(
                 init_info.master_address, init_info.master_port, world,
                 "hf_to_vllm",
                 list(init_info.skip), init_info.cast, init_info.group_backend,
-                init_info.timeout, init_info.bucket_bytes)
+                init_info.timeout, init_info.bucket_bytes, init_info.serve_while_staging)
             pending = engine._rpc.submit(client.init_weight_transfer_engine, asdict(worker))
         try:
             engine._connect(init_info, world, name_map, meta, model)
@@ -468,7 +556,9 @@ class TorchrefitTrainerWeightTransferEngine(
     def _connect(self, info, world, name_map, meta, model) -> None:
         self._conn, self._store = join("trainer", info.rank, world, info.master_address, info.master_port,
                           peer_world_size=None, backend=info.group_backend, timeout=info.timeout)
-        terms = Terms(repr(name_map.cache_key()), tuple(info.skip), info.cast)
+        terms = Terms(repr(name_map.cache_key()), tuple(info.skip), info.cast,
+                      info.serve_while_staging)
+        self._staged = info.serve_while_staging
         seen = agree(self._conn, terms, meta if info.rank == 0 else None)
         engines = [extra for role, _, _, extra in seen if role == "engine"]
         self.routes = {k: Route(*v) for k, v in engines[0].items()}
@@ -476,13 +566,18 @@ class TorchrefitTrainerWeightTransferEngine(
         agree_status(self._conn, None, "planning the vLLM refit", applied=False)
         kw = dict(group=self._conn, name_map=name_map, skip=tuple(info.skip), cast=info.cast,
                   timeout=info.timeout)
-        self._refitters = [Refitter(model, None, **kw) for way in (DIRECT, LOAD_WEIGHTS)
-                           if way in ways]
+        self._ways = [way for way in (DIRECT, LOAD_WEIGHTS) if way in ways]
+        self._refitters = [Refitter(model, None, **kw) for _ in self._ways]
 
     def send_weights(self, weight_version: str | None = None) -> None:
         """One update, on every trainer rank: rank 0 starts it, runs the engine's
         ``update_weights`` while every rank sends, and finishes it with
-        ``weight_version`` (what ``llm.get_weight_version()`` then reports)."""
+        ``weight_version`` (what ``llm.get_weight_version()`` then reports). With
+        ``serve_while_staging``: :meth:`stage_weights`, then :meth:`commit_weights`."""
+        if self._staged:
+            self.stage_weights()
+            self.commit_weights(weight_version)
+            return
         self._updates += 1
         started = self._on_sender(self.client.start_weight_update) if self.is_sender else None
         self._raise_shared(started, "starting the vLLM weight update")
@@ -505,6 +600,46 @@ class TorchrefitTrainerWeightTransferEngine(
             finished = (self._on_sender(pending.result)
                         or self._on_sender(self.client.finish_weight_update, weight_version))
         self._raise_shared(finished, "finishing the vLLM weight update")
+
+    def stage_weights(self) -> None:
+        """``serve_while_staging``, every trainer rank: rank 0 starts the update and calls
+        the engine's ``update_weights`` (which starts a stage and returns: the engine
+        keeps serving its current version), then every rank sends. Returns once every
+        byte is in the engine's staging; the engine installs it at :meth:`commit_weights`.
+        A failure raises on every rank with nothing installed (the engine's update is
+        closed, its version unchanged)."""
+        if not self._staged:
+            raise RefitError("stage_weights(): pass TorchrefitTrainerInitInfo("
+                             "serve_while_staging=True) at init (the engine agreed on it then)")
+        self._updates += 1
+        started = self._on_sender(self.client.start_weight_update) if self.is_sender else None
+        self._raise_shared(started, "starting the vLLM weight update")
+        queued = (self._on_sender(self.client.update_weights,
+                                  asdict(TorchrefitUpdateInfo(self._updates)))
+                  if self.is_sender else None)
+        self._raise_shared(queued, "starting the staged vLLM weight update")
+        error = None
+        try:
+            self.reports = [r.stage() if way == DIRECT else r.refit()
+                            for way, r in zip(self._ways, self._refitters)]
+        except Exception as e:
+            error = failure(e, f"trainer rank {self._conn.rank} sending")
+        try:
+            agree_status(self._conn, error, f"vLLM weight update {self._updates} (staging)",
+                         applied=False)
+        except RefitError:
+            if self.is_sender:  # close the engine's update, version unchanged
+                self._on_sender(self.client.finish_weight_update, None)
+            raise
+
+    def commit_weights(self, weight_version: str | None = None) -> None:
+        """After :meth:`stage_weights`, every trainer rank: rank 0 calls the engine's
+        ``finish_weight_update``, which installs the staged update (the engine's only
+        stall: pause and resume it around this call, if it must not generate meanwhile)
+        and then reports ``weight_version``."""
+        finished = (self._on_sender(self.client.finish_weight_update, weight_version)
+                    if self.is_sender else None)
+        self._raise_shared(finished, "committing the staged vLLM weight update")
 
     @staticmethod
     def _on_sender(call, *args) -> tuple[str, str] | None:
