@@ -1,7 +1,7 @@
 """One weight update into a real vLLM CPU engine: torchrefit's backend against vLLM's own reload.
 
     VLLM_CPU_KVCACHE_SPACE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 \\
-        python benchmarks/vllm_update.py --model dense --repeats 5
+        python benchmarks/vllm_update.py --model dense --repeats 5 [--staged]
 
 Starts one ``vllm.LLM(weight_transfer_config=WeightTransferConfig(backend="torchrefit"))``
 (float32, dummy weights) on a model config it writes, with one trainer rank in this
@@ -15,6 +15,13 @@ process (gloo) holding a ``transformers`` model of the same config, and prints p
 * bytes each trainer rank sent, against vLLM's ``nccl`` backend, where trainer rank 0
   broadcasts every tensor whole (the model's bytes from rank 0, none from the others;
   counted, not run: vLLM's GPU build does not run on the project's GPU machines).
+
+With ``--staged``, the same engine then takes updates with
+``serve_while_staging=True``: ``staged stage`` is ``sender.stage_weights()`` (the engine
+keeps serving), ``staged stall`` is ``sender.commit_weights()``, the engine's
+``finish_weight_update`` (the commit: in-place twins copied, held tensors through vLLM's
+layerwise reload), the only part an engine pauses for, against the whole
+``send_weights()`` it pauses for otherwise.
 
 Models: ``dense`` / ``moe`` (the test models), ``dense-0.5b`` (a Qwen2-0.5B shape, tied).
 """
@@ -53,7 +60,31 @@ def _reload_timed(worker, shapes: dict, repeats: int) -> list[float]:
     return out
 
 
-def run(name: str, repeats: int) -> dict:
+def _staged(llm, model, repeats: int) -> dict:
+    """Staged updates on the same engine: stage and commit timed apart (medians)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm_driver import _Client, _free_port, step
+
+    from torchrefit.engines.vllm import TorchrefitTrainerInitInfo
+
+    sender = WeightTransferTrainerFactory.trainer_init(
+        TorchrefitTrainerInitInfo("127.0.0.1", _free_port(), serve_while_staging=True),
+        client=_Client(llm), source=model)
+    sender.send_weights(weight_version="staged-warm")
+    stage, commit = [], []
+    for k in range(repeats):
+        step(model, k + 1)
+        t0 = time.perf_counter()
+        sender.stage_weights()
+        t1 = time.perf_counter()
+        sender.commit_weights(weight_version=f"staged-{k}")
+        stage.append(t1 - t0)
+        commit.append(time.perf_counter() - t1)
+    sender.shutdown()
+    return {"staged_stage_s": statistics.median(stage), "staged_commit_s": statistics.median(commit)}
+
+
+def run(name: str, repeats: int, staged: bool = False) -> dict:
     import torch.distributed as dist
     from vllm import LLM
     from vllm.config import WeightTransferConfig
@@ -90,26 +121,33 @@ def run(name: str, repeats: int) -> dict:
     sent = sum(r.bytes_sent for r in sender.reports)
     routes = sender.routes
     sender.shutdown()
+    extra = _staged(llm, model, repeats) if staged else {}
     dist.destroy_process_group()
     llm.llm_engine.engine_core.shutdown()
     return {"model": name, "torchrefit_s": statistics.median(ours),
             "vllm_reload_s": statistics.median(theirs), "bytes_sent_rank0": sent,
             "nccl_bytes_rank0": model_bytes,
             "load_weights_tensors": sum(r.way == "load_weights" for r in routes.values()),
-            "direct_tensors": sum(r.way == "direct" for r in routes.values())}
+            "direct_tensors": sum(r.way == "direct" for r in routes.values()), **extra}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=["dense", "moe", "dense-0.5b"], default="dense")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--staged", action="store_true",
+                    help="also time updates staged while the engine serves (stage, commit)")
     args = ap.parse_args()
-    r = run(args.model, args.repeats)
+    r = run(args.model, args.repeats, args.staged)
     print(f"{r['model']}: torchrefit send_weights {r['torchrefit_s'] * 1e3:.1f} ms | vLLM "
           f"reload_weights (in the worker, no transport) {r['vllm_reload_s'] * 1e3:.1f} ms | "
           f"bytes from trainer rank 0: torchrefit {r['bytes_sent_rank0']:,}, nccl backend "
           f"{r['nccl_bytes_rank0']:,} | tensors: {r['direct_tensors']} in place, "
           f"{r['load_weights_tensors']} through load_weights")
+    if args.staged:
+        print(f"{r['model']}: staged: stage_weights {r['staged_stage_s'] * 1e3:.1f} ms (serving) | "
+              f"commit_weights (the engine's stall) {r['staged_commit_s'] * 1e3:.1f} ms | plain "
+              f"send_weights {r['torchrefit_s'] * 1e3:.1f} ms")
     print(json.dumps(r))
 
 

@@ -14,7 +14,9 @@ and ``load_weights``), a direct-placement run (a test plugin keeps vLLM's linear
 as parameters, as its GPU build does), dense untied and tied, MoE (stacked experts,
 transformers 5 names), trainer ranks 1 and 2 (FSDP2: each sends its own shards), init
 errors (a name map that differs, a missing name, a wrong shape) and an exception
-raised inside the engine's ``load_weights`` reaching the trainer at once.
+raised inside the engine's ``load_weights`` reaching the trainer at once; updates
+staged while the engine serves (``serve_while_staging``): version v until the commit,
+v+1 after, on the load_weights route and in place.
 """
 
 from __future__ import annotations
