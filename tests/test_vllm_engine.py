@@ -157,6 +157,10 @@ def test_trainer_ranks_that_disagree_fail_at_init(tmp_path_factory):
         assert seen["raised"] == "PlanError", case
         assert "same skip" in seen["message"] and "*.q_norm.weight" in seen["message"], case
         assert seen["seconds"] < 10, case
+    case = run("tied-fsdp", tmp_path_factory)["cases"]["disagreeing_staging"]
+    for seen in case["ranks"]:  # serve_while_staging on one trainer rank only
+        assert seen["raised"] == "PlanError", case
+        assert "same staged" in seen["message"], case
 
 
 @pytest.mark.parametrize("scenario", ["dense", "moe", "tied-fsdp"])

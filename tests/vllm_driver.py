@@ -133,6 +133,7 @@ def trainer(rank: int, world: int, scenario: str, port: int, dist_port: int, con
     # executor leaves the second worker's reply to a failed call queued for the next one)
     if world > 1 and sc["tp"] == 1:
         expect_error("disagreeing_skip", lambda: init(skip=("*.q_norm.weight",) * rank))
+        expect_error("disagreeing_staging", lambda: init(serve_while_staging=rank == 1))
 
     sender = init()
     if rank == 0:
