@@ -35,8 +35,12 @@ def build_joint_group(store: dist.Store, rank: int, world: int, backend: str,
                       timeout: float) -> dist.ProcessGroup:
     """This process's member of a ``world``-rank group over ``store``. Collective over
     all ``world`` ranks (each builds its backends; Gloo connects them pairwise)."""
+    # the store is this group's own (one per ``connect``), so its keys need no number;
+    # the name is unique in this process, where c10d registers it: two processes that
+    # have each built a different count of groups (an engine serving a restarted
+    # trainer) must still meet under the same keys
     name = f"torchrefit_joint_{next(_NAMES)}"
-    prefix = dist.PrefixStore(f"{name}/", store)
+    prefix = dist.PrefixStore("torchrefit_joint/", store)
     td = datetime.timedelta(seconds=timeout)
     pg = dist.ProcessGroup(prefix, rank, world)
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", prefix), rank, world, td)

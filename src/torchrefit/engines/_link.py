@@ -16,6 +16,7 @@ Engine-agnostic; :mod:`torchrefit.engines.vllm` uses it on both sides.
 from __future__ import annotations
 
 import datetime
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from .._collectives import all_gather_pickled
 from ..connect import Connection, connect
-from ..errors import ConnectError, PlanError, RefitError
+from ..errors import ConnectError, PlanError, RefitError, TransportError
 
 __all__ = ["Terms", "join", "agree", "agree_status", "failure"]
 
@@ -108,7 +109,11 @@ def agree_status(conn: Connection, error: tuple[str, str] | None, what: str, *,
                  applied: bool = True) -> None:
     """Every rank learns every rank's status of ``what``; the same error everywhere.
     ``applied``: whether ``what`` writes the engine's weights (an update, not planning)."""
-    seen = all_gather_pickled((conn.role, conn.rank, error), conn.group, conn.timeout)
+    try:
+        seen = all_gather_pickled((conn.role, conn.rank, error), conn.group, conn.timeout)
+    except TransportError as e:
+        raise TransportError(f"{what}: {_missing(conn, what)}; {e}", rule="dead peer",
+                             detail=error[1] if error else None) from e
     bad = [(role, rank, err) for role, rank, err in seen if err is not None]
     if not bad:
         return
@@ -122,3 +127,31 @@ def agree_status(conn: Connection, error: tuple[str, str] | None, what: str, *,
                      ranks=[i for i, (_, _, err) in enumerate(seen) if err is not None],
                      rule="update failed",
                      detail="\n".join(f"{role} rank {rank}: {err[1]}" for role, rank, err in bad))
+
+
+def _missing(conn: Connection, what: str) -> str:
+    """After a status gather failed: which ranks of both jobs are gone. Every rank that
+    is still alive reaches here within one timeout of the others and marks itself in
+    the link's store; the ranks still unmarked after that are named. The store lives
+    on trainer rank 0: if it is gone, that rank is the one named."""
+    me = f"{conn.role} rank {conn.rank}"
+    everyone = ([f"trainer rank {r}" for r in range(_size(conn, "trainer"))]
+                + [f"engine rank {r}" for r in range(_size(conn, "engine"))])
+    keys = {who: f"torchrefit/alive/{what}/{who}" for who in everyone}
+    try:
+        conn.store.set(keys[me], "1")
+        deadline = time.monotonic() + conn.timeout
+        while True:
+            gone = [who for who, key in keys.items() if not conn.store.check([key])]
+            if not gone or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    except Exception:  # the store's host is gone
+        return "trainer rank 0 (it hosts the link's store) died or stopped, seen by " + me
+    if not gone:
+        return f"every rank reached it, yet the gather failed (seen by {me})"
+    return f"{', '.join(gone)} died or stopped (not seen within {conn.timeout:g} s by {me})"
+
+
+def _size(conn: Connection, role: str) -> int:
+    return conn.world_size if conn.role == role else conn.peer_world_size

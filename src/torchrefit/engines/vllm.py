@@ -274,6 +274,7 @@ class TorchrefitWeightTransferEngine(
 
         world = get_world_group()
         tp = get_tp_group()
+        self._release()  # a trainer's earlier link (one whose peer died, say) is replaced
         self._conn, self._store = join("engine", world.rank_in_group, world.world_size,
                           init_info.master_address, init_info.master_port,
                           peer_world_size=init_info.trainer_world_size,
@@ -468,10 +469,21 @@ class TorchrefitWeightTransferEngine(
         finalize_layerwise_reload(self.model, self.model_config)
         repack_after_reload(self.model)
 
-    def shutdown(self) -> None:
+    def _release(self) -> None:
+        """Drop the link to a trainer and what was planned over it: an update left open
+        is closed first (vLLM's layerwise reload), so the live model is whole."""
+        self._abandon()
+        self._direct = self._reload = self._sink = None
+        self.routes = {}
         if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+            try:
+                self._conn.close()
+            except Exception:  # a link whose peer died: nothing left to close cleanly
+                _log.warning("torchrefit: closing the previous trainer link", exc_info=True)
+            self._conn = self._store = None
+
+    def shutdown(self) -> None:
+        self._release()
 
 
 def repack_after_reload(model: nn.Module) -> None:
@@ -597,7 +609,7 @@ class TorchrefitTrainerWeightTransferEngine(
             raise
         finished = None
         if pending is not None:  # the engine's own answer (its RPC may fail after the exchange)
-            finished = (self._on_sender(pending.result)
+            finished = (self._on_sender(_answer, pending, self._conn.timeout)
                         or self._on_sender(self.client.finish_weight_update, weight_version))
         self._raise_shared(finished, "finishing the vLLM weight update")
 
@@ -665,6 +677,17 @@ class TorchrefitTrainerWeightTransferEngine(
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+
+def _answer(pending: Future, timeout: float) -> None:
+    """The engine's ``update_weights`` RPC, once every rank has finished the exchange: it
+    has nothing left to wait for, so an engine that died after the exchange (its worker
+    done, its server gone) is told by a timeout, not a hang."""
+    try:
+        pending.result(timeout=timeout)
+    except TimeoutError as e:
+        raise TimeoutError(f"the engine's update_weights did not answer within {timeout:g} s "
+                           "of the exchange's end (did the engine die?)") from e
 
 
 def _module(source) -> nn.Module:
