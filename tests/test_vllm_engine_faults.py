@@ -57,7 +57,8 @@ def record(tmp_path_factory) -> dict:
     result = json.loads(out.read_text())
     if "error" in result:
         pytest.fail(f"{result['error']}\n{proc.stderr[-3000:]}")
-    result["engine_log"] = proc.stderr  # the worker's own traceback: vLLM's RPC keeps no class
+    # the worker's own traceback (vLLM logs it to stdout): its RPC error keeps no class
+    result["engine_log"] = proc.stdout + proc.stderr
     return result
 
 

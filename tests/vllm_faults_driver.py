@@ -149,6 +149,7 @@ def trainer_job(rank: int, job: str, dist_port: int, port: int, conn, cfg_json: 
 def _trainer(rank: int, client, port: int):
     """An FSDP2 model of the fixed seed, an optimizer, and the sender."""
     import torch
+    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -160,6 +161,7 @@ def _trainer(rank: int, client, port: int):
         fully_shard(layer)
     fully_shard(model)
     optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    dist.barrier()  # both ranks reach the rendezvous together: it waits TIMEOUT only
     info = TorchrefitTrainerInitInfo("127.0.0.1", port, timeout=TIMEOUT, bucket_bytes=1 << 18)
     sender = WeightTransferTrainerFactory.trainer_init(
         info, client=client if rank == 0 else _Unused(), source=ModuleSource(model))
