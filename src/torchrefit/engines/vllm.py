@@ -474,6 +474,7 @@ class TorchrefitWeightTransferEngine(
         is closed first (vLLM's layerwise reload), so the live model is whole."""
         self._abandon()
         self._direct = self._reload = self._sink = None
+        self._pending = self._held = None  # a stage over the old link: never committed
         self.routes = {}
         if self._conn is not None:
             try:
