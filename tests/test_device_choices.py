@@ -43,9 +43,9 @@ def test_program_run_stream_choice() -> None:
         (True, False, False): ("exchange", None),
         (True, False, True): ("exchange", None),
         (False, False, False): ("exchange", None),
-        (True, True, True): ("session", 1),
-        (True, True, False): ("session", None),
-        (False, True, False): ("session", None),
+        (True, True, True): ("side", 1),
+        (True, True, False): ("side", None),
+        (False, True, False): ("side", None),
     }
     for case in itertools.product((False, True), repeat=3):
         assert run_streams(*case) == want[case], case

@@ -104,14 +104,14 @@ def run_streams(exchanges: bool, local: bool, graph: bool) -> tuple[str, int | N
     captured graph of the local copies with nothing to exchange, replayed on the
     caller's stream (a side stream there would only add the fork and join's host work
     to every refit); ``("exchange", None)``, no local copies: the exchange alone on the
-    caller's stream; else ``("session", lanes)``: the local copies on side streams
+    caller's stream; else ``("side", lanes)``: the local copies on side streams
     overlapping the exchange, one side stream for a graph (it forks and joins inside),
     every lane (None) otherwise."""
     if not exchanges and graph:
         return "replay", None
     if not local:
         return "exchange", None
-    return "session", 1 if graph else None
+    return "side", 1 if graph else None
 
 
 class Program:
