@@ -81,12 +81,17 @@ watch() {
 # stage runs against the same loop idle
 stage() {
   folder stage
-  for t in ipc gloo; do
-    python3 -m torchrefit bench --stage --model gpt-4b --nproc 2 --mode non-collocated --transport $t \
-      --warmup 2 --iters 8 --label stage_gpt_$t --json "$R/stage_gpt_$t.json"
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_stage_order.py 2>&1 | tail -3
+  for m in gpt-4b llama-8b; do
+    for t in ipc gloo; do
+      python3 -m torchrefit bench --stage --model $m --nproc 2 --mode non-collocated --transport $t \
+        --warmup 2 --iters 8 --label stage_${m}_$t --json "$R/stage_${m}_$t.json"
+    done
   done
-  python3 benchmarks/stage_commit.py --transport ipc --hidden 4096 --layers 8 --vocab 32000 --stages 6 \
-    --json "$R/stage_commit_ipc.json"
+  for t in ipc gloo; do
+    python3 benchmarks/stage_commit.py --transport $t --hidden 4096 --layers 8 --vocab 32000 \
+      --stages 6 --json "$R/stage_commit_$t.json"
+  done
 }
 
 case ${1:-all} in
