@@ -9,8 +9,12 @@ trainer holds. Three settings keep megatron-core 0.16 off CUDA on a CPU-only tor
   attention dropout forks no CUDA RNG state;
 * an explicit causal mask: the default one is made on ``device="cuda"``.
 
-One call still asks CUDA: RoPE moves its ``inv_freq`` to ``torch.cuda.current_device()``
-on the first forward, so :func:`megatron_logits` answers that call with the host.
+Two calls still ask CUDA: RoPE moves its ``inv_freq``, and the MoE router its weight, to
+``torch.cuda.current_device()`` on the first forward, so :func:`megatron_logits` answers
+that call with the host. MoE models use the ``allgather`` token dispatcher (``alltoall``
+makes a CUDA stream when built), and megatron-core 0.16.1 without Transformer Engine
+never defines the ``te_general_gemm`` its router gating reads, so
+:func:`build_gpt` sets it to None, the value meant for that case.
 
 Every parameter is then refilled from a generator seeded by its name (and, for a
 tensor-parallel shard, its TP rank), so norms and biases are not ones and zeros and
@@ -27,14 +31,14 @@ from unittest import mock
 import torch
 from torch import nn
 
-__all__ = ["GptShape", "QWEN2", "LLAMA", "build_gpt", "megatron_logits", "hf_model", "hf_logits"]
+__all__ = ["GptShape", "QWEN2", "LLAMA", "MIXTRAL", "build_gpt", "megatron_logits", "hf_model", "hf_logits"]
 
 
 @dataclass(frozen=True)
 class GptShape:
     """One decoder-only model's shape, in both megatron-core's and transformers' terms."""
 
-    family: str  # "qwen2" or "llama": the transformers class (and its biases)
+    family: str  # "qwen2", "llama" or "mixtral": the transformers class (and its biases)
     layers: int = 2
     hidden: int = 64
     heads: int = 4
@@ -43,6 +47,9 @@ class GptShape:
     vocab: int = 128
     eps: float = 1e-6
     rope_base: float = 10000.0
+    experts: int = 0  # MoE (Mixtral-shaped): experts per layer, each of expert_ffn, top-k routed
+    expert_ffn: int = 32
+    topk: int = 2
 
     @property
     def qkv_bias(self) -> bool:
@@ -51,6 +58,7 @@ class GptShape:
 
 QWEN2 = GptShape("qwen2")
 LLAMA = GptShape("llama", groups=1)
+MIXTRAL = GptShape("mixtral", experts=4)
 
 
 def build_gpt(shape: GptShape, tp: int, seed: int) -> nn.Module:
@@ -67,6 +75,15 @@ def build_gpt(shape: GptShape, tp: int, seed: int) -> nn.Module:
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    moe = {}
+    if shape.experts:
+        from megatron.core.transformer.moe import moe_utils
+
+        if not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
+        moe = dict(num_moe_experts=shape.experts, moe_ffn_hidden_size=shape.expert_ffn,
+                   moe_router_topk=shape.topk, moe_token_dispatcher_type="allgather",
+                   moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
     config = TransformerConfig(
         num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
         num_query_groups=shape.groups, ffn_hidden_size=shape.ffn,
@@ -76,10 +93,11 @@ def build_gpt(shape: GptShape, tp: int, seed: int) -> nn.Module:
         hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, gradient_accumulation_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, apply_rope_fusion=False,
+        persist_layer_norm=False, apply_rope_fusion=False, **moe,
     )
     model = GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        config=config, transformer_layer_spec=get_gpt_layer_local_spec(
+            num_experts=shape.experts or None, normalization="RMSNorm"),
         vocab_size=shape.vocab, max_sequence_length=64, position_embedding_type="rope",
         rotary_base=int(shape.rope_base), share_embeddings_and_output_weights=False,
         parallel_output=False,
@@ -109,7 +127,7 @@ def megatron_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def hf_model(shape: GptShape, seed: int) -> nn.Module:
-    """The ``transformers`` model of ``shape`` (Qwen2ForCausalLM or LlamaForCausalLM), float32,
+    """The ``transformers`` model of ``shape`` (Qwen2, Llama or Mixtral ForCausalLM), float32,
     with random weights of its own (``seed``) until a refit fills it."""
     import transformers
 
@@ -121,6 +139,11 @@ def hf_model(shape: GptShape, seed: int) -> nn.Module:
     )
     if shape.family == "qwen2":
         cls, config = transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**common)
+    elif shape.family == "mixtral":
+        cls = transformers.MixtralForCausalLM
+        config = transformers.MixtralConfig(
+            **{**common, "intermediate_size": shape.expert_ffn}, num_local_experts=shape.experts,
+            num_experts_per_tok=shape.topk)
     else:
         cls = transformers.LlamaForCausalLM
         config = transformers.LlamaConfig(**common, attention_bias=False, mlp_bias=False)

@@ -7,8 +7,10 @@ first into the second with the layout detected from megatron-core's own attribut
 and process groups, and compares the logits of both forwards on the same tokens:
 megatron-core's forward is the oracle, independent of torchrefit. Qwen2-shaped
 (SwiGLU ``linear_fc1``, RMSNorm, GQA, qkv biases, untied embeddings) and
-Llama-shaped (no biases, one key/value head), each at TP1 in one process and TP2
-over two gloo ranks, every rank holding the whole Hugging Face model.
+Llama-shaped (no biases, one key/value head) and Mixtral-shaped (4 experts, top-2,
+``local_experts.K`` into transformers' stacked ``experts.gate_up_proj`` / ``down_proj``),
+each at TP1 in one process and TP2 over two gloo ranks (experts tensor-parallel too),
+every rank holding the whole Hugging Face model.
 
 The oracle's fairness: the Hugging Face model's logits differ from megatron-core's
 before the refit, after swapping its two layers, and after swapping its ``k_proj``
@@ -28,9 +30,18 @@ from torchrefit.testing import run_world
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("transformers") is None:
     pytest.skip("megatron-core and transformers are not both installed", allow_module_level=True)
 
-from megatron_models import LLAMA, QWEN2, GptShape, build_gpt, hf_logits, hf_model, megatron_logits  # noqa: E402
+from megatron_models import (  # noqa: E402
+    LLAMA,
+    MIXTRAL,
+    QWEN2,
+    GptShape,
+    build_gpt,
+    hf_logits,
+    hf_model,
+    megatron_logits,
+)
 
-SHAPES = {"qwen2": QWEN2, "llama": LLAMA}
+SHAPES = {"qwen2": QWEN2, "llama": LLAMA, "mixtral": MIXTRAL}
 TPS = (1, 2)
 TOL = 1e-4  # relative to the largest logit: float32 forwards of the same weights
 
