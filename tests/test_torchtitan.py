@@ -25,10 +25,17 @@ In one spawned world of 2 gloo ranks (one process pair for every case):
 * FSDP2 (``fully_shard`` per block and root) over both ranks into whole
   ``transformers`` models on each rank, every tensor equal to the oracle;
 * trainers sharded by torchtitan's own ``parallelize_*`` functions (its sharding
-  configs set, the ``partial_dtensor`` backend: the default ``spmd_types`` does not
-  shard on CPU): Llama 3 with FSDP2 + TP2 (the fused ``wqkv`` split by rows across
+  configs set, the ``partial_dtensor`` backend: with the default ``spmd_types``
+  torch 2.13's ``fully_shard`` rejects the annotated plain tensors): Llama 3 with FSDP2 + TP2 (the fused ``wqkv`` split by rows across
   ranks), Qwen 3 MoE and DeepSeek V3 with FSDP2 + EP2 (experts split across ranks),
   into whole ``transformers`` models, every tensor equal to the oracle;
+* trainers sharded by the default ``spmd_types`` backend (``model.parallelize``, the
+  step before ``fully_shard``): Llama 3 TP2 and Qwen 3 MoE EP2, plain local shards
+  annotated with their cut, read by the ``spmd_annotated`` layout: every tensor equal
+  to the oracle and to ``to_hf`` of the tensors torchtitan's own
+  ``plain_tensor_to_dtensor_state_dict`` gathers; the same trainer parallelized on the
+  meta device and ``to_empty()``-ed (annotations dropped) is refused with the same
+  ``LayoutError`` on every rank, the destination untouched;
 * FSDP2 into a vLLM-style TP2 engine (``vllm_tp_layout`` over plain modules) through
   ``torchtitan_to_vllm``, every shard equal to the oracle's;
 * a trainer whose modules are named another way: every rank raises the same
@@ -301,7 +308,8 @@ def _titan_parallel(case: Case, config, tp: int, ep: int):
     whole = titan_model(case, config)
     want = oracle(case, config, whole)
     parallel_dims_module.device_type = "cpu"  # torchtitan asks for CUDA where it finds no GPU
-    backend = "partial_dtensor"  # spmd_types, the default, does not shard on CPU
+    # spmd_types, the default, stops in fully_shard on torch 2.13 (docs/torchtitan.md)
+    backend = "partial_dtensor"
     dims = ParallelDims(dp_replicate=1, dp_shard=WORLD // tp, cp=1, tp=tp, pp=1, ep=ep,
                         world_size=WORLD, spmd_backend=backend)
     dims.build_mesh()
@@ -336,6 +344,106 @@ def _titan_parallel(case: Case, config, tp: int, ep: int):
             t.copy_(value)
     placements = {n: str(getattr(t, "placements", "")) for n, t in model.named_parameters()}
     return model, want, placements
+
+
+def _spmd_dims(tp: int, ep: int):
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    import torchtitan.distributed.utils as dist_utils
+    from torchtitan.distributed import ParallelDims
+
+    parallel_dims_module.device_type = "cpu"
+    dist_utils.set_spmd_backend("spmd_types")  # as torchtitan's trainer does
+    dims = ParallelDims(dp_replicate=1, dp_shard=WORLD // tp, cp=1, tp=tp, pp=1, ep=ep,
+                        world_size=WORLD, spmd_backend="spmd_types")
+    dims.build_mesh()
+    return dims
+
+
+def _sharded_config(case: Case, ep: int):
+    config = titan_config(case)
+    if case.family == "llama3":
+        from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+        set_llama3_sharding_config(config, enable_sp=False)
+    else:
+        from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+        set_qwen3_sharding_config(config, enable_sp=False, enable_ep=ep > 1)
+    return config
+
+
+def _titan_spmd(case: Case, tp: int, ep: int):
+    """The trainer as torchtitan's default ``spmd_types`` backend shards it: the first
+    step of its ``parallelize_*`` functions (``validate_config``, ``model.parallelize``),
+    run on a model built on the CPU (the next step, ``fully_shard`` over the annotated
+    tensors, needs a torch that translates them: see docs/torchtitan.md). Its tensors
+    are plain local shards carrying ``spmd_types`` annotations."""
+    from torchtitan.distributed.full_dtensor import validate_config
+
+    whole_config = titan_config(case)
+    whole = titan_model(case, whole_config)
+    want = oracle(case, whole_config, whole)
+    dims = _spmd_dims(tp, ep)
+    model = titan_model(case, _sharded_config(case, ep))  # the same draws as ``whole``
+    validate_config(dims, model)
+    model.parallelize(dims)
+    return model, dims, want
+
+
+def _gathered_by_torchtitan(case: Case, model, dims) -> dict[str, torch.Tensor]:
+    """``to_hf`` of the trainer's tensors gathered as torchtitan's RL weight sync reads
+    them: each local tensor wrapped as a DTensor by its declared layout
+    (``plain_tensor_to_dtensor_state_dict``), then ``full_tensor()``."""
+    from torch.distributed.tensor import DTensor
+    from torchtitan.distributed.spmd_types import plain_tensor_to_dtensor_state_dict
+
+    layouts = {f"{prefix}.{n}" if prefix else n: layout for prefix, m in model.named_modules()
+               for n, layout in getattr(getattr(m, "_sharding_config", None), "state_shardings",
+                                        {}).items()}
+    local = {n: t.detach() for n, t in model.named_parameters()}
+    wrapped = plain_tensor_to_dtensor_state_dict(local, state_dict_layouts=layouts,
+                                                 parallel_dims=dims)
+    config = titan_config(case)
+    whole = titan_model(case, config)
+    with torch.no_grad():
+        for n, t in whole.named_parameters():
+            w = wrapped[n]
+            t.copy_(w.full_tensor() if isinstance(w, DTensor) else w)
+    return oracle(case, config, whole)
+
+
+def _run_spmd(case: Case, tp: int, ep: int, sharded: str) -> dict:
+    from spmd_types.runtime import get_local_type, get_partition_spec
+
+    model, dims, want = _titan_spmd(case, tp, ep)
+    t = dict(model.named_parameters())[sharded]
+    annotation = f"{type(t).__name__} {list(t.shape)} {get_local_type(t)} {get_partition_spec(t)}"
+    gathered = _gathered_by_torchtitan(case, model, dims)
+    dst = hf_model(case, DST_SEED)
+    r = tr.Refitter(model, dst, name_map=tr.maps.torchtitan_to_hf(titan_config(case)))
+    r.refit()
+    return {"wrong": _differing(dst, want), "gathered_wrong": _differing(dst, gathered),
+            "kind": r._kinds[0], "annotation": annotation,
+            "remote": r.plan.bytes_sent + r.plan.bytes_received}
+
+
+def _run_spmd_lost(case: Case, ep: int) -> dict:
+    """``Module.parallelize`` on the meta device, then ``to_empty()``: the parameters'
+    annotations are gone."""
+    from torchtitan.distributed.full_dtensor import validate_config
+
+    dims = _spmd_dims(1, ep)
+    with torch.device("meta"):
+        model = _sharded_config(case, ep).build()
+    validate_config(dims, model)
+    model.parallelize(dims)
+    model.to_empty(device="cpu")
+    dst = hf_model(case, DST_SEED)
+    before = {n: t.clone() for n, t in dst.state_dict().items()}
+    try:
+        tr.Refitter(model, dst, name_map=tr.maps.torchtitan_to_hf(titan_config(case)))
+    except tr.RefitError as e:
+        return {"raised": f"{type(e).__name__}: {e}",
+                "unchanged": all(torch.equal(t, before[n]) for n, t in dst.state_dict().items())}
+    return {"raised": None}
 
 
 def _run_fsdp2(case: Case, parallel: tuple[int, int] | None = None) -> dict:
@@ -422,6 +530,9 @@ def _world(rank: int, world: int) -> dict[str, dict]:
     runs += [(f"vllm/{c.id}", lambda c=c: _run_vllm(c, rank))
              for c in CASES if c.id in VLLM_CASES]
     runs += [("renamed", lambda: _run_renamed(CASES[0]))]
+    runs += [(f"spmd/{CASES[i].id}", lambda i=i, p=p, w=WANT_SHARDED[kind]: _run_spmd(CASES[i], *p, w))
+             for kind, i, p in PARALLEL[:2]]
+    runs += [("spmd-lost", lambda: _run_spmd_lost(CASES[3], 2))]
     for key, run in runs:
         try:
             out[key] = run()
@@ -495,6 +606,31 @@ def test_another_naming_is_named_on_every_rank_and_a_table_edit_fixes_it(results
     assert "'layers.0.attention.qkv_linear.wqkv.weight'" in first, first
     assert "the trainer holds layers.0.attention.qkv.wqkv.weight" in first, first
     assert "HF_FROM_TORCHTITAN" in first, first
+
+
+@pytest.mark.parametrize("kind,i", [(k, i) for k, i, _ in PARALLEL[:2]],
+                         ids=[f"{k.split('-')[1]}-{CASES[i].id}" for k, i, _ in PARALLEL[:2]])
+def test_trainer_sharded_by_the_spmd_types_backend_refits_exactly(kind, i, results) -> None:
+    """torchtitan's default backend: plain local shards with spmd_types annotations."""
+    for rank, got in _one(results, f"spmd/{CASES[i].id}"):
+        assert got["kind"] == "spmd_annotated", got["kind"]
+        # the cut tensor is a plain half, annotated varying over the axis its spec names
+        assert got["annotation"].startswith("Parameter ") and ": V}" in got["annotation"], got
+        assert "PartitionSpec(" in got["annotation"], got["annotation"]
+        assert got["wrong"] == [], f"rank {rank}: differ from to_hf: {got['wrong']}"
+        assert got["gathered_wrong"] == [], f"rank {rank}: differ from torchtitan's gather"
+        assert got["remote"] > 0, "the refit moved nothing between ranks"
+
+
+def test_spmd_types_shards_without_annotations_are_refused_on_every_rank(results) -> None:
+    got = _one(results, "spmd-lost")
+    first = got[0][1]["raised"]
+    assert first is not None, "shards whose annotations were dropped refit as whole tensors"
+    for _, g in got:
+        assert g["raised"] == first and g["unchanged"], g
+    assert first.startswith("LayoutError: ") and "rank 1: " in first, first
+    assert "carries no spmd_types annotation" in first, first
+    assert 'spmd_backend="partial_dtensor"' in first, first
 
 
 # --------------------------------------------------------- in the test process

@@ -4,7 +4,8 @@ Per parameter and persistent buffer that is a ``DTensor``: the global shape and
 dtype are the DTensor's, and the pieces its local tensor holds follow from this
 rank's mesh coordinate and the placements (``layout.placements``). Tensors that are
 not DTensors (the buffers FSDP2 leaves alone) are held whole, as ``replicated``
-describes them. Called once per rank while a ``Refitter`` is built; only the
+describes them, unless ``spmd_types`` annotations say how they are cut
+(``spmd_annotated``). Called once per rank while a ``Refitter`` is built; only the
 ``after_refit`` hook of an FSDP2 destination runs on every refit.
 
 Global names are the qualified names without the wrapper modules torchtitan and
@@ -37,7 +38,7 @@ from ..errors import LayoutError
 from ._described import Described, chunk_key, named_refit_tensors, unwrap_chunks
 from ._types import ModelLayout, TensorLayout, dtype_name
 from .placements import placement_pieces
-from .replicated import whole_tensor_layout
+from .spmd_annotated import annotated_tensor_layout
 from .walk import named_modules
 
 __all__ = ["dtensor", "is_dtensor_model", "global_name"]
@@ -109,7 +110,9 @@ def dtensor(model: nn.Module | list[nn.Module] | Mapping[str, torch.Tensor]) -> 
             if cls is not None and isinstance(t, cls):
                 layout, local = _describe_one(name, t, is_buffer)
             else:
-                layout, local = whole_tensor_layout(name, t, is_buffer=is_buffer), t
+                # whole, or cut as its spmd_types annotations say (a buffer that
+                # torchtitan's spmd_types backend shards and FSDP2 leaves alone)
+                layout, local = annotated_tensor_layout(name, t, is_buffer=is_buffer), t
             entries.append((key, layout))
             tensors[key] = local
     after = functools.partial(_reshard, fsdp) if fsdp else None
