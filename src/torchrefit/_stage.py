@@ -202,8 +202,10 @@ class Stager:
             try:
                 handle.wait()
             except Exception as e:
-                raise RefitError(f"commit(): the stage of version {handle.version} failed, nothing was "
-                                 f"committed (the live weights and their version are unchanged): {e}") from e
+                raise RefitError(f"commit(): nothing staged to commit: the stage of version "
+                                 f"{handle.version} failed, nothing was committed (the live weights "
+                                 f"and their version are unchanged): {e}", ranks=getattr(e, "ranks", ()),
+                                 rule="nothing staged") from e
             with self.cond:
                 if self.last is not handle:  # another thread asked for a newer stage: that one
                     continue

@@ -136,6 +136,33 @@ class Connection(_Who):
     def dst_rank_offset(self) -> int:
         return self.trainers
 
+    def absent(self, what: str, window: float) -> list[tuple[str, int]] | None:
+        """After a collective of the joint group failed in ``what``, on every rank still
+        alive: the ranks of both jobs that never reached it, as ``(role, rank)``. Each live
+        rank marks itself in the store; the first to mark sets one deadline for all,
+        ``window`` seconds later (the last live rank may reach it that much after the
+        first: a wait on a stopped peer, then a collective, each within the refit's
+        timeout), and every rank returns once all have marked or at that deadline. None
+        where the store is gone: its host, trainer rank 0, died."""
+        prefix = f"torchrefit/alive/{what}"
+        keys = {(role, r): f"{prefix}/{role}/{r}" for role, n in
+                (("trainer", self.trainers), ("engine", self.engines)) for r in range(n)}
+        gone: list[tuple[str, int]] | None = None
+        try:
+            self.store.set(keys[(self.role, self.rank)], "1")
+            deadline = float(self.store.compare_set(f"{prefix}/deadline", "",
+                                                    repr(time.time() + window)).decode())
+            while True:
+                gone = [who for who, key in keys.items() if not self.store.check([key])]
+                if not gone or time.time() >= deadline:
+                    break
+                time.sleep(_POLL)
+            if self.is_host:  # the others' last look at the store comes just after ours
+                time.sleep(4 * _POLL)
+        except Exception:  # the host is gone: what was seen before it went, if anything
+            pass
+        return gone
+
     def close(self) -> None:
         """Tear down the joint group on this rank (each job's default group stays)."""
         if self.group is not None and self.group in dist.distributed_c10d._world.pg_map:

@@ -250,6 +250,7 @@ class Refitter:
     def _join(self, group, src_rank_offset: int, dst_rank_offset: int) -> tuple[int, int]:
         """Step 1: this rank's place in the refit group; returns the rank offsets (a
         :class:`Connection`'s where the caller left them at 0)."""
+        self._conn = group if isinstance(group, Connection) else None
         if isinstance(group, Connection):
             self.group, self.rank, self.world = group.group, group.joint_rank, group.joint_world
             src_rank_offset = src_rank_offset or group.src_rank_offset
@@ -533,19 +534,19 @@ class Refitter:
                 self._stage_program = self._compile_stage()
             stats = self._stage_program.run(check and not compiled)
         except TransportError as e:  # a peer gone: no agreement to reach
-            self._failed = e
-            raise
+            raise self._stage_lost(version, e) from e
         except Exception as e:  # told to every rank below
             error, failure = e, _failure(e)  # its traceback, while it is being handled
         try:
             _agree_stage(failure, self.group, self.timeout)
         except TransportError as e:
-            if failure is not None:  # a peer still waits for this rank's unfinished rounds
-                e = TransportError(f"stage failed on rank {self.rank} ({failure[1].splitlines()[0]}), "
-                                   f"then agreeing on it with the other ranks failed: {e}",
-                                   ranks=(self.rank,), rule="stage")
-            self._failed = e
-            raise e from error
+            if failure is None:  # every byte here, but a peer gone
+                raise self._stage_lost(version, e) from e
+            # a peer still waits for this rank's unfinished rounds
+            self._failed = TransportError(
+                f"stage failed on rank {self.rank} ({failure[1].splitlines()[0]}), then agreeing on "
+                f"it with the other ranks failed: {e}", ranks=(self.rank,), rule="stage")
+            raise self._failed from error
         except RefitError as e:
             self._failed = e
             raise e from error
@@ -555,6 +556,31 @@ class Refitter:
                            self.plan.bytes_received, self.transport_name, stats.rounds,
                            stats.messages_sent, stats.messages_received, self.staging, twins,
                            stats.staging_bytes, compiled)
+
+    def _stage_lost(self, version: int, cause: TransportError) -> TransportError:
+        """A stage cut short by a peer that died, stopped or left it (``cause``, on this
+        rank): the error every live rank raises, naming the ranks that are gone (through
+        a ``tr.connect`` link's store, every live rank marking itself; with a plain group,
+        the peer this rank's transport saw fail, if any). Marks the group unusable."""
+        me = f"rank {self.rank}"
+        ranks: tuple[int, ...] = cause.ranks if cause.rule == "timeout" else ()
+        who = (f"rank(s) {list(ranks)} died, stopped or left the stage" if ranks else
+               "a rank died, stopped or left the stage")
+        if self._conn is not None:
+            me = str(self._conn)
+            gone = self._conn.absent(f"stage {version}", 2 * (self.timeout or self._conn.timeout))
+            if gone is None:
+                gone = [("trainer", 0)]  # it hosts the link's store
+            if gone:
+                who = f"{', '.join(f'{role} rank {r}' for role, r in gone)} died or stopped"
+                ranks = tuple(r if role == "trainer" else self._conn.trainers + r for role, r in gone)
+        e = TransportError(
+            f"stage of version {version} failed on {me}: {who}. Nothing live was written: the "
+            "live weights and their version are unchanged, and nothing is staged to commit. The "
+            f"group is unusable: connect again and build a new Refitter (seen here as: "
+            f"{str(cause).split(' (', 1)[0]})", ranks=ranks, rule="stage lost", detail=f"{cause}")
+        self._failed = e
+        return e
 
     @gc_paused
     def _compile_stage(self) -> Program:
