@@ -84,7 +84,7 @@ def _dying_trainer(rank: int, world: int, port: int, staging: str) -> dict:
         r.stage()
         out["raised"] = None
     except tr.RefitError as e:
-        out["raised"], out["message"] = type(e).__name__, str(e)
+        out["raised"], out["message"], out["ranks"] = type(e).__name__, str(e), e.ranks
     out["seconds"] = time.perf_counter() - t0
     return out
 
@@ -112,7 +112,7 @@ def _engine(rank: int, world: int, port: int, staging: str, new_port: int) -> di
         handle.wait()
         out["raised"] = None
     except tr.RefitError as e:
-        out["raised"], out["message"] = type(e).__name__, str(e)
+        out["raised"], out["message"], out["ranks"] = type(e).__name__, str(e), e.ranks
     out["seconds"], out["reads"] = time.perf_counter() - t0, reads
     out["partly_staged"] = _staged_fraction(r, dst)
     out["live_bit_identical"] = _bits(dst) == saved
@@ -197,11 +197,14 @@ def test_trainer_killed_mid_stage(staging: str) -> None:
     assert dying[1] is None  # it left mid-stage
     assert survivor["rounds"] > 3 * KILL_AT_ROUND, survivor  # the stage is long: cut well inside
     assert survivor["raised"] == "TransportError" and survivor["seconds"] < BOUND, survivor
-    assert "trainer rank 1" in survivor["message"], survivor
+    # the dead rank named, and no live one: trainer rank 1 is joint rank 1
+    assert "trainer rank 1 died or stopped" in survivor["message"], survivor
+    assert survivor["ranks"] == (1,), survivor
     for rank, got in enumerate(engines):
         assert got["v_exact"], rank
         assert got["raised"] == "TransportError", (rank, got)
-        assert "trainer rank 1" in got["message"], (rank, got["message"])
+        assert "trainer rank 1 died or stopped" in got["message"], (rank, got["message"])
+        assert got["ranks"] == (1,) and "written" in got["message"], (rank, got["message"])
         assert got["seconds"] < BOUND, (rank, got["seconds"])
         assert got["reads"] > 0  # the engine read its live weights while the stage ran
         assert got["live_bit_identical"], rank
