@@ -11,6 +11,14 @@ One engine (``tests/vllm_faults_driver.py``, dense Qwen2-shaped model, float32) 
   a ``TransportError`` naming the trainer rank within the timeout, keeps its previous
   version and generates as the previous weights do; a restarted trainer initializes again
   against the same engine and its next update equals its weights exactly;
+* with ``serve_while_staging=True`` (a third trainer job against the same engine): one
+  staged update committed, then trainer rank 1 killed in the middle of the next stage
+  (after the in-place tensors' stage completed, while the ``load_weights`` tensors move):
+  trainer rank 0 raises naming it, the worker keeps it and commits nothing, a later
+  ``commit_weights`` is refused, and the engine keeps the committed version exactly (its
+  version, the digests of its readable tensors, and tokens and logprobs against a
+  ``transformers`` model holding those weights, while the cut update's weights differ) --
+  the staged counterpart of the unstaged update's strict xfail below;
 * the engine's process killed in the middle of an update: every trainer rank raises
   within the timeout, its parameters and optimizer state untouched.
 """
@@ -40,6 +48,10 @@ BOUND = 3 * TIMEOUT + 10
 #: engine's worker +1.8 MiB, the trainer ranks +4.0 and +5.7 MiB (allocator growth that
 #: levels off: +0.02 MiB over the last 50)
 RSS_GROWTH_MIB = 16.0
+#: a staged update cut by a dead trainer rank: the stage's own wait and the wait naming the
+#: missing ranks (twice the timeout: ranks reach it up to one timeout apart), then the
+#: update's status gather and its naming wait, plus slack
+STAGED_BOUND = 5 * TIMEOUT + 10
 
 pytestmark = pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
 
@@ -108,6 +120,22 @@ def test_trainer_killed_mid_update_leaves_previous_weights(record):
     assert case["mismatched"] == [], case  # readable tensors: the previous weights
     assert_matches_oracle(case["previous"])  # it generates as the previous weights do
     assert_fails_oracle(case["new"])  # and the update's weights differ from them
+
+
+def test_trainer_killed_mid_stage_keeps_the_committed_version(record):
+    committed = record["staged"]["committed"]
+    assert committed["weight_version"] == "staged", committed
+    assert_matches_oracle(committed)  # the staged update installed exactly
+    case = record["staged"]["staged_killed"]
+    assert case["raised"] == "TransportError" and "trainer rank 1" in case["message"], case
+    assert case["seconds"] < STAGED_BOUND, case
+    assert case["commit"] and "nothing staged to commit" in case["commit"], case
+    # the engine's side: the worker kept the stage's error, and installed nothing
+    assert case["engine"] and "(staging): trainer rank 1 died or stopped" in case["engine"], case
+    assert case["weight_version"] == "staged", case
+    assert case["mismatched"] == [], case  # readable tensors: the committed weights
+    assert_matches_oracle(case["previous"])  # it generates as the committed weights do
+    assert_fails_oracle(case["new"])  # and the cut update's weights differ from them
 
 
 def test_restarted_trainer_restores_exact_weights(record):

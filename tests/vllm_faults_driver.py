@@ -18,6 +18,13 @@ judges what was recorded. In order:
   (the worker's ``load_weights`` held back so the exchange is under way); what the
   engine's ``update_weights`` raised, the version it reports, and its tokens against the
   previous weights.
+* ``staged_killed``: a new 2-rank trainer with ``serve_while_staging=True`` initializes
+  against the same engine, stages and commits one update, then trainer rank 1 leaves
+  (``os._exit``) right after posting the sends of the update's second refit (the
+  ``load_weights`` one: the in-place tensors' stage has completed on every rank, their
+  staging holds the new version whole) while the engine serves: what each side raised,
+  the engine's version, its tokens against the committed and the cut update's weights,
+  and the digests of its readable tensors.
 * ``restarted``: a new 2-rank trainer (new process group) initializes again against the
   same engine and sends the next version; the engine must equal it exactly.
 * ``engine_killed``: the engine's process is killed while an update is in flight: what
@@ -45,6 +52,7 @@ JUDGE_EVERY = 25
 TIMEOUT = 5.0  # seconds any rank of either job waits for a peer
 HOLD = 3.0  # the worker's first load_weights bucket of a faulted update waits this long
 KILL_AFTER = 1.0  # seconds into the held update that a process is killed
+STAGED = "staged"  # the version the staged trainer commits before its rank 1 dies
 WORLD = 2
 
 
@@ -137,8 +145,9 @@ def trainer_job(rank: int, job: str, dist_port: int, port: int, conn, cfg_json: 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank,
                             world_size=WORLD)
     client = _PipeClient(conn) if conn is not None else None
+    jobs = {"first": _first_job, "staged": _staged_job, "second": _second_job}
     try:
-        out = (_first_job if job == "first" else _second_job)(rank, client, port)
+        out = jobs[job](rank, client, port)
     except Exception:
         out = {"error": f"trainer rank {rank}: {traceback.format_exc()}"}
     if client is not None:
@@ -146,8 +155,9 @@ def trainer_job(rank: int, job: str, dist_port: int, port: int, conn, cfg_json: 
     os._exit(0)  # a process group with a dead peer: leave at once
 
 
-def _trainer(rank: int, client, port: int):
-    """An FSDP2 model of the fixed seed, an optimizer, and the sender."""
+def _trainer(rank: int, client, port: int, staged: bool = False):
+    """An FSDP2 model of the fixed seed, an optimizer, and the sender (``staged``: updates
+    staged while the engine serves, committed by ``finish_weight_update``)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -162,7 +172,8 @@ def _trainer(rank: int, client, port: int):
     fully_shard(model)
     optim = torch.optim.Adam(model.parameters(), lr=1e-3)
     dist.barrier()  # both ranks reach the rendezvous together: it waits TIMEOUT only
-    info = TorchrefitTrainerInitInfo("127.0.0.1", port, timeout=TIMEOUT, bucket_bytes=1 << 18)
+    info = TorchrefitTrainerInitInfo("127.0.0.1", port, timeout=TIMEOUT, bucket_bytes=1 << 18,
+                                     serve_while_staging=staged)
     sender = WeightTransferTrainerFactory.trainer_init(
         info, client=client if rank == 0 else _Unused(), source=ModuleSource(model))
     return model, optim, sender
@@ -219,6 +230,46 @@ def _first_job(rank: int, client, port: int) -> dict:
     return out
 
 
+def _staged_job(rank: int, client, port: int) -> dict:
+    model, _, sender = _trainer(rank, client, port, staged=True)
+    for k in range(1, UPDATES + 2):  # the first job's cut update, staged this time
+        step(model, k)
+    sender.send_weights(weight_version=STAGED)  # stage, then commit
+    committed = _full(model)
+    out: dict = {}
+    if rank == 0:
+        out["committed"] = dict(_judge(client, committed), weight_version=client.ask("version"))
+    step(model, UPDATES + 2)
+    new = _full(model)
+    if rank == 1:  # leaves mid-stage: the load_weights refit's first sends posted
+        transport = sender._refitters[-1]._transport
+        start = transport.start
+
+        def dying_start(sends, recvs):
+            start(sends, recvs)
+            os._exit(9)
+
+        transport.start = dying_start
+    t0 = time.monotonic()
+    try:
+        sender.stage_weights()
+        seen = {"raised": None}
+    except Exception as e:
+        seen = {"raised": type(e).__name__, "message": str(e)}
+    seen["seconds"] = time.monotonic() - t0
+    try:
+        sender.commit_weights(weight_version=f"{STAGED}+1")
+        seen["commit"] = None
+    except Exception as e:
+        seen["commit"] = f"{type(e).__name__}: {e}"
+    if rank == 0:
+        out["staged_killed"] = dict(
+            seen, weight_version=client.ask("version"), engine=client.ask("stage_error"),
+            previous=_judge(client, committed),
+            new=_judge(client, new), mismatched=checksum_mismatches(client.ask("checksums"), committed))
+    return out
+
+
 def _second_job(rank: int, client, port: int) -> dict:
     import torch
     import torch.distributed as dist
@@ -271,6 +322,10 @@ def _worker_checksums(worker) -> dict:
             out[name] = hashlib.sha256(t.detach().contiguous().cpu().numpy().tobytes()
                                        ).hexdigest()[:16]
     return out
+
+
+def _stage_error(worker) -> str | None:
+    return worker.weight_transfer_engine.last_stage_error
 
 
 def _hold_next_load(worker, seconds: float):
@@ -396,6 +451,9 @@ class Host:
                  [{t: v.logprob for t, v in lp.items()} for lp in o.outputs[0].logprobs])
                 for o in outs]
 
+    def do_stage_error(self):
+        return self.llm.llm_engine.collective_rpc(_stage_error)[0]
+
     def do_engine_rss(self):
         return _rss_mib(_engine_pids()[0])  # the worker: it holds the weights and the link
 
@@ -450,10 +508,13 @@ def main(out_path: str) -> None:
         t0 = time.monotonic()
         result["first"] = run_job(llm, ctx, "first", cfg_json)
         result["first_seconds"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        result["staged"] = run_job(llm, ctx, "staged", cfg_json)
+        result["staged_seconds"] = time.monotonic() - t0
         result["second"] = run_job(llm, ctx, "second", cfg_json)
     except Exception:
         result["error"] = traceback.format_exc()
-    for part in ("first", "second"):
+    for part in ("first", "staged", "second"):
         if "error" in result.get(part, {}):
             result.setdefault("error", result[part]["error"])
     with open(out_path, "w") as f:

@@ -248,6 +248,8 @@ class TorchrefitWeightTransferEngine(
     """vLLM's worker-side engine for backend ``"torchrefit"`` (see the module docstring).
 
     ``routes`` (after init): ``{vLLM name: Route}`` for this worker's tensors.
+    ``last_stage_error``: staged updates only, why the last staged update installed
+    nothing (its stage failed: a trainer rank died, say), or None.
     """
 
     init_info_cls = TorchrefitInitInfo
@@ -267,6 +269,7 @@ class TorchrefitWeightTransferEngine(
         self._stager: ThreadPoolExecutor | None = None
         self._pending: Future | None = None  # the update being staged
         self._held: list | None = None  # staged tensors bound for load_weights
+        self.last_stage_error: str | None = None
 
     # -- init
     def init_transfer_engine(self, init_info: TorchrefitInitInfo) -> None:
@@ -390,9 +393,11 @@ class TorchrefitWeightTransferEngine(
             return
         try:
             pending.result()
-        except RefitError:
+        except RefitError as e:
+            self.last_stage_error = f"{type(e).__name__}: {e}"
             _log.warning("torchrefit: the staged update failed; nothing committed", exc_info=True)
             return
+        self.last_stage_error = None
         if self._direct is not None:
             self._direct.commit()
         held, self._held = self._held, None
@@ -532,6 +537,7 @@ class TorchrefitTrainerWeightTransferEngine(
         self._refitters: list[Refitter] = []
         self._ways: list[str] = []  # the route each Refitter serves
         self._staged = False
+        self._stage_failed: BaseException | None = None  # the last stage_weights' error
         self.reports: list = []
         self._updates = 0
         self._rpc = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrefit-rpc")
@@ -625,6 +631,7 @@ class TorchrefitTrainerWeightTransferEngine(
             raise RefitError("stage_weights(): pass TorchrefitTrainerInitInfo("
                              "serve_while_staging=True) at init (the engine agreed on it then)")
         self._updates += 1
+        self._stage_failed = None
         started = self._on_sender(self.client.start_weight_update) if self.is_sender else None
         self._raise_shared(started, "starting the vLLM weight update")
         queued = (self._on_sender(self.client.update_weights,
@@ -640,7 +647,8 @@ class TorchrefitTrainerWeightTransferEngine(
         try:
             agree_status(self._conn, error, f"vLLM weight update {self._updates} (staging)",
                          applied=False)
-        except RefitError:
+        except RefitError as e:
+            self._stage_failed = e
             if self.is_sender:  # close the engine's update, version unchanged
                 self._on_sender(self.client.finish_weight_update, None)
             raise
@@ -649,7 +657,12 @@ class TorchrefitTrainerWeightTransferEngine(
         """After :meth:`stage_weights`, every trainer rank: rank 0 calls the engine's
         ``finish_weight_update``, which installs the staged update (the engine's only
         stall: pause and resume it around this call, if it must not generate meanwhile)
-        and then reports ``weight_version``."""
+        and then reports ``weight_version``. Refused after a :meth:`stage_weights` that
+        failed: the engine installed nothing, and must not report ``weight_version``."""
+        if self._stage_failed is not None:
+            raise RefitError(f"commit_weights({weight_version!r}): nothing staged to commit, the "
+                             f"last stage_weights() failed ({self._stage_failed}); the engine "
+                             "keeps its version", rule="nothing staged")
         finished = (self._on_sender(self.client.finish_weight_update, weight_version)
                     if self.is_sender else None)
         self._raise_shared(finished, "committing the staged vLLM weight update")
