@@ -65,6 +65,10 @@ _log = logging.getLogger(__name__)
 #: staging memory a rank may use for packed messages (both pools, sends and receives)
 DEFAULT_STAGING_BYTES = 1 << 30
 _MIN_MESSAGE = 4096
+# The longest a rank waits, after a stage lost a peer, for the other live ranks to say
+# they are alive: a dead rank never says so, so the error waits this long whatever the
+# refit's timeout (a live rank still blocked past it is then named with the dead ones).
+_NAMING_WINDOW = 30.0
 
 
 @dataclass(frozen=True)
@@ -568,11 +572,13 @@ class Refitter:
                "a rank died, stopped or left the stage")
         if self._conn is not None:
             me = str(self._conn)
-            gone = self._conn.absent(f"stage {version}", 2 * (self.timeout or self._conn.timeout))
+            window = min(2 * (self.timeout or self._conn.timeout), _NAMING_WINDOW)
+            gone = self._conn.absent(f"stage {version}", window)
             if gone is None:
                 gone = [("trainer", 0)]  # it hosts the link's store
             if gone:
-                who = f"{', '.join(f'{role} rank {r}' for role, r in gone)} died or stopped"
+                who = (f"{', '.join(f'{role} rank {r}' for role, r in gone)} died or stopped "
+                       f"(not heard from within {window:g} s of the failure)")
                 ranks = tuple(r if role == "trainer" else self._conn.trainers + r for role, r in gone)
         e = TransportError(
             f"stage of version {version} failed on {me}: {who}. Nothing live was written: the "
