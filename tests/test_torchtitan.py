@@ -41,6 +41,16 @@ In one spawned world of 2 gloo ranks (one process pair for every case):
 * a trainer whose modules are named another way: every rank raises the same
   ``PlanError`` naming the names the map expected and those the trainer holds, the
   destination untouched; the name added to ``HF_FROM_TORCHTITAN``, the refit is exact.
+* pipeline-parallel trainers split by torchtitan's own ``pipeline_llm`` (stage modules
+  keep the whole model's names; other stages' modules removed or None), Llama 3 and
+  Qwen 3 MoE with PP2, one stage per rank (``1F1B``) and two (``Interleaved1F1B``, the
+  rank's parts passed as a list), into whole ``transformers`` models on each rank,
+  every tensor equal to the oracle; each rank refitting its stage alone raises a
+  ``PlanError`` naming the absent layers and modules as a missing stage, the
+  destination untouched.
+
+In a world of 4 gloo ranks of its own: PP2 x FSDP2 (each stage ``fully_shard``-ed by
+torchtitan's ``parallelize_*`` over its 2 ``dp_shard`` ranks), every tensor exact.
 
 In the test process: maps built from torchtitan's config objects equal those built
 from the ``transformers`` configs, and ``Compose`` over parts of intermediate
