@@ -41,6 +41,16 @@ In one spawned world of 2 gloo ranks (one process pair for every case):
 * a trainer whose modules are named another way: every rank raises the same
   ``PlanError`` naming the names the map expected and those the trainer holds, the
   destination untouched; the name added to ``HF_FROM_TORCHTITAN``, the refit is exact.
+* pipeline-parallel trainers split by torchtitan's own ``pipeline_llm`` (stage modules
+  keep the whole model's names; other stages' modules removed or None), Llama 3 and
+  Qwen 3 MoE with PP2, one stage per rank (``1F1B``) and two (``Interleaved1F1B``, the
+  rank's parts passed as a list), into whole ``transformers`` models on each rank,
+  every tensor equal to the oracle; each rank refitting its stage alone raises a
+  ``PlanError`` naming the absent layers and modules as a missing stage, the
+  destination untouched.
+
+In a world of 4 gloo ranks of its own: PP2 x FSDP2 (each stage ``fully_shard``-ed by
+torchtitan's ``parallelize_*`` over its 2 ``dp_shard`` ranks), every tensor exact.
 
 In the test process: maps built from torchtitan's config objects equal those built
 from the ``transformers`` configs, and ``Compose`` over parts of intermediate
@@ -346,6 +356,98 @@ def _titan_parallel(case: Case, config, tp: int, ep: int):
     return model, want, placements
 
 
+PP_CASES = [0, 3]  # Llama 3 (fused wqkv) and Qwen 3 MoE
+# torchtitan's schedules: one stage per rank, and two (the rank's model parts as a list)
+PP_SCHEDULES = {"1F1B": 1, "Interleaved1F1B": 2}
+
+
+def _titan_pp(case: Case, schedule: str, dp_shard: int = 1):
+    """The trainer as torchtitan's trainer builds it with pipeline parallelism: on the
+    meta device, split by torchtitan's own ``pipeline_llm`` (its stage FQNs, its
+    ``parallelize_*`` applied to each part: FSDP2 over ``dp_shard`` ranks of a stage,
+    the ``partial_dtensor`` backend as above), ``to_empty``, then filled with the
+    whole trainer's tensors. Returns this rank's model parts (the schedule is built
+    but never run)."""
+    import tempfile
+
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+
+    whole = titan_model(case, titan_config(case))
+    parallel_dims_module.device_type = "cpu"
+    backend, pp = "partial_dtensor", 2
+    dims = ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=1, pp=pp, ep=1,
+                        world_size=pp * dp_shard, spmd_backend=backend)
+    dims.build_mesh()
+    config = _sharded_config(case, ep=1)
+    parallelize = {"llama3": tt_llama.parallelize_llama,
+                   "qwen3_moe": tt_qwen.parallelize_qwen3}[case.family]
+    with torch.device("meta"):
+        model = config.build()
+    compile_config = CompileConfig()
+    _, parts, _, _ = pipeline_llm(
+        model, parallel_dims=dims, training=TrainingConfig(),
+        parallelism=ParallelismConfig(pipeline_parallel_degree=pp, spmd_backend=backend,
+                                      pipeline_parallel_schedule=schedule),
+        compile_config=compile_config, ac_config=None, dump_folder=tempfile.gettempdir(),
+        device=torch.device("cpu"), model_config=config, parallelize_fn=parallelize,
+        loss_fn=CrossEntropyLoss.Config().build(compile_config=compile_config))
+    full = dict([*whole.named_parameters(), *whole.named_buffers()])
+    with torch.no_grad():
+        for part in parts:
+            part.to_empty(device="cpu")
+            part.init_weights(buffer_device=None)
+            for name, t in [*part.named_parameters(), *part.named_buffers()]:
+                value = full[name]
+                if isinstance(t, DTensor):
+                    value = distribute_tensor(value, t.device_mesh, t.placements)
+                t.copy_(value)
+    return parts
+
+
+def _stage_of(parts) -> list[str]:
+    """The modules this rank's stages hold: top-level ones and layers."""
+    return sorted({n.split(".")[0] if not n.startswith("layers.") else ".".join(n.split(".")[:2])
+                   for part in parts for n, _ in part.named_parameters()})
+
+
+def _run_pp(case: Case, schedule: str, dp_shard: int = 1) -> dict:
+    """A pipeline-parallel trainer (each rank its stages) into a whole ``transformers``
+    model on every rank."""
+    parts = _titan_pp(case, schedule, dp_shard)
+    config = titan_config(case)
+    want = oracle(case, config, titan_model(case, config))
+    dst = hf_model(case, DST_SEED)
+    r = tr.Refitter(parts if len(parts) > 1 else parts[0], dst,
+                    name_map=tr.maps.torchtitan_to_hf(config))
+    r.refit()
+    r.verify()
+    sharded = [n for part in parts for n, t in part.named_parameters()
+               if "Shard(dim=0)" in str(getattr(t, "placements", ""))
+               and t.device_mesh.size() == dp_shard]
+    return {"wrong": _differing(dst, want), "parts": len(parts), "stage": _stage_of(parts),
+            "remote": r.plan.bytes_sent + r.plan.bytes_received, "fsdp_sharded": len(sharded)}
+
+
+def _run_pp_one_stage(case: Case, group) -> dict:
+    """Each rank refits only its own stage (a group of one rank): the other stage's
+    modules are on no source rank."""
+    parts = _titan_pp(case, "1F1B")
+    dst = hf_model(case, DST_SEED)
+    before = {n: t.clone() for n, t in dst.state_dict().items()}
+    try:
+        tr.Refitter(parts[0], dst, group=group,
+                    name_map=tr.maps.torchtitan_to_hf(titan_config(case)))
+    except tr.PlanError as e:
+        return {"raised": str(e), "detail": e.detail, "rule": e.rule,
+                "unchanged": all(torch.equal(t, before[n]) for n, t in dst.state_dict().items())}
+    return {"raised": None}
+
+
 def _spmd_dims(tp: int, ep: int):
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     import torchtitan.distributed.utils as dist_utils
@@ -533,6 +635,9 @@ def _world(rank: int, world: int) -> dict[str, dict]:
     runs += [(f"spmd/{CASES[i].id}", lambda i=i, p=p, w=WANT_SHARDED[kind]: _run_spmd(CASES[i], *p, w))
              for kind, i, p in PARALLEL[:2]]
     runs += [("spmd-lost", lambda: _run_spmd_lost(CASES[3], 2))]
+    runs += [(f"pp2-{sched}/{CASES[i].id}", lambda i=i, s=sched: _run_pp(CASES[i], s))
+             for i in PP_CASES for sched in PP_SCHEDULES]
+    runs += [("pp2-one-stage", lambda: _run_pp_one_stage(CASES[0], own[rank]))]
     for key, run in runs:
         try:
             out[key] = run()
@@ -547,6 +652,26 @@ def _world(rank: int, world: int) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, dict]]:
     return run_world(_world, WORLD, timeout=600, pg_timeout=300)
+
+
+def _pp_fsdp_world(rank: int, world: int) -> dict[str, dict]:
+    torch.set_num_threads(1)
+    out: dict[str, dict] = {}
+    for i in PP_CASES:
+        try:
+            out[f"pp2-fsdp2/{CASES[i].id}"] = _run_pp(CASES[i], "1F1B", dp_shard=world // 2)
+        except Exception as e:  # recorded per case; the next case still runs on every rank
+            import traceback
+            out[f"pp2-fsdp2/{CASES[i].id}"] = {"error": f"{type(e).__name__}: {e}\n"
+                                                        f"{traceback.format_exc()}"}
+        dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def pp_fsdp_results() -> list[dict[str, dict]]:
+    """A world of its own: PP2 x FSDP2 needs 4 ranks."""
+    return run_world(_pp_fsdp_world, 2 * WORLD, timeout=600, pg_timeout=300)
 
 
 def _one(results, key: str) -> list[tuple[int, dict]]:
@@ -631,6 +756,53 @@ def test_spmd_types_shards_without_annotations_are_refused_on_every_rank(results
     assert first.startswith("LayoutError: ") and "rank 1: " in first, first
     assert "carries no spmd_types annotation" in first, first
     assert 'spmd_backend="partial_dtensor"' in first, first
+
+
+@pytest.mark.parametrize("schedule", PP_SCHEDULES)
+@pytest.mark.parametrize("i", PP_CASES, ids=[CASES[i].id for i in PP_CASES])
+def test_pipeline_parallel_trainer_refits_exactly(i: int, schedule: str, results) -> None:
+    """torchtitan's own split: the first stage holds tok_embeddings, the last norm and
+    lm_head, each its layers under their whole-model names."""
+    stages = {("1F1B", 0): ["layers.0", "tok_embeddings"],
+              ("1F1B", 1): ["layers.1", "lm_head", "norm"],
+              ("Interleaved1F1B", 0): ["layers.1", "tok_embeddings"],
+              ("Interleaved1F1B", 1): ["layers.0", "lm_head", "norm"]}
+    for rank, got in _one(results, f"pp2-{schedule}/{CASES[i].id}"):
+        assert got["parts"] == PP_SCHEDULES[schedule], got["parts"]
+        assert got["stage"] == stages[schedule, rank], f"rank {rank} holds {got['stage']}"
+        assert got["wrong"] == [], f"rank {rank}: differ from to_hf: {got['wrong']}"
+        assert got["remote"] > 0, "the refit moved nothing between ranks"
+
+
+@pytest.mark.parametrize("i", PP_CASES, ids=[CASES[i].id for i in PP_CASES])
+def test_pipeline_parallel_fsdp2_trainer_refits_exactly(i: int, pp_fsdp_results) -> None:
+    """PP2 x FSDP2 on 4 ranks: each stage fully_shard-ed over its 2 dp_shard ranks."""
+    for rank, got in _one(pp_fsdp_results, f"pp2-fsdp2/{CASES[i].id}"):
+        assert got["stage"][0] == ("layers.0" if rank < 2 else "layers.1"), got["stage"]
+        assert got["fsdp_sharded"] > 0, f"rank {rank}: no parameter sharded over dp_shard"
+        assert got["wrong"] == [], f"rank {rank}: differ from to_hf: {got['wrong']}"
+        assert got["remote"] > 0, "the refit moved nothing between ranks"
+
+
+def test_a_stage_refit_without_the_other_stage_names_what_is_absent(results) -> None:
+    """Each rank refits its own stage alone: the other stage's tensors are on no source
+    rank, which the error says (not a renamed trainer), the destination untouched."""
+    got = dict(_one(results, "pp2-one-stage"))
+    for rank, g in got.items():
+        assert g["raised"] is not None, f"rank {rank}: half a pipeline refit without error"
+        assert g["unchanged"], f"rank {rank}: the destination changed"
+        assert "A pipeline-parallel trainer refits with a rank of every stage" in g["raised"], g
+    # rank 0 (tok_embeddings, layers.0) lacks lm_head and norm, and layer 1
+    assert got[0]["raised"].startswith("lm_head.weight: ") and got[0]["rule"] == "naming"
+    assert "no 'lm_head' module (their modules: layers, tok_embeddings)" in got[0]["raised"]
+    assert ("model.layers.1.self_attn.q_proj.weight: torchtitan_to_hf reads it from "
+            "'layers.1.attention.qkv_linear.wq.weight' or "
+            "'layers.1.attention.qkv_linear.wqkv.weight' or 'layers.1.attention.wq.weight', "
+            "which no source rank holds; the source ranks hold it for layers 0 only"
+            ) in got[0]["detail"], got[0]["detail"]
+    # rank 1 (layers.1, norm, lm_head) lacks the embedding and layer 0
+    assert got[1]["raised"].startswith("model.embed_tokens.weight: "), got[1]["raised"]
+    assert "hold it for layers 1 only" in got[1]["detail"], got[1]["detail"]
 
 
 # --------------------------------------------------------- in the test process

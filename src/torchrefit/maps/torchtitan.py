@@ -276,16 +276,57 @@ def _one_expert(dst_name: str, dst_shape: tuple[int, ...], src: str, expert: int
 def _naming_error(dst_name: str, templates: tuple[str, ...], indices: tuple[str, ...],
                   src_names: Container[str], held: list[str | None]) -> PlanError:
     """The trainer holds none (or not all) of the names the table reads for
-    ``dst_name``: say which were expected and what the trainer holds nearby."""
+    ``dst_name``: say which were expected and what the trainer holds nearby. Where it
+    holds the same names for other layers, the layer is absent, not renamed: a
+    pipeline stage holds only its own modules (torchtitan's split keeps their names)."""
     expected = [t.format(*indices) for t, h in zip(templates, held) if h is None]
+    reads = f"{dst_name}: torchtitan_to_hf reads it from {' or '.join(map(repr, expected))}"
+    missing = tuple(t for t, h in zip(templates, held) if h is None)
+    others = _layers_holding(missing, indices, src_names)
+    if others:
+        return PlanError(
+            f"{reads}, which no source rank holds; the source ranks hold it for layers "
+            f"{', '.join(others)} only, under the names the map reads: layer {indices[0]} is on "
+            f"no source rank. {_STAGES}", tensor=dst_name, rule="pipeline")
     nearby = _held_near(expected[0], src_names)
     holds = (f"; the trainer holds {', '.join(nearby)}" if nearby else
              "; the trainer holds none of the names near it")
+    top = expected[0].split(".")[0]
+    tops = _top_modules(src_names)
+    if not indices and "layers" in tops and top not in tops:  # a stage without it?
+        return PlanError(
+            f"{reads}, which no source rank holds{holds}. The source ranks hold no {top!r} "
+            f"module (their modules: {', '.join(tops)}): a pipeline stage without it, or a "
+            f"trainer that names it another way. {_STAGES}; otherwise add the trainer's names "
+            "to tr.maps.HF_FROM_TORCHTITAN (or pass a map built for them)",
+            tensor=dst_name, rule="naming")
     return PlanError(
-        f"{dst_name}: torchtitan_to_hf reads it from {' or '.join(map(repr, expected))}, "
-        f"which no source rank holds{holds}. The trainer names its tensors another way: "
-        "add its names to tr.maps.HF_FROM_TORCHTITAN (or pass a map built for them)",
+        f"{reads}, which no source rank holds{holds}. The trainer names its tensors another "
+        "way: add its names to tr.maps.HF_FROM_TORCHTITAN (or pass a map built for them)",
         tensor=dst_name, rule="naming")
+
+
+_STAGES = ("A pipeline-parallel trainer refits with a rank of every stage in the "
+           "Refitter's group, each passing its stage modules (a list where it holds several)")
+
+
+def _layers_holding(templates: tuple[str, ...], indices: tuple[str, ...],
+                    src_names: Container[str]) -> list[str]:
+    """Other layer indices for which the source holds one of ``templates``, in order."""
+    if not indices or not isinstance(src_names, Mapping):
+        return []
+    pattern = re.compile("|".join(
+        re.escape(t).replace(re.escape("{}"), r"(\d+)", 1).replace(re.escape("{}"), "(?:\\d+)")
+        for t in templates))
+    found = {next((g for g in m.groups() if g is not None), None)
+             for n in src_names if (m := pattern.fullmatch(n))}
+    return sorted(found - {indices[0], None}, key=int)
+
+
+def _top_modules(src_names: Container[str]) -> list[str]:
+    if not isinstance(src_names, Mapping):
+        return []
+    return sorted({n.split(".")[0] for n in src_names})
 
 
 def _held_near(name: str, src_names: Container[str], most: int = 8) -> list[str]:
