@@ -16,14 +16,25 @@ makes a CUDA stream when built), and megatron-core 0.16.1 without Transformer En
 never defines the ``te_general_gemm`` its router gating reads, so
 :func:`build_gpt` sets it to None, the value meant for that case.
 
-Every parameter is then refilled from a generator seeded by its name (and, for a
-tensor-parallel shard, its TP rank), so norms and biases are not ones and zeros and
+Every parameter is then refilled from a generator seeded by its global name (and, for
+a tensor-parallel shard, its TP rank), so norms and biases are not ones and zeros and
 a tensor put in the wrong place changes the logits. Replicated tensors get the same
-values on every TP rank, as megatron-core requires.
+values on every TP rank, as megatron-core requires. The global name is worked out
+here from the config alone, not from megatron-core's modules nor torchrefit: a pipeline
+stage holds ``layers // pp`` layers, stage ``r`` from global layer ``r * layers // pp``
+on (megatron-core's even split), and an expert-parallel rank ``e`` holds experts
+``e * experts // ep`` on. So a stage's ``decoder.layers.0`` gets the values of the global
+layer it is, and a one-stage model of the same seed holds the same weights.
+
+:func:`megatron_pp_logits` is megatron-core's own forward across pipeline stages:
+each stage runs ``GPTModel.forward`` on the hidden states the stage before it sent
+(``set_input_tensor``, as megatron's schedules do), and the last stage's logits are
+broadcast to the whole pipeline.
 """
 
 from __future__ import annotations
 
+import re
 import zlib
 from dataclasses import dataclass
 from unittest import mock
@@ -31,7 +42,10 @@ from unittest import mock
 import torch
 from torch import nn
 
-__all__ = ["GptShape", "QWEN2", "LLAMA", "MIXTRAL", "build_gpt", "megatron_logits", "hf_model", "hf_logits"]
+__all__ = [
+    "GptShape", "QWEN2", "LLAMA", "MIXTRAL", "build_gpt", "megatron_logits", "megatron_pp_logits",
+    "hf_model", "hf_logits", "stage_layer_offset",
+]
 
 
 @dataclass(frozen=True)
@@ -61,10 +75,18 @@ LLAMA = GptShape("llama", groups=1)
 MIXTRAL = GptShape("mixtral", experts=4)
 
 
-def build_gpt(shape: GptShape, tp: int, seed: int) -> nn.Module:
-    """A megatron-core ``GPTModel`` of ``shape`` at tensor parallel ``tp`` on this rank.
+def stage_layer_offset(shape: GptShape, pp: int, pp_rank: int) -> int:
+    """The global index of pipeline stage ``pp_rank``'s first layer (an even split)."""
+    assert shape.layers % pp == 0, f"{shape.layers} layers do not split over {pp} stages"
+    return pp_rank * (shape.layers // pp)
 
-    ``torch.distributed`` must be initialized (gloo) over ``tp`` ranks.
+
+def build_gpt(shape: GptShape, tp: int, seed: int, pp: int = 1, ep: int = 1) -> nn.Module:
+    """This rank's megatron-core ``GPTModel`` of ``shape``: its pipeline stage (of ``pp``),
+    tensor-parallel shard (of ``tp``) and experts (of ``ep`` expert-parallel ranks).
+
+    ``torch.distributed`` must be initialized (gloo) over ``tp * pp * data-parallel`` ranks;
+    megatron-core's parallel state is (re)made for these sizes.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -72,8 +94,10 @@ def build_gpt(shape: GptShape, tp: int, seed: int) -> nn.Module:
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     moe = {}
     if shape.experts:
@@ -90,6 +114,8 @@ def build_gpt(shape: GptShape, tp: int, seed: int) -> nn.Module:
         gated_linear_unit=True, activation_func=nn.functional.silu, normalization="RMSNorm",
         layernorm_epsilon=shape.eps, add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
         params_dtype=torch.float32, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+        expert_model_parallel_size=ep,
         hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, gradient_accumulation_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
@@ -100,16 +126,31 @@ def build_gpt(shape: GptShape, tp: int, seed: int) -> nn.Module:
             num_experts=shape.experts or None, normalization="RMSNorm"),
         vocab_size=shape.vocab, max_sequence_length=64, position_embedding_type="rope",
         rotary_base=int(shape.rope_base), share_embeddings_and_output_weights=False,
-        parallel_output=False,
+        parallel_output=False, pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
     )
-    _refill(model, seed, ps.get_tensor_model_parallel_rank())
+    layer_offset = stage_layer_offset(shape, pp, ps.get_pipeline_model_parallel_rank())
+    expert_offset = ps.get_expert_model_parallel_rank() * (shape.experts // ep)
+    _refill(model, seed, ps.get_tensor_model_parallel_rank(), layer_offset, expert_offset)
     return model.eval()
 
 
-def _refill(model: nn.Module, seed: int, tp_rank: int) -> None:
-    """Every parameter from a generator seeded by its name (and its TP rank where sharded)."""
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def _global_name(name: str, layer_offset: int, expert_offset: int) -> str:
+    name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name)
+    return _EXPERT.sub(lambda m: f".local_experts.{int(m.group(1)) + expert_offset}.", name)
+
+
+def _refill(model: nn.Module, seed: int, tp_rank: int, layer_offset: int,
+            expert_offset: int) -> None:
+    """Every parameter from a generator seeded by its global name (and its TP rank where
+    sharded)."""
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for local_name, p in model.named_parameters():
+            name = _global_name(local_name, layer_offset, expert_offset)
             sharded = getattr(p, "tensor_model_parallel", False)
             g = torch.Generator().manual_seed(
                 seed * 1_000_003 + zlib.crc32(name.encode()) + (7919 * tp_rank if sharded else 0))
@@ -124,6 +165,25 @@ def megatron_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
     with torch.no_grad(), mock.patch("torch.cuda.current_device", return_value="cpu"):
         return model(tokens, positions, attention_mask=causal)
+
+
+def megatron_pp_logits(model: nn.Module, tokens: torch.Tensor, hidden: int) -> torch.Tensor:
+    """megatron-core's forward through every pipeline stage (``hidden`` wide), stage by
+    stage over point-to-point sends; the last stage's logits on every stage."""
+    from megatron.core import parallel_state as ps
+
+    dist = torch.distributed
+    if not ps.is_pipeline_first_stage():
+        h = torch.empty(tokens.shape[1], tokens.shape[0], hidden)  # [seq, batch, hidden]
+        dist.recv(h, src=ps.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(h)
+    out = megatron_logits(model, tokens)
+    if not ps.is_pipeline_last_stage():
+        dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        out = torch.empty(*tokens.shape, model.vocab_size)
+    dist.broadcast(out, src=ps.get_pipeline_model_parallel_last_rank(),
+                   group=ps.get_pipeline_model_parallel_group())
+    return out
 
 
 def hf_model(shape: GptShape, seed: int) -> nn.Module:
