@@ -68,6 +68,16 @@ def _one_rank_layout(rank):
     return build_toy(DENSE, Mesh(2, ranks=4), rank, 1), dst, {"dst_layout": "megatron"}
 
 
+def _unnumbered_stage(rank):
+    # a pipeline stage whose layers lost megatron's global layer_number: its
+    # decoder.layers.0 would name the first stage's layer 0 too
+    src = build_toy(DENSE, Mesh(1, pp=2, ranks=4), rank, 1)
+    if rank == 3:
+        for layer in src.decoder.layers.children():
+            del layer.layer_number
+    return src, build_toy(DENSE, Mesh(1, ranks=4), rank, 2), {}
+
+
 def _offset(rank):
     return build_toy(DENSE, Mesh(2, ranks=2), rank, 1), \
         build_toy(DENSE, Mesh(1, ranks=2, offset=2), rank, 2), {"src_rank_offset": 2}
@@ -107,6 +117,8 @@ CASES = {
     "duplicate-names": (_duplicate, tr.LayoutError, "duplicate name"),
     "ranks-disagree": (_disagree, tr.PlanError, "destination ranks disagree about the model's structure"),
     "layout-fails-on-one-rank": (_one_rank_layout, tr.LayoutError, "rank 2"),
+    "unnumbered-stage-layers": (_unnumbered_stage, tr.LayoutError,
+                                "decoder.layers.0: a layer of pipeline stage 1 of 2 without"),
     "bad-offset": (_offset, tr.PlanError, "below its rank offset 2"),
     "nccl-on-cpu": (_nccl_on_cpu, tr.TransportError, "needs CUDA tensors"),
     "ipc-on-cpu": (_ipc_on_cpu, tr.TransportError, "transport 'ipc' needs CUDA tensors"),

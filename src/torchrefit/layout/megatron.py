@@ -5,7 +5,8 @@ and ``partition_sizes``; ``allreduce=False`` marks expert parameters, whose loca
 expert index (``local_experts.K.`` or a ``weightK``/``biasK`` name) becomes a global
 one through the expert-parallel rank, and whose tensor-parallel group is the
 expert-TP group. Per module: ``layer_number`` (1-based, global) turns a pipeline
-stage's local layer index into the global one. Process groups come from the
+stage's local layer index into the global one; under pipeline parallelism a
+``layers.K`` module without one is refused. Process groups come from the
 module's ``pg_collection`` (``tp``, ``pp``, ``ep``, ``dp``, ``expt_tp``); only each
 group's ``rank()`` and ``size()`` are read. A model that ties its output layer to
 its word embedding (``share_embeddings_and_output_weights``) serves
@@ -73,7 +74,8 @@ def _describe_chunk(core: nn.Module, pg) -> Iterable[tuple[str, TensorLayout, to
     ep = _rank_size(getattr(pg, "ep", None), "ep")
     etp_group = getattr(pg, "expt_tp", None)
     etp = _rank_size(etp_group, "expt_tp") if etp_group is not None else tp
-    layer_map = _layer_prefix_map(core)
+    pp = _rank_size(getattr(pg, "pp", None), "pp")
+    layer_map = _layer_prefix_map(core, pp)
     named = list(named_refit_tensors(core))
     # without expert parallelism expert names are global already: nothing to count
     n_local = _local_expert_count(core, named, ep[1]) if ep[1] > 1 else 0
@@ -99,8 +101,11 @@ def _describe_chunk(core: nn.Module, pg) -> Iterable[tuple[str, TensorLayout, to
         yield name, TensorLayout(gname, gshape, dtype_name(t.dtype), shape, pieces, is_buffer), t
 
 
-def _layer_prefix_map(core: nn.Module) -> dict[str, str]:
-    """``decoder.layers.0`` -> ``decoder.layers.16`` for a module with ``layer_number`` 17."""
+def _layer_prefix_map(core: nn.Module, pp: tuple[int, int]) -> dict[str, str]:
+    """``decoder.layers.0`` -> ``decoder.layers.16`` for a module with ``layer_number`` 17.
+
+    On a pipeline stage (``pp`` size over 1) a ``layers.K`` module without an integer
+    ``layer_number`` is refused: its local index names some other stage's layer too."""
     out = {}
     for mod_name, mod in named_modules(core):
         # the name first (most end in no index), then the instance's own attributes
@@ -113,6 +118,13 @@ def _layer_prefix_map(core: nn.Module) -> dict[str, str]:
         number = vars(mod).get("layer_number")
         if number is None and hasattr(type(mod), "layer_number"):
             number = getattr(mod, "layer_number", None)
+        if not isinstance(number, int) and pp[1] > 1 and head.rpartition(".")[2] == "layers":
+            raise LayoutError(
+                f"{mod_name}: a layer of pipeline stage {pp[0]} of {pp[1]} without an integer "
+                f"layer_number (Megatron-core's 1-based global index; got {number!r}), so its "
+                "tensors cannot be given global layer names; set layer_number or pass "
+                "src_layout/dst_layout explicitly"
+            )
         if isinstance(number, int) and int(last) != number - 1:
             # only layers whose local index is not their global one: none without
             # pipeline stages, and then no tensor's name is looked up at all
