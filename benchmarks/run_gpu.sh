@@ -82,16 +82,14 @@ watch() {
 stage() {
   folder stage
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_stage_order.py 2>&1 | tail -3
-  for m in gpt-4b llama-8b; do
-    for t in ipc gloo; do
-      python3 -m torchrefit bench --stage --model $m --nproc 2 --mode non-collocated --transport $t \
-        --warmup 2 --iters 8 --label stage_${m}_$t --json "$R/stage_${m}_$t.json"
-    done
-  done
-  for t in ipc gloo; do
-    python3 benchmarks/stage_commit.py --transport $t --hidden 4096 --layers 8 --vocab 32000 \
-      --stages 6 --json "$R/stage_commit_$t.json"
-  done
+  local b=(python3 -m torchrefit bench --stage --nproc 2 --mode non-collocated --warmup 1 --iters 5)
+  "${b[@]}" --model gpt-4b --transport ipc --label stage_gpt-4b_ipc --json "$R/stage_gpt-4b_ipc.json"
+  "${b[@]}" --model gpt-4b --transport gloo --label stage_gpt-4b_gloo --json "$R/stage_gpt-4b_gloo.json"
+  local e=(python3 benchmarks/stage_commit.py --hidden 4096 --layers 8 --vocab 32000 --stages 6)
+  "${e[@]}" --transport gloo --json "$R/stage_commit_gloo.json"
+  "${e[@]}" --transport ipc --json "$R/stage_commit_ipc.json"
+  "${b[@]}" --model llama-8b --transport ipc --label stage_llama-8b_ipc --json "$R/stage_llama-8b_ipc.json"
+  "${b[@]}" --model llama-8b --transport gloo --label stage_llama-8b_gloo --json "$R/stage_llama-8b_gloo.json"
 }
 
 case ${1:-all} in
