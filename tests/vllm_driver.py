@@ -27,11 +27,14 @@ import traceback
 SCENARIOS = {
     "dense": dict(model="dense", trainers=1, tp=1, plain=False),
     "tied-fsdp": dict(model="tied", trainers=2, tp=1, plain=False),
-    "moe": dict(model="moe", trainers=1, tp=1, plain=False),
+    "moe": dict(model="moe", trainers=1, tp=1, plain=False, titan="qwen3_moe"),
     "moe-fsdp": dict(model="moe", trainers=2, tp=1, plain=False),
     "plain": dict(model="dense", trainers=1, tp=1, plain=True),
-    "tp2": dict(model="dense", trainers=2, tp=2, plain=False),
+    "tp2": dict(model="llama", trainers=2, tp=2, plain=False, titan="llama3"),
 }
+# after the Hugging Face trainer's updates, a torchtitan trainer of the same model feeds the
+# same engine (its init replaces the earlier trainer's link): model kind -> torchtitan family
+TITAN = {"llama": "llama3", "moe": "qwen3_moe"}
 PROMPTS = [[3, 17, 42, 99, 7, 12], [200, 5, 61, 8]]
 MAX_TOKENS = 6
 TOP = 5
@@ -46,6 +49,10 @@ def config(kind: str) -> dict:
         return dict(base, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
                     moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
                     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    if kind == "llama":  # torchtitan's Llama 3 (titan_config builds it from this config)
+        return dict(base, architectures=["LlamaForCausalLM"], model_type="llama",
+                    rms_norm_eps=1e-5, rope_theta=500000.0, attention_bias=False,
+                    mlp_bias=False)
     return dict(base, architectures=["Qwen2ForCausalLM"], model_type="qwen2")
 
 
@@ -98,11 +105,11 @@ def trainer(rank: int, world: int, scenario: str, port: int, dist_port: int, con
     client = _Client(llm) if llm is not None else _Unused()
     ports = iter(range(port, port + 100, 2))
 
-    def init(**kw):  # buckets of 256 KiB: load_weights sees many, as with a large model
+    def init(source=model, **kw):  # buckets of 256 KiB: load_weights sees many, as with a large model
         info = TorchrefitTrainerInitInfo("127.0.0.1", next(ports), timeout=60.0,
                                          bucket_bytes=1 << 18, **kw)
         return WeightTransferTrainerFactory.trainer_init(info, client=client,
-                                                         source=ModuleSource(model))
+                                                         source=ModuleSource(source))
 
     def expect_error(name, fn):
         t0 = time.monotonic()
@@ -183,8 +190,149 @@ def trainer(rank: int, world: int, scenario: str, port: int, dist_port: int, con
     sender.shutdown()
     if sc["model"] == "dense" and sc["tp"] == 1:  # the same engine, staged updates
         _serve_while_staging(out, init(serve_while_staging=True), model, llm, rank)
+    if "titan" in sc:
+        _torchtitan_trainer(out, sc, cfg, llm, rank, world, init, expect_error)
+    # A Megatron-core trainer (tr.maps.megatron_to_vllm) feeds the engine here, as the
+    # torchtitan one above does, where megatron-core builds its GPTModel on CPU.
     dist.destroy_process_group()
     return out
+
+
+# ------------------------------------------------------------ a torchtitan trainer
+def titan_config(family: str, cfg: dict):
+    """torchtitan's model config of the engine's model, built with torchtitan's own
+    builders from the engine's Hugging Face config ``cfg`` (so every shape agrees)."""
+    from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
+
+    dim, vocab, hd = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]
+    common = dict(n_layers=cfg["num_hidden_layers"], dim=dim,
+                  n_heads=cfg["num_attention_heads"], n_kv_heads=cfg["num_key_value_heads"],
+                  fuse_qkv=True, attn_backend="flex")
+    if family == "llama3":
+        from torchtitan.models import llama3 as tt
+
+        assert dim // cfg["num_attention_heads"] == hd  # torchtitan's Llama: dim / heads
+        rope = ComplexRoPE.Config(dim=hd, max_seq_len=cfg["max_position_embeddings"],
+                                  theta=cfg["rope_theta"])
+        return tt.Llama3Model.Config(
+            dim=dim, vocab_size=vocab,
+            tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
+                                            param_init=tt._EMBEDDING_INIT),
+            norm=RMSNorm.Config(normalized_shape=dim, eps=cfg["rms_norm_eps"],
+                                param_init=tt._NORM_INIT),
+            lm_head=Linear.Config(in_features=dim, out_features=vocab,
+                                  param_init=tt._output_linear_init(dim)),
+            layers=tt._build_llama3_layers(hidden_dim=cfg["intermediate_size"], rope=rope,
+                                           **common))
+    from torchtitan.models import qwen3 as tt
+
+    rope = CosSinRoPE.Config(dim=hd, max_seq_len=cfg["max_position_embeddings"],
+                             theta=cfg["rope_theta"])
+    layers = tt._build_qwen3_moe_layers(
+        head_dim=hd, rope=rope, moe_hidden_dim=cfg["moe_intermediate_size"],
+        num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
+        moe_comm_backend="standard", **common)
+    return tt.Qwen3Model.Config(
+        vocab_size=vocab, dim=dim, norm=tt._qwen3_norm(dim),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
+                                        param_init=tt._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=tt._LINEAR_INIT),
+        layers=layers)
+
+
+def titan_model(tcfg, seed: int):
+    """A whole torchtitan model (float32, experts too), every weight drawn as
+    :func:`hf_model` draws them."""
+    import torch
+
+    with torch.device("meta"):
+        model = tcfg.build()
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.8, 1.2)
+    return model
+
+
+def titan_to_hf(family: str, tcfg, mirror, weights: dict) -> dict:
+    """The oracle's weights: torchtitan's own converter (``state_dict_adapter.to_hf``) of
+    ``weights`` (torchtitan names, whole), per-expert tensors stacked as transformers 5
+    holds them."""
+    import re
+
+    import torch
+    from torchtitan.models import llama3, qwen3
+
+    with torch.no_grad():
+        for name, p in mirror.named_parameters():
+            p.copy_(weights[name])
+    adapter = (llama3.Llama3StateDictAdapter if family == "llama3"
+               else qwen3.Qwen3StateDictAdapter)(tcfg, None)
+    hf = {n: t.detach().clone() for n, t in adapter.to_hf(mirror.state_dict()).items()}
+    out = {n: t for n, t in hf.items() if not re.search(r"\.experts\.\d+\.", n)}
+    for prefix in {m[1] for n in hf if (m := re.match(r"(.*\.experts\.)\d+\.", n))}:
+        count = 1 + max(int(re.match(re.escape(prefix) + r"(\d+)\.", n)[1])
+                        for n in hf if n.startswith(prefix))
+        out[prefix + "gate_up_proj"] = torch.stack([torch.cat(
+            [hf[f"{prefix}{e}.gate_proj.weight"], hf[f"{prefix}{e}.up_proj.weight"]])
+            for e in range(count)])
+        out[prefix + "down_proj"] = torch.stack([hf[f"{prefix}{e}.down_proj.weight"]
+                                                 for e in range(count)])
+    return out
+
+
+def _torchtitan_trainer(out: dict, sc: dict, cfg: dict, llm, rank: int, world: int, init,
+                        expect_error) -> None:
+    """A torchtitan trainer of the engine's model (FSDP2 over 2 ranks) takes over the
+    engine: two versions, the second sent while vLLM's scheduler is paused
+    (``LLM.sleep(level=0)`` / ``wake_up(tags=["scheduling"])``, vLLM's pause and resume of
+    generation); judged against transformers holding torchtitan's own conversion."""
+    import torch.distributed as dist
+
+    import torchrefit as tr
+
+    family = sc["titan"]
+    tcfg = titan_config(family, cfg)
+    model = titan_model(tcfg, seed=7)
+    mirror = titan_model(tcfg, seed=7) if rank == 0 else None
+    if world > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.layers.values():
+            fully_shard(block)
+        fully_shard(model)
+    if sc["tp"] == 1:  # the trainer's names under the Hugging Face map: named at init
+        expect_error("titan_under_hf_map", lambda: init(
+            source=model, name_map=tr.maps.hf_to_vllm(cfg)))
+    sender = init(source=model, name_map=tr.maps.torchtitan_to_vllm(tcfg))
+    if rank == 0:
+        out["titan_routes"] = {k: [r.way, r.why] for k, r in sender.routes.items()}
+    for k in (1, 2):
+        if k == 2:
+            step(model, k)
+            full = _full(model)
+            if rank == 0:
+                out["cases"]["titan_skipped_update"] = _judge(
+                    llm, titan_to_hf(family, tcfg, mirror, full))
+        paused = k == 2 and rank == 0
+        if paused:
+            llm.sleep(level=0)
+        sender.send_weights(weight_version=f"titan-v{k}")
+        sent = [None] * world
+        dist.all_gather_object(sent, sum(r.bytes_sent for r in sender.reports))
+        full = _full(model)
+        if rank == 0:
+            case = {"weight_version": llm.get_weight_version(), "bytes_sent": sent,
+                    "model_bytes": sum(t.numel() * t.element_size() for t in full.values())}
+            if paused:
+                case["paused_during_update"] = llm.llm_engine.is_sleeping()
+                llm.wake_up(tags=["scheduling"])
+                case["resumed"] = not llm.llm_engine.is_sleeping()
+            case.update(_judge(llm, titan_to_hf(family, tcfg, mirror, full)))
+            out["cases"][f"titan_version_{k}"] = case
+    sender.shutdown()
 
 
 def _serve_while_staging(out: dict, sender, model, llm, rank: int) -> None:
@@ -412,6 +560,8 @@ def http(out_path: str) -> None:
             if k == 2:
                 step(model, k)
                 result["cases"]["skipped_update"] = _judge_http(base, workdir, _full(model))
+                _paused_update(base, workdir, sender, model, result)
+                continue
             sender.send_weights(weight_version=f"v{k}")
             version = requests.get(f"{base}/weight_info", timeout=30).json()["weight_version"]
             result["cases"][f"version_{k}"] = dict(_judge_http(base, workdir, _full(model)),
@@ -427,6 +577,28 @@ def http(out_path: str) -> None:
             server.kill()
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
+
+
+def _paused_update(base: str, workdir: str, sender, model, result: dict) -> None:
+    """Version 2 while vLLM's generation is paused (``POST /pause?mode=keep``): a request
+    sent meanwhile waits, and after ``POST /resume`` it is answered by version 2."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import requests
+
+    requests.post(f"{base}/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(_judge_http, base, workdir, _full(model))
+        time.sleep(1.0)  # the request reaches the server and is queued
+        sender.send_weights(weight_version="v2")
+        case = {"paused": requests.get(f"{base}/is_paused", timeout=30).json()["is_paused"],
+                "held_while_paused": not held.done()}
+        requests.post(f"{base}/resume", timeout=60).raise_for_status()
+        case.update(held.result(timeout=120))
+    case["weight_version"] = requests.get(f"{base}/weight_info", timeout=30).json()[
+        "weight_version"]
+    case["resumed"] = not requests.get(f"{base}/is_paused", timeout=30).json()["is_paused"]
+    result["cases"]["version_2"] = case
 
 
 def _wait_healthy(base: str, server, limit: float = 400.0) -> None:
