@@ -20,7 +20,10 @@ module is both sides of a backend for it:
   ``WeightTransferTrainerFactory`` when this module is imported), built from
   :class:`TorchrefitTrainerInitInfo` on every trainer rank; ``send_weights()`` on every
   rank drives start / update / finish through rank 0's client concurrently with its
-  own sending.
+  own sending. The trainer's tensors may be named the Hugging Face, torchtitan or
+  Megatron-core way (``name_map``: ``hf_to_vllm``, ``torchtitan_to_vllm``,
+  ``megatron_to_vllm``); the map reaches the workers as a JSON description and is
+  rebuilt there (:mod:`._source_maps`).
 
 With ``TorchrefitTrainerInitInfo(serve_while_staging=True)`` an update is staged
 while the engine serves (vLLM's ``defers_processing`` contract): the worker's
