@@ -26,9 +26,9 @@ holding torchtitan's own conversion (``state_dict_adapter.to_hf``). Its second v
 is sent while vLLM's generation is paused (``LLM.sleep(level=0)`` / ``wake_up``; over
 HTTP ``/pause`` / ``/resume``, a request sent meanwhile answered by the new version). A
 torchtitan trainer under the Hugging Face map fails at init naming the tensor and the
-map to pass. (A Megatron-core trainer is checked without an engine in
-``tests/test_vllm_sources.py``; its engine scenario goes beside the torchtitan one in
-``tests/vllm_driver.py``.)
+map to pass. Where megatron-core is installed, a megatron-core ``GPTModel`` trainer
+(tensor parallel over the 2 trainer ranks) then takes over the TP2 engine through
+``megatron_to_vllm``, judged against megatron-core's own forward on vLLM's tokens.
 """
 
 from __future__ import annotations
@@ -188,6 +188,19 @@ def test_torchtitan_trainer_feeds_the_engine(scenario, tmp_path_factory):
         sent, total = paused["bytes_sent"], paused["model_bytes"]
         assert len(sent) == 2 and all(0 < s < 2 * total for s in sent), paused
         assert sum(sent) == 2 * total, paused
+
+
+def test_megatron_core_trainer_feeds_the_engine(tmp_path_factory):
+    """A megatron-core ``GPTModel`` (TP2 over the trainer's 2 ranks) through
+    ``megatron_to_vllm`` into the TP2 engine: two versions equal megatron-core's own
+    forward (teacher-forced on vLLM's tokens)."""
+    cases = run("tp2", tmp_path_factory)["cases"]
+    if "megatron_version_1" not in cases:
+        pytest.skip("megatron-core is not installed (pip install --no-deps megatron-core)")
+    for k in (1, 2):
+        assert_matches_oracle(cases[f"megatron_version_{k}"])
+        assert cases[f"megatron_version_{k}"]["weight_version"] == f"megatron-v{k}"
+    assert_fails_oracle(cases["megatron_skipped_update"])
 
 
 def test_torchtitan_trainer_under_the_hf_map_fails_at_init(tmp_path_factory):

@@ -18,6 +18,7 @@ keeps vLLM's linear weights as plain parameters, as its GPU build does).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -30,7 +31,7 @@ SCENARIOS = {
     "moe": dict(model="moe", trainers=1, tp=1, plain=False, titan="qwen3_moe"),
     "moe-fsdp": dict(model="moe", trainers=2, tp=1, plain=False),
     "plain": dict(model="dense", trainers=1, tp=1, plain=True),
-    "tp2": dict(model="llama", trainers=2, tp=2, plain=False, titan="llama3"),
+    "tp2": dict(model="llama", trainers=2, tp=2, plain=False, titan="llama3", megatron=True),
 }
 # after the Hugging Face trainer's updates, a torchtitan trainer of the same model feeds the
 # same engine (its init replaces the earlier trainer's link): model kind -> torchtitan family
@@ -192,10 +193,55 @@ def trainer(rank: int, world: int, scenario: str, port: int, dist_port: int, con
         _serve_while_staging(out, init(serve_while_staging=True), model, llm, rank)
     if "titan" in sc:
         _torchtitan_trainer(out, sc, cfg, llm, rank, world, init, expect_error)
-    # A Megatron-core trainer (tr.maps.megatron_to_vllm) feeds the engine here, as the
-    # torchtitan one above does, where megatron-core builds its GPTModel on CPU.
+    if sc.get("megatron") and importlib.util.find_spec("megatron") is not None:
+        _megatron_trainer(out, cfg, llm, rank, world, init)
     dist.destroy_process_group()
     return out
+
+
+# ---------------------------------------------------------- a Megatron-core trainer
+def _megatron_trainer(out: dict, cfg: dict, llm, rank: int, world: int, init) -> None:
+    """A megatron-core ``GPTModel`` of the engine's model (local spec, tensor parallel over
+    the trainer's ranks; ``tests/megatron_models.py``) takes over the engine through
+    ``megatron_to_vllm``: two versions, judged against megatron-core's own forward on
+    vLLM's tokens (megatron-core has no Hugging Face converter of its own)."""
+    from megatron_models import GptShape, build_gpt
+
+    import torchrefit as tr
+
+    shape = GptShape("llama", layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
+                     heads=cfg["num_attention_heads"], groups=cfg["num_key_value_heads"],
+                     ffn=cfg["intermediate_size"], vocab=cfg["vocab_size"],
+                     eps=cfg["rms_norm_eps"], rope_base=cfg["rope_theta"])
+    model = build_gpt(shape, tp=world, seed=11)
+    sender = init(source=model, name_map=tr.maps.megatron_to_vllm(model.config))
+    for k in (1, 2):
+        if k == 2:
+            step(model, k)
+            seen = _judge_megatron(llm, model, rank)
+            if rank == 0:
+                out["cases"]["megatron_skipped_update"] = seen
+        sender.send_weights(weight_version=f"megatron-v{k}")
+        seen = _judge_megatron(llm, model, rank)
+        if rank == 0:
+            out["cases"][f"megatron_version_{k}"] = dict(seen,
+                                                         weight_version=llm.get_weight_version())
+    sender.shutdown()
+
+
+def _judge_megatron(llm, model, rank: int) -> dict | None:
+    """:func:`_judge` with megatron-core's forward as the oracle, a collective over its
+    tensor-parallel ranks: rank 0 generates, every rank runs the forward on its tokens."""
+    import torch
+    import torch.distributed as dist
+    from megatron_models import megatron_logits
+
+    box = [_generate(llm) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    outs = box[0]
+    logps = [torch.log_softmax(megatron_logits(model, torch.tensor([p + gen]))[0].double(), -1)
+             for p, (gen, _) in zip(PROMPTS, outs)]
+    return _score(outs, logps) if rank == 0 else None
 
 
 # ------------------------------------------------------------ a torchtitan trainer
@@ -466,14 +512,20 @@ def _fail_next_load(worker):
 def _judge(llm, weights: dict) -> dict:
     """vLLM's greedy tokens and top-5 logprobs against a transformers model holding
     ``weights``: the largest logprob difference and whether every token agrees."""
+
+    return _compare(_generate(llm), weights)
+
+
+def _generate(llm) -> list:
+    """Per prompt, vLLM's greedy tokens and its top-5 logprobs at each step."""
     from vllm import SamplingParams, TokensPrompt
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params,
                         use_tqdm=False)
-    return _compare([(list(o.outputs[0].token_ids),
-                      [{t: v.logprob for t, v in lp.items()} for lp in o.outputs[0].logprobs])
-                     for o in outs], weights)
+    return [(list(o.outputs[0].token_ids),
+             [{t: v.logprob for t, v in lp.items()} for lp in o.outputs[0].logprobs])
+            for o in outs]
 
 
 def _judge_http(base: str, model: str, weights: dict) -> dict:
@@ -504,11 +556,17 @@ def _compare(outs: list, weights: dict) -> dict:
     oracle = hf_model(json.loads(os.environ["TORCHREFIT_VLLM_CONFIG_JSON"]), seed=0)
     missing = oracle.load_state_dict(weights, strict=False)
     assert not missing.missing_keys or oracle.config.tie_word_embeddings, missing
+    with torch.no_grad():
+        logps = [torch.log_softmax(oracle(torch.tensor([p + gen])).logits[0].double(), -1)
+                 for p, (gen, _) in zip(PROMPTS, outs)]
+    return _score(outs, logps)
+
+
+def _score(outs: list, logps: list) -> dict:
+    """vLLM's tokens and logprobs against the oracle's log-softmax over each prompt and
+    its generated tokens (teacher-forced on vLLM's tokens)."""
     worst, tokens_equal = 0.0, True
-    for prompt, (gen, logprobs) in zip(PROMPTS, outs):
-        ids = torch.tensor([prompt + gen])
-        with torch.no_grad():
-            logp = torch.log_softmax(oracle(ids).logits[0].double(), -1)
+    for prompt, (gen, logprobs), logp in zip(PROMPTS, outs, logps):
         for i, (tok, lp) in enumerate(zip(gen, logprobs)):
             row = logp[len(prompt) - 1 + i]
             tokens_equal &= int(row.argmax()) == tok

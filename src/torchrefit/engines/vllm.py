@@ -64,6 +64,7 @@ from vllm.distributed.weight_transfer.factory import (
 )
 
 from ..errors import PlanError, RefitError
+from ..layout import describe
 from ..layout._described import named_refit_tensors
 from ..layout.sink import load_weights_sink
 from ..layout.vllm import vllm_tp_specs
@@ -285,7 +286,10 @@ class TorchrefitWeightTransferEngine(
         self._staged = self.defers_processing = init_info.staged
         self.routes = decide_routes(self.model)
         seen = agree(self._conn, terms, {k: (r.way, r.why) for k, r in self.routes.items()})
-        source = next(extra for role, rank, _, extra in seen if role == "trainer" and rank == 0)
+        source: dict[str, tuple[tuple[int, ...], str]] = {}  # what every trainer rank holds
+        for role, _, _, extra in seen:
+            if role == "trainer":
+                source.update(extra)
         ways = {r.way for role, _, _, extra in seen if role == "engine"
                 for r in map(lambda v: Route(*v), extra.values())}
         heads = vllm_part(name_map).num_heads, vllm_part(name_map).num_kv_heads
@@ -548,8 +552,7 @@ class TorchrefitTrainerWeightTransferEngine(
         engine = cls(client=client, source=source, is_sender=init_info.rank == 0)
         name_map = init_info.name_map or hf_to_vllm(getattr(model, "config", None))
         source_map = describe_source(name_map)  # what the engine rebuilds the map from
-        meta = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch."))
-                for n, t in named_refit_tensors(model)}
+        meta = _global_tensors(model)
         pending: Future | None = None
         if engine.is_sender:
             worker = TorchrefitInitInfo(
@@ -574,7 +577,7 @@ class TorchrefitTrainerWeightTransferEngine(
         terms = Terms(repr(name_map.cache_key()), tuple(info.skip), info.cast,
                       info.serve_while_staging)
         self._staged = info.serve_while_staging
-        seen = agree(self._conn, terms, meta if info.rank == 0 else None)
+        seen = agree(self._conn, terms, meta)
         engines = [extra for role, _, _, extra in seen if role == "engine"]
         self.routes = {k: Route(*v) for k, v in engines[0].items()}
         ways = {way for extra in engines for way, _ in extra.values()}
@@ -687,6 +690,13 @@ class TorchrefitTrainerWeightTransferEngine(
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+
+def _global_tensors(model: nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
+    """This trainer rank's global tensors, ``{global name: (global shape, dtype)}``, as its
+    layout reads them (FSDP2 / DTensor, Megatron-core's TP shards, pipeline stages and
+    expert ranks): the engine plans its ``load_weights`` tensors from every rank's."""
+    return {t.name: (tuple(t.global_shape), t.dtype) for _, t in describe(model).layout}
 
 
 def _answer(pending: Future, timeout: float) -> None:
