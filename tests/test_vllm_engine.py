@@ -17,6 +17,18 @@ errors (a name map that differs, a missing name, a wrong shape) and an exception
 raised inside the engine's ``load_weights`` reaching the trainer at once; updates
 staged while the engine serves (``serve_while_staging``): version v until the commit,
 v+1 after, on the load_weights route and in place.
+
+Trainer namings: after the Hugging Face trainer, a torchtitan 0.3.0 trainer of the same
+model takes over the same engine (``name_map=tr.maps.torchtitan_to_vllm(model_config)``):
+Llama 3 (fused ``wqkv``, grouped-query attention) FSDP2 on 2 ranks into the TP2 Llama
+engine, Qwen 3 MoE (float32 experts) into the MoE engine; its oracle is transformers
+holding torchtitan's own conversion (``state_dict_adapter.to_hf``). Its second version
+is sent while vLLM's generation is paused (``LLM.sleep(level=0)`` / ``wake_up``; over
+HTTP ``/pause`` / ``/resume``, a request sent meanwhile answered by the new version). A
+torchtitan trainer under the Hugging Face map fails at init naming the tensor and the
+map to pass. Where megatron-core is installed, a megatron-core ``GPTModel`` trainer
+(tensor parallel over the 2 trainer ranks) then takes over the TP2 engine through
+``megatron_to_vllm``, judged against megatron-core's own forward on vLLM's tokens.
 """
 
 from __future__ import annotations
@@ -143,12 +155,59 @@ def test_init_errors_name_the_difference(tmp_path_factory):
 
 def test_http_server_path(tmp_path_factory):
     """``vllm serve --weight-transfer-config '{"backend": "torchrefit"}'`` driven by a
-    trainer launched apart through vLLM's ``HTTPVLLMWeightSyncClient``."""
+    trainer launched apart through vLLM's ``HTTPVLLMWeightSyncClient``; version 2 sent
+    while generation is paused (``/pause?mode=keep``): a request sent meanwhile waits
+    and, after ``/resume``, is answered by version 2."""
     cases = run("http", tmp_path_factory)["cases"]
     for k in (1, 2):
         assert_matches_oracle(cases[f"version_{k}"])
         assert cases[f"version_{k}"]["weight_version"] == f"v{k}"
     assert_fails_oracle(cases["skipped_update"])
+    paused = cases["version_2"]
+    assert paused["paused"] and paused["held_while_paused"] and paused["resumed"], paused
+
+
+@pytest.mark.parametrize("scenario", ["tp2", "moe"])
+def test_torchtitan_trainer_feeds_the_engine(scenario, tmp_path_factory):
+    """torchtitan's Llama 3 (FSDP2, 2 ranks, TP2 engine) and Qwen 3 MoE (1 rank) through
+    ``torchtitan_to_vllm``: two versions equal transformers holding torchtitan's own
+    ``to_hf`` conversion; the second, sent while vLLM's scheduler was paused, serves
+    once it is resumed."""
+    r = run(scenario, tmp_path_factory)
+    cases = r["cases"]
+    for k in (1, 2):
+        assert_matches_oracle(cases[f"titan_version_{k}"])
+        assert cases[f"titan_version_{k}"]["weight_version"] == f"titan-v{k}"
+    assert_fails_oracle(cases["titan_skipped_update"])
+    paused = cases["titan_version_2"]
+    assert paused["paused_during_update"] and paused["resumed"], paused
+    routes = r["titan_routes"]
+    assert any(n.endswith("qkv_proj.weight") and w == "load_weights"
+               for n, (w, _) in routes.items()), routes
+    if scenario == "tp2":  # each FSDP2 rank sends its own shards, once per engine worker
+        sent, total = paused["bytes_sent"], paused["model_bytes"]
+        assert len(sent) == 2 and all(0 < s < 2 * total for s in sent), paused
+        assert sum(sent) == 2 * total, paused
+
+
+def test_megatron_core_trainer_feeds_the_engine(tmp_path_factory):
+    """A megatron-core ``GPTModel`` (TP2 over the trainer's 2 ranks) through
+    ``megatron_to_vllm`` into the TP2 engine: two versions equal megatron-core's own
+    forward (teacher-forced on vLLM's tokens)."""
+    cases = run("tp2", tmp_path_factory)["cases"]
+    if "megatron_version_1" not in cases:
+        pytest.skip("megatron-core is not installed (pip install --no-deps megatron-core)")
+    for k in (1, 2):
+        assert_matches_oracle(cases[f"megatron_version_{k}"])
+        assert cases[f"megatron_version_{k}"]["weight_version"] == f"megatron-v{k}"
+    assert_fails_oracle(cases["megatron_skipped_update"])
+
+
+def test_torchtitan_trainer_under_the_hf_map_fails_at_init(tmp_path_factory):
+    case = run("moe", tmp_path_factory)["cases"]["titan_under_hf_map"]
+    assert case["raised"] and case["seconds"] < 10, case
+    assert "model.embed_tokens.weight: vLLM tensor" in case["message"], case
+    assert "tr.maps.torchtitan_to_vllm(model_config) for a torchtitan" in case["message"], case
 
 
 def test_trainer_ranks_that_disagree_fail_at_init(tmp_path_factory):

@@ -18,6 +18,7 @@ keeps vLLM's linear weights as plain parameters, as its GPU build does).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -27,11 +28,14 @@ import traceback
 SCENARIOS = {
     "dense": dict(model="dense", trainers=1, tp=1, plain=False),
     "tied-fsdp": dict(model="tied", trainers=2, tp=1, plain=False),
-    "moe": dict(model="moe", trainers=1, tp=1, plain=False),
+    "moe": dict(model="moe", trainers=1, tp=1, plain=False, titan="qwen3_moe"),
     "moe-fsdp": dict(model="moe", trainers=2, tp=1, plain=False),
     "plain": dict(model="dense", trainers=1, tp=1, plain=True),
-    "tp2": dict(model="dense", trainers=2, tp=2, plain=False),
+    "tp2": dict(model="llama", trainers=2, tp=2, plain=False, titan="llama3", megatron=True),
 }
+# after the Hugging Face trainer's updates, a torchtitan trainer of the same model feeds the
+# same engine (its init replaces the earlier trainer's link): model kind -> torchtitan family
+TITAN = {"llama": "llama3", "moe": "qwen3_moe"}
 PROMPTS = [[3, 17, 42, 99, 7, 12], [200, 5, 61, 8]]
 MAX_TOKENS = 6
 TOP = 5
@@ -46,6 +50,10 @@ def config(kind: str) -> dict:
         return dict(base, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
                     moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
                     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    if kind == "llama":  # torchtitan's Llama 3 (titan_config builds it from this config)
+        return dict(base, architectures=["LlamaForCausalLM"], model_type="llama",
+                    rms_norm_eps=1e-5, rope_theta=500000.0, attention_bias=False,
+                    mlp_bias=False)
     return dict(base, architectures=["Qwen2ForCausalLM"], model_type="qwen2")
 
 
@@ -98,11 +106,11 @@ def trainer(rank: int, world: int, scenario: str, port: int, dist_port: int, con
     client = _Client(llm) if llm is not None else _Unused()
     ports = iter(range(port, port + 100, 2))
 
-    def init(**kw):  # buckets of 256 KiB: load_weights sees many, as with a large model
+    def init(source=model, **kw):  # buckets of 256 KiB: load_weights sees many, as with a large model
         info = TorchrefitTrainerInitInfo("127.0.0.1", next(ports), timeout=60.0,
                                          bucket_bytes=1 << 18, **kw)
         return WeightTransferTrainerFactory.trainer_init(info, client=client,
-                                                         source=ModuleSource(model))
+                                                         source=ModuleSource(source))
 
     def expect_error(name, fn):
         t0 = time.monotonic()
@@ -183,8 +191,194 @@ def trainer(rank: int, world: int, scenario: str, port: int, dist_port: int, con
     sender.shutdown()
     if sc["model"] == "dense" and sc["tp"] == 1:  # the same engine, staged updates
         _serve_while_staging(out, init(serve_while_staging=True), model, llm, rank)
+    if "titan" in sc:
+        _torchtitan_trainer(out, sc, cfg, llm, rank, world, init, expect_error)
+    if sc.get("megatron") and importlib.util.find_spec("megatron") is not None:
+        _megatron_trainer(out, cfg, llm, rank, world, init)
     dist.destroy_process_group()
     return out
+
+
+# ---------------------------------------------------------- a Megatron-core trainer
+def _megatron_trainer(out: dict, cfg: dict, llm, rank: int, world: int, init) -> None:
+    """A megatron-core ``GPTModel`` of the engine's model (local spec, tensor parallel over
+    the trainer's ranks; ``tests/megatron_models.py``) takes over the engine through
+    ``megatron_to_vllm``: two versions, judged against megatron-core's own forward on
+    vLLM's tokens (megatron-core has no Hugging Face converter of its own)."""
+    from megatron_models import GptShape, build_gpt
+
+    import torchrefit as tr
+
+    shape = GptShape("llama", layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
+                     heads=cfg["num_attention_heads"], groups=cfg["num_key_value_heads"],
+                     ffn=cfg["intermediate_size"], vocab=cfg["vocab_size"],
+                     eps=cfg["rms_norm_eps"], rope_base=cfg["rope_theta"])
+    model = build_gpt(shape, tp=world, seed=11)
+    sender = init(source=model, name_map=tr.maps.megatron_to_vllm(model.config))
+    for k in (1, 2):
+        if k == 2:
+            step(model, k)
+            seen = _judge_megatron(llm, model, rank)
+            if rank == 0:
+                out["cases"]["megatron_skipped_update"] = seen
+        sender.send_weights(weight_version=f"megatron-v{k}")
+        seen = _judge_megatron(llm, model, rank)
+        if rank == 0:
+            out["cases"][f"megatron_version_{k}"] = dict(seen,
+                                                         weight_version=llm.get_weight_version())
+    sender.shutdown()
+
+
+def _judge_megatron(llm, model, rank: int) -> dict | None:
+    """:func:`_judge` with megatron-core's forward as the oracle, a collective over its
+    tensor-parallel ranks: rank 0 generates, every rank runs the forward on its tokens."""
+    import torch
+    import torch.distributed as dist
+    from megatron_models import megatron_logits
+
+    box = [_generate(llm) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    outs = box[0]
+    logps = [torch.log_softmax(megatron_logits(model, torch.tensor([p + gen]))[0].double(), -1)
+             for p, (gen, _) in zip(PROMPTS, outs)]
+    return _score(outs, logps) if rank == 0 else None
+
+
+# ------------------------------------------------------------ a torchtitan trainer
+def titan_config(family: str, cfg: dict):
+    """torchtitan's model config of the engine's model, built with torchtitan's own
+    builders from the engine's Hugging Face config ``cfg`` (so every shape agrees)."""
+    from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
+
+    dim, vocab, hd = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]
+    common = dict(n_layers=cfg["num_hidden_layers"], dim=dim,
+                  n_heads=cfg["num_attention_heads"], n_kv_heads=cfg["num_key_value_heads"],
+                  fuse_qkv=True, attn_backend="flex")
+    if family == "llama3":
+        from torchtitan.models import llama3 as tt
+
+        assert dim // cfg["num_attention_heads"] == hd  # torchtitan's Llama: dim / heads
+        rope = ComplexRoPE.Config(dim=hd, max_seq_len=cfg["max_position_embeddings"],
+                                  theta=cfg["rope_theta"])
+        return tt.Llama3Model.Config(
+            dim=dim, vocab_size=vocab,
+            tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
+                                            param_init=tt._EMBEDDING_INIT),
+            norm=RMSNorm.Config(normalized_shape=dim, eps=cfg["rms_norm_eps"],
+                                param_init=tt._NORM_INIT),
+            lm_head=Linear.Config(in_features=dim, out_features=vocab,
+                                  param_init=tt._output_linear_init(dim)),
+            layers=tt._build_llama3_layers(hidden_dim=cfg["intermediate_size"], rope=rope,
+                                           **common))
+    from torchtitan.models import qwen3 as tt
+
+    rope = CosSinRoPE.Config(dim=hd, max_seq_len=cfg["max_position_embeddings"],
+                             theta=cfg["rope_theta"])
+    layers = tt._build_qwen3_moe_layers(
+        head_dim=hd, rope=rope, moe_hidden_dim=cfg["moe_intermediate_size"],
+        num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
+        moe_comm_backend="standard", **common)
+    return tt.Qwen3Model.Config(
+        vocab_size=vocab, dim=dim, norm=tt._qwen3_norm(dim),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
+                                        param_init=tt._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=tt._LINEAR_INIT),
+        layers=layers)
+
+
+def titan_model(tcfg, seed: int):
+    """A whole torchtitan model (float32, experts too), every weight drawn as
+    :func:`hf_model` draws them."""
+    import torch
+
+    with torch.device("meta"):
+        model = tcfg.build()
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.8, 1.2)
+    return model
+
+
+def titan_to_hf(family: str, tcfg, mirror, weights: dict) -> dict:
+    """The oracle's weights: torchtitan's own converter (``state_dict_adapter.to_hf``) of
+    ``weights`` (torchtitan names, whole), per-expert tensors stacked as transformers 5
+    holds them."""
+    import re
+
+    import torch
+    from torchtitan.models import llama3, qwen3
+
+    with torch.no_grad():
+        for name, p in mirror.named_parameters():
+            p.copy_(weights[name])
+    adapter = (llama3.Llama3StateDictAdapter if family == "llama3"
+               else qwen3.Qwen3StateDictAdapter)(tcfg, None)
+    hf = {n: t.detach().clone() for n, t in adapter.to_hf(mirror.state_dict()).items()}
+    out = {n: t for n, t in hf.items() if not re.search(r"\.experts\.\d+\.", n)}
+    for prefix in {m[1] for n in hf if (m := re.match(r"(.*\.experts\.)\d+\.", n))}:
+        count = 1 + max(int(re.match(re.escape(prefix) + r"(\d+)\.", n)[1])
+                        for n in hf if n.startswith(prefix))
+        out[prefix + "gate_up_proj"] = torch.stack([torch.cat(
+            [hf[f"{prefix}{e}.gate_proj.weight"], hf[f"{prefix}{e}.up_proj.weight"]])
+            for e in range(count)])
+        out[prefix + "down_proj"] = torch.stack([hf[f"{prefix}{e}.down_proj.weight"]
+                                                 for e in range(count)])
+    return out
+
+
+def _torchtitan_trainer(out: dict, sc: dict, cfg: dict, llm, rank: int, world: int, init,
+                        expect_error) -> None:
+    """A torchtitan trainer of the engine's model (FSDP2 over 2 ranks) takes over the
+    engine: two versions, the second sent while vLLM's scheduler is paused
+    (``LLM.sleep(level=0)`` / ``wake_up(tags=["scheduling"])``, vLLM's pause and resume of
+    generation); judged against transformers holding torchtitan's own conversion."""
+    import torch.distributed as dist
+
+    import torchrefit as tr
+
+    family = sc["titan"]
+    tcfg = titan_config(family, cfg)
+    model = titan_model(tcfg, seed=7)
+    mirror = titan_model(tcfg, seed=7) if rank == 0 else None
+    if world > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.layers.values():
+            fully_shard(block)
+        fully_shard(model)
+    if sc["tp"] == 1:  # the trainer's names under the Hugging Face map: named at init
+        expect_error("titan_under_hf_map", lambda: init(
+            source=model, name_map=tr.maps.hf_to_vllm(cfg)))
+    sender = init(source=model, name_map=tr.maps.torchtitan_to_vllm(tcfg))
+    if rank == 0:
+        out["titan_routes"] = {k: [r.way, r.why] for k, r in sender.routes.items()}
+    for k in (1, 2):
+        if k == 2:
+            step(model, k)
+            full = _full(model)
+            if rank == 0:
+                out["cases"]["titan_skipped_update"] = _judge(
+                    llm, titan_to_hf(family, tcfg, mirror, full))
+        paused = k == 2 and rank == 0
+        if paused:
+            llm.sleep(level=0)
+        sender.send_weights(weight_version=f"titan-v{k}")
+        sent = [None] * world
+        dist.all_gather_object(sent, sum(r.bytes_sent for r in sender.reports))
+        full = _full(model)
+        if rank == 0:
+            case = {"weight_version": llm.get_weight_version(), "bytes_sent": sent,
+                    "model_bytes": sum(t.numel() * t.element_size() for t in full.values())}
+            if paused:
+                case["paused_during_update"] = llm.llm_engine.is_sleeping()
+                llm.wake_up(tags=["scheduling"])
+                case["resumed"] = not llm.llm_engine.is_sleeping()
+            case.update(_judge(llm, titan_to_hf(family, tcfg, mirror, full)))
+            out["cases"][f"titan_version_{k}"] = case
+    sender.shutdown()
 
 
 def _serve_while_staging(out: dict, sender, model, llm, rank: int) -> None:
@@ -318,14 +512,20 @@ def _fail_next_load(worker):
 def _judge(llm, weights: dict) -> dict:
     """vLLM's greedy tokens and top-5 logprobs against a transformers model holding
     ``weights``: the largest logprob difference and whether every token agrees."""
+
+    return _compare(_generate(llm), weights)
+
+
+def _generate(llm) -> list:
+    """Per prompt, vLLM's greedy tokens and its top-5 logprobs at each step."""
     from vllm import SamplingParams, TokensPrompt
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params,
                         use_tqdm=False)
-    return _compare([(list(o.outputs[0].token_ids),
-                      [{t: v.logprob for t, v in lp.items()} for lp in o.outputs[0].logprobs])
-                     for o in outs], weights)
+    return [(list(o.outputs[0].token_ids),
+             [{t: v.logprob for t, v in lp.items()} for lp in o.outputs[0].logprobs])
+            for o in outs]
 
 
 def _judge_http(base: str, model: str, weights: dict) -> dict:
@@ -356,11 +556,17 @@ def _compare(outs: list, weights: dict) -> dict:
     oracle = hf_model(json.loads(os.environ["TORCHREFIT_VLLM_CONFIG_JSON"]), seed=0)
     missing = oracle.load_state_dict(weights, strict=False)
     assert not missing.missing_keys or oracle.config.tie_word_embeddings, missing
+    with torch.no_grad():
+        logps = [torch.log_softmax(oracle(torch.tensor([p + gen])).logits[0].double(), -1)
+                 for p, (gen, _) in zip(PROMPTS, outs)]
+    return _score(outs, logps)
+
+
+def _score(outs: list, logps: list) -> dict:
+    """vLLM's tokens and logprobs against the oracle's log-softmax over each prompt and
+    its generated tokens (teacher-forced on vLLM's tokens)."""
     worst, tokens_equal = 0.0, True
-    for prompt, (gen, logprobs) in zip(PROMPTS, outs):
-        ids = torch.tensor([prompt + gen])
-        with torch.no_grad():
-            logp = torch.log_softmax(oracle(ids).logits[0].double(), -1)
+    for prompt, (gen, logprobs), logp in zip(PROMPTS, outs, logps):
         for i, (tok, lp) in enumerate(zip(gen, logprobs)):
             row = logp[len(prompt) - 1 + i]
             tokens_equal &= int(row.argmax()) == tok
@@ -412,6 +618,8 @@ def http(out_path: str) -> None:
             if k == 2:
                 step(model, k)
                 result["cases"]["skipped_update"] = _judge_http(base, workdir, _full(model))
+                _paused_update(base, workdir, sender, model, result)
+                continue
             sender.send_weights(weight_version=f"v{k}")
             version = requests.get(f"{base}/weight_info", timeout=30).json()["weight_version"]
             result["cases"][f"version_{k}"] = dict(_judge_http(base, workdir, _full(model)),
@@ -427,6 +635,28 @@ def http(out_path: str) -> None:
             server.kill()
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
+
+
+def _paused_update(base: str, workdir: str, sender, model, result: dict) -> None:
+    """Version 2 while vLLM's generation is paused (``POST /pause?mode=keep``): a request
+    sent meanwhile waits, and after ``POST /resume`` it is answered by version 2."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import requests
+
+    requests.post(f"{base}/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(_judge_http, base, workdir, _full(model))
+        time.sleep(1.0)  # the request reaches the server and is queued
+        sender.send_weights(weight_version="v2")
+        case = {"paused": requests.get(f"{base}/is_paused", timeout=30).json()["is_paused"],
+                "held_while_paused": not held.done()}
+        requests.post(f"{base}/resume", timeout=60).raise_for_status()
+        case.update(held.result(timeout=120))
+    case["weight_version"] = requests.get(f"{base}/weight_info", timeout=30).json()[
+        "weight_version"]
+    case["resumed"] = not requests.get(f"{base}/is_paused", timeout=30).json()["is_paused"]
+    result["cases"]["version_2"] = case
 
 
 def _wait_healthy(base: str, server, limit: float = 400.0) -> None:

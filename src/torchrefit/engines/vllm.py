@@ -20,7 +20,10 @@ module is both sides of a backend for it:
   ``WeightTransferTrainerFactory`` when this module is imported), built from
   :class:`TorchrefitTrainerInitInfo` on every trainer rank; ``send_weights()`` on every
   rank drives start / update / finish through rank 0's client concurrently with its
-  own sending.
+  own sending. The trainer's tensors may be named the Hugging Face, torchtitan or
+  Megatron-core way (``name_map``: ``hf_to_vllm``, ``torchtitan_to_vllm``,
+  ``megatron_to_vllm``); the map reaches the workers as a JSON description and is
+  rebuilt there (:mod:`._source_maps`).
 
 With ``TorchrefitTrainerInitInfo(serve_while_staging=True)`` an update is staged
 while the engine serves (vLLM's ``defers_processing`` contract): the worker's
@@ -61,13 +64,22 @@ from vllm.distributed.weight_transfer.factory import (
 )
 
 from ..errors import PlanError, RefitError
+from ..layout import describe
 from ..layout._described import named_refit_tensors
 from ..layout.sink import load_weights_sink
 from ..layout.vllm import vllm_tp_specs
 from ..maps.base import NameMap
-from ..maps.vllm import HfToVllm, hf_to_vllm, is_engine_state
+from ..maps.vllm import hf_to_vllm, is_engine_state
 from ..refitter import Refitter
 from ._link import Terms, agree, agree_status, failure, join
+from ._source_maps import (
+    compose,
+    describe_source,
+    route_maps,
+    sink_tensors,
+    source_map_from,
+    vllm_part,
+)
 
 __all__ = [
     "BACKEND", "DIRECT", "LOAD_WEIGHTS", "Route", "decide_routes", "register",
@@ -107,7 +119,9 @@ class TorchrefitInitInfo(WeightTransferInitInfo):
     master_address: str
     master_port: int
     trainer_world_size: int
-    name_map: str = "hf_to_vllm"
+    #: how the trainer names its tensors: None, the Hugging Face way; else the declared
+    #: description of its map to Hugging Face names (``_source_maps.SOURCE_MAPS``)
+    source_map: dict[str, Any] | None = None
     skip: list[str] = field(default_factory=list)
     cast: str | bool = "buffers"
     group_backend: str = "gloo"
@@ -130,8 +144,12 @@ class TorchrefitTrainerInitInfo(TrainerInitInfo):
     ``master_address`` / ``master_port``: where trainer rank 0 hosts the rendezvous
     (it uses ``master_port`` and ``master_port + 1``); the engine's workers must reach
     it. ``rank``: this rank in the trainer's default process group (the default).
-    ``name_map``: Hugging Face names to vLLM's (default ``hf_to_vllm`` of the source
-    model's config). ``skip`` / ``cast``: as ``tr.Refitter``'s, sent to the engine.
+    ``name_map``: the trainer's names to vLLM's, as ``tr.Refitter`` would take it:
+    ``tr.maps.hf_to_vllm(config)`` for Hugging Face names (the default, from the source
+    model's ``config``), ``tr.maps.torchtitan_to_vllm(model_config)`` for a torchtitan
+    trainer, ``tr.maps.megatron_to_vllm(config)`` for a Megatron-core one; the engine
+    rebuilds it (the Hugging Face -> vLLM part from its own config) and both sides check
+    they agree. ``skip`` / ``cast``: as ``tr.Refitter``'s, sent to the engine.
     ``group_backend``: ``"gloo"`` (CPU, or CUDA staged through the host) or ``"nccl"``.
     ``timeout``: seconds any rank waits for a peer. ``bucket_bytes``: the engine's
     buffer for tensors going through ``load_weights``. ``serve_while_staging``: each
@@ -219,29 +237,6 @@ def _loaded_shapes(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor
     return out
 
 
-def _sources(name_map: NameMap, dst: dict[str, tuple[int, ...]],
-             src: dict[str, torch.Size]) -> list[str]:
-    """The source names that feed ``dst`` (global shapes), in order; raises naming the
-    first tensor with no source or a source of another shape."""
-    shapes = {n: torch.empty(s, device="meta") for n, s in src.items()}
-    out: dict[str, None] = {}
-    for name, shape in dst.items():
-        segs = name_map.segments(name, shape, shapes, {})
-        if segs is None:
-            wanted = " or ".join(map(repr, name_map.wanted(name) or (name,)))
-            raise PlanError(f"{name}: vLLM tensor (routed through load_weights) has no source "
-                            f"tensor (the trainer holds no {wanted})", tensor=name,
-                            rule="no source")
-        for seg in segs:
-            got = tuple(src[seg.src_name])
-            if not seg.part and got != tuple(shape):
-                raise PlanError(f"{name}: vLLM tensor of global shape {list(shape)} is fed "
-                                f"whole by the trainer's {seg.src_name} of shape {list(got)}",
-                                tensor=name, rule="global shape")
-            out[seg.src_name] = None
-    return list(out)
-
-
 # ------------------------------------------------------------------- worker side
 class TorchrefitWeightTransferEngine(
         WeightTransferEngine[TorchrefitInitInfo, TorchrefitUpdateInfo]):
@@ -282,16 +277,23 @@ class TorchrefitWeightTransferEngine(
                           init_info.master_address, init_info.master_port,
                           peer_world_size=init_info.trainer_world_size,
                           backend=init_info.group_backend, timeout=init_info.timeout)
-        name_map = self._name_map(init_info.name_map)
-        terms = Terms(repr(name_map.cache_key()), tuple(init_info.skip), init_info.cast,
-                      init_info.staged)
+        try:
+            name_map = self._name_map(init_info.source_map)
+            key = repr(name_map.cache_key())
+        except PlanError as e:  # told to every rank by the agreement below
+            name_map, key = None, f"unusable: {e}"
+        terms = Terms(key, tuple(init_info.skip), init_info.cast, init_info.staged)
         self._staged = self.defers_processing = init_info.staged
         self.routes = decide_routes(self.model)
         seen = agree(self._conn, terms, {k: (r.way, r.why) for k, r in self.routes.items()})
-        source = next(extra for role, rank, _, extra in seen if role == "trainer" and rank == 0)
+        source: dict[str, tuple[tuple[int, ...], str]] = {}  # what every trainer rank holds
+        for role, _, _, extra in seen:
+            if role == "trainer":
+                source.update(extra)
         ways = {r.way for role, _, _, extra in seen if role == "engine"
                 for r in map(lambda v: Route(*v), extra.values())}
-        heads = name_map.num_heads, name_map.num_kv_heads
+        heads = vllm_part(name_map).num_heads, vllm_part(name_map).num_kv_heads
+        maps = route_maps(name_map)
         direct, reload, error = {}, [], None
         try:
             direct, reload = self._destinations(name_map, source, tp.rank_in_group,
@@ -299,12 +301,12 @@ class TorchrefitWeightTransferEngine(
         except Exception as e:
             error = failure(e, f"engine rank {self._conn.rank} planning")
         agree_status(self._conn, error, "planning the vLLM refit", applied=False)
-        kw = dict(group=self._conn, name_map=name_map, skip=tuple(init_info.skip),
-                  cast=init_info.cast, timeout=init_info.timeout)
+        kw = dict(group=self._conn, skip=tuple(init_info.skip), cast=init_info.cast,
+                  timeout=init_info.timeout)
         if DIRECT in ways:
             self._direct = Refitter(None, direct or None, dst_layout=vllm_tp_specs(
                 direct, tp.rank_in_group, tp.world_size, num_heads=heads[0],
-                num_kv_heads=heads[1]) if direct else None, **kw)
+                num_kv_heads=heads[1]) if direct else None, name_map=maps[DIRECT], **kw)
         if LOAD_WEIGHTS in ways:
             # staged: one bucket holding every tensor until the commit (the staging area)
             self._sink = load_weights_sink(
@@ -313,17 +315,19 @@ class TorchrefitWeightTransferEngine(
                 device=self.device) if reload else None
             # staged, the version is stamped at the commit (on the direct Refitter's tensors)
             self._reload = Refitter(None, (nn.Module() if self._staged else self.model)
-                                    if reload else None, dst_layout=self._sink, **kw)
+                                    if reload else None, dst_layout=self._sink,
+                                    name_map=maps[LOAD_WEIGHTS], **kw)
         counts = {w: sum(r.way == w for r in self.routes.values()) for w in (DIRECT, LOAD_WEIGHTS)}
         _log.info("torchrefit: engine rank %d: %d tensors written in place, %d through "
                   "load_weights", self._conn.rank, counts[DIRECT], counts[LOAD_WEIGHTS])
         for name, route in self.routes.items():
             _log.debug("torchrefit: %s: %s (%s)", name, route.way, route.why)
 
-    def _name_map(self, kind: str) -> HfToVllm:
-        if kind != "hf_to_vllm":
-            raise PlanError(f"the vLLM engine builds the name map 'hf_to_vllm' only, not {kind!r}")
-        return hf_to_vllm(self.model_config.hf_text_config)
+    def _name_map(self, source_map: dict[str, Any] | None) -> NameMap:
+        """The trainer's map, rebuilt: vLLM's part from this engine's config, the
+        trainer's part from its description."""
+        return compose(hf_to_vllm(self.model_config.hf_text_config),
+                       source_map_from(source_map))
 
     def _destinations(self, name_map, source, tp_rank, tp_size, heads):
         """This worker's direct tensors ``{name: live tensor}`` and what its sink wants
@@ -335,9 +339,8 @@ class TorchrefitWeightTransferEngine(
         specs = vllm_tp_specs(metas, tp_rank, tp_size, num_heads=heads[0], num_kv_heads=heads[1])
         shapes = {n: (specs[n].global_shape if n in specs else tuple(m.shape))
                   for n, m in metas.items()}
-        src_shapes = {n: torch.Size(s) for n, (s, _) in source.items()}
-        wanted = _sources(name_map, shapes, src_shapes)
-        return direct, [(n, source[n][0], getattr(torch, source[n][1])) for n in wanted]
+        wanted = sink_tensors(name_map, shapes, source)
+        return direct, [(n, shape, getattr(torch, dtype)) for n, shape, dtype in wanted]
 
     # -- update: start, receive, apply
     def start_weight_update(self) -> None:
@@ -548,16 +551,12 @@ class TorchrefitTrainerWeightTransferEngine(
         world = dist.get_world_size() if dist.is_initialized() else 1
         engine = cls(client=client, source=source, is_sender=init_info.rank == 0)
         name_map = init_info.name_map or hf_to_vllm(getattr(model, "config", None))
-        if not isinstance(name_map, HfToVllm):  # the engine builds this one from its config
-            raise TypeError("torchrefit's vLLM backend maps Hugging Face names: name_map must "
-                            f"be tr.maps.hf_to_vllm(...), not {type(name_map).__name__}")
-        meta = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch."))
-                for n, t in named_refit_tensors(model)}
+        source_map = describe_source(name_map)  # what the engine rebuilds the map from
+        meta = _global_tensors(model)
         pending: Future | None = None
         if engine.is_sender:
             worker = TorchrefitInitInfo(
-                init_info.master_address, init_info.master_port, world,
-                "hf_to_vllm",
+                init_info.master_address, init_info.master_port, world, source_map,
                 list(init_info.skip), init_info.cast, init_info.group_backend,
                 init_info.timeout, init_info.bucket_bytes, init_info.serve_while_staging)
             pending = engine._rpc.submit(client.init_weight_transfer_engine, asdict(worker))
@@ -578,15 +577,15 @@ class TorchrefitTrainerWeightTransferEngine(
         terms = Terms(repr(name_map.cache_key()), tuple(info.skip), info.cast,
                       info.serve_while_staging)
         self._staged = info.serve_while_staging
-        seen = agree(self._conn, terms, meta if info.rank == 0 else None)
+        seen = agree(self._conn, terms, meta)
         engines = [extra for role, _, _, extra in seen if role == "engine"]
         self.routes = {k: Route(*v) for k, v in engines[0].items()}
         ways = {way for extra in engines for way, _ in extra.values()}
         agree_status(self._conn, None, "planning the vLLM refit", applied=False)
-        kw = dict(group=self._conn, name_map=name_map, skip=tuple(info.skip), cast=info.cast,
-                  timeout=info.timeout)
+        kw = dict(group=self._conn, skip=tuple(info.skip), cast=info.cast, timeout=info.timeout)
+        maps = route_maps(name_map)
         self._ways = [way for way in (DIRECT, LOAD_WEIGHTS) if way in ways]
-        self._refitters = [Refitter(model, None, **kw) for _ in self._ways]
+        self._refitters = [Refitter(model, None, name_map=maps[way], **kw) for way in self._ways]
 
     def send_weights(self, weight_version: str | None = None) -> None:
         """One update, on every trainer rank: rank 0 starts it, runs the engine's
@@ -691,6 +690,13 @@ class TorchrefitTrainerWeightTransferEngine(
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+
+def _global_tensors(model: nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
+    """This trainer rank's global tensors, ``{global name: (global shape, dtype)}``, as its
+    layout reads them (FSDP2 / DTensor, Megatron-core's TP shards, pipeline stages and
+    expert ranks): the engine plans its ``load_weights`` tensors from every rank's."""
+    return {t.name: (tuple(t.global_shape), t.dtype) for _, t in describe(model).layout}
 
 
 def _answer(pending: Future, timeout: float) -> None:

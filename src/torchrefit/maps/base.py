@@ -140,21 +140,45 @@ class Compose(NameMap):
         self.inner = inner
 
     def segments(self, dst_name, dst_shape, src_names, src_aliases):
-        through = _Through(self.inner, src_names, src_aliases)
-        outer = self.outer.segments(dst_name, dst_shape, through, {})
+        outer = self._wholes(dst_name, dst_shape, src_names, src_aliases)
         if outer is None:
             return None
         out: list[Segment] = []
-        for seg in outer:
-            box = relocate(seg.dst_box, seg.dst_box.offset, seg.src_offset)
-            whole = self.inner.source_shape(seg.src_name, src_names, src_aliases)
-            if any(box.offset) or (whole is not None and box.size != whole):
-                raise self._part_error(dst_name, seg.src_name, box, whole)
+        for seg, box in outer:
             inner = self.inner.segments(seg.src_name, box.size, src_names, src_aliases)
             if inner is None:
                 return None
             out.extend(Segment(relocate(s.dst_box, box.offset, seg.dst_box.offset), s.src_name,
                                s.src_offset, part=True) for s in inner)
+        return out
+
+    def intermediates(self, dst_name: str, dst_shape: tuple[int, ...],
+                      src_names: Container[str], src_aliases: Mapping[str, str],
+                      ) -> list[tuple[str, tuple[int, ...]]] | None:
+        """The intermediate tensors ``dst_name`` is made of: ``(name, global shape)`` in the
+        order the outer map reads them, or None where nothing feeds it. For an engine that
+        takes intermediate-named tensors itself (vLLM's ``load_weights`` takes Hugging
+        Face names): it asks for these, and :attr:`inner` says how each is filled."""
+        outer = self._wholes(dst_name, dst_shape, src_names, src_aliases)
+        if outer is None:
+            return None
+        return list({seg.src_name: box.size for seg, box in outer}.items())
+
+    def _wholes(self, dst_name, dst_shape, src_names, src_aliases
+                ) -> list[tuple[Segment, Box]] | None:
+        """The outer map's segments, each with the whole intermediate tensor it reads (a
+        box at the origin); raises where a segment reads a part of one."""
+        through = _Through(self.inner, src_names, src_aliases)
+        outer = self.outer.segments(dst_name, dst_shape, through, {})
+        if outer is None:
+            return None
+        out = []
+        for seg in outer:
+            box = relocate(seg.dst_box, seg.dst_box.offset, seg.src_offset)
+            whole = self.inner.source_shape(seg.src_name, src_names, src_aliases)
+            if any(box.offset) or (whole is not None and box.size != whole):
+                raise self._part_error(dst_name, seg.src_name, box, whole)
+            out.append((seg, box))
         return out
 
     def _part_error(self, dst_name: str, name: str, box: Box,
