@@ -64,6 +64,7 @@ class GptShape:
     experts: int = 0  # MoE (Mixtral-shaped): experts per layer, each of expert_ffn, top-k routed
     expert_ffn: int = 32
     topk: int = 2
+    qk_norm: bool = False  # an RMSNorm over each head's queries and keys (Qwen 3)
 
     @property
     def qkv_bias(self) -> bool:
@@ -119,11 +120,12 @@ def build_gpt(shape: GptShape, tp: int, seed: int, pp: int = 1, ep: int = 1) -> 
         hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, gradient_accumulation_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, apply_rope_fusion=False, **moe,
+        persist_layer_norm=False, apply_rope_fusion=False, qk_layernorm=shape.qk_norm, **moe,
     )
     model = GPTModel(
         config=config, transformer_layer_spec=get_gpt_layer_local_spec(
-            num_experts=shape.experts or None, normalization="RMSNorm"),
+            num_experts=shape.experts or None, qk_layernorm=shape.qk_norm,
+            normalization="RMSNorm"),
         vocab_size=shape.vocab, max_sequence_length=64, position_embedding_type="rope",
         rotary_base=int(shape.rope_base), share_embeddings_and_output_weights=False,
         parallel_output=False, pre_process=ps.is_pipeline_first_stage(),

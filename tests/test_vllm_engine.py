@@ -26,9 +26,10 @@ holding torchtitan's own conversion (``state_dict_adapter.to_hf``). Its second v
 is sent while vLLM's generation is paused (``LLM.sleep(level=0)`` / ``wake_up``; over
 HTTP ``/pause`` / ``/resume``, a request sent meanwhile answered by the new version). A
 torchtitan trainer under the Hugging Face map fails at init naming the tensor and the
-map to pass. Where megatron-core is installed, a megatron-core ``GPTModel`` trainer
-(tensor parallel over the 2 trainer ranks) then takes over the TP2 engine through
-``megatron_to_vllm``, judged against megatron-core's own forward on vLLM's tokens.
+map to pass. Where megatron-core is installed, megatron-core ``GPTModel`` trainers then
+take over through ``megatron_to_vllm``: Llama tensor parallel and then pipeline parallel
+over the 2 trainer ranks into the TP2 engine, Qwen 3 MoE (q/k norms, router, experts)
+into the MoE engine, judged against megatron-core's own forward on vLLM's tokens.
 """
 
 from __future__ import annotations
@@ -190,17 +191,21 @@ def test_torchtitan_trainer_feeds_the_engine(scenario, tmp_path_factory):
         assert sum(sent) == 2 * total, paused
 
 
-def test_megatron_core_trainer_feeds_the_engine(tmp_path_factory):
-    """A megatron-core ``GPTModel`` (TP2 over the trainer's 2 ranks) through
-    ``megatron_to_vllm`` into the TP2 engine: two versions equal megatron-core's own
-    forward (teacher-forced on vLLM's tokens)."""
-    cases = run("tp2", tmp_path_factory)["cases"]
-    if "megatron_version_1" not in cases:
+@pytest.mark.parametrize("scenario, prefix", [("tp2", "megatron"), ("tp2", "megatron_pp"),
+                                              ("moe", "megatron_moe")])
+def test_megatron_core_trainer_feeds_the_engine(scenario, prefix, tmp_path_factory):
+    """megatron-core ``GPTModel``s through ``megatron_to_vllm``: Llama tensor parallel over
+    the trainer's 2 ranks and then pipeline parallel (each rank one stage) into the TP2
+    engine, Qwen 3 MoE (q/k norms, router, experts; the MoE scenario's one trainer rank)
+    into the MoE engine. Two versions each equal megatron-core's own forward
+    (across the stages for the pipeline), teacher-forced on vLLM's tokens."""
+    cases = run(scenario, tmp_path_factory)["cases"]
+    if f"{prefix}_version_1" not in cases:
         pytest.skip("megatron-core is not installed (pip install --no-deps megatron-core)")
     for k in (1, 2):
-        assert_matches_oracle(cases[f"megatron_version_{k}"])
-        assert cases[f"megatron_version_{k}"]["weight_version"] == f"megatron-v{k}"
-    assert_fails_oracle(cases["megatron_skipped_update"])
+        assert_matches_oracle(cases[f"{prefix}_version_{k}"])
+        assert cases[f"{prefix}_version_{k}"]["weight_version"] == f"{prefix}-v{k}"
+    assert_fails_oracle(cases[f"{prefix}_skipped_update"])
 
 
 def test_torchtitan_trainer_under_the_hf_map_fails_at_init(tmp_path_factory):

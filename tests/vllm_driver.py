@@ -28,7 +28,7 @@ import traceback
 SCENARIOS = {
     "dense": dict(model="dense", trainers=1, tp=1, plain=False),
     "tied-fsdp": dict(model="tied", trainers=2, tp=1, plain=False),
-    "moe": dict(model="moe", trainers=1, tp=1, plain=False, titan="qwen3_moe"),
+    "moe": dict(model="moe", trainers=1, tp=1, plain=False, titan="qwen3_moe", megatron=True),
     "moe-fsdp": dict(model="moe", trainers=2, tp=1, plain=False),
     "plain": dict(model="dense", trainers=1, tp=1, plain=True),
     "tp2": dict(model="llama", trainers=2, tp=2, plain=False, titan="llama3", megatron=True),
@@ -201,45 +201,71 @@ def trainer(rank: int, world: int, scenario: str, port: int, dist_port: int, con
 
 # ---------------------------------------------------------- a Megatron-core trainer
 def _megatron_trainer(out: dict, cfg: dict, llm, rank: int, world: int, init) -> None:
-    """A megatron-core ``GPTModel`` of the engine's model (local spec, tensor parallel over
-    the trainer's ranks; ``tests/megatron_models.py``) takes over the engine through
-    ``megatron_to_vllm``: two versions, judged against megatron-core's own forward on
-    vLLM's tokens (megatron-core has no Hugging Face converter of its own)."""
-    from megatron_models import GptShape, build_gpt
+    """megatron-core ``GPTModel``s of the engine's model (local spec;
+    ``tests/megatron_models.py``) take over the engine one after another through
+    ``megatron_to_vllm``, each for two versions judged against megatron-core's own
+    forward on vLLM's tokens (megatron-core has no Hugging Face converter of its own).
+    Llama: tensor parallel over the trainer's ranks, then pipeline parallel (each rank
+    one stage); Qwen 3 MoE (q/k norms, router, experts): expert parallel over them (the
+    MoE scenario has one trainer rank)."""
+    from megatron_models import GptShape
+
+    moe = cfg["model_type"] == "qwen3_moe"
+    shape = GptShape("qwen3_moe" if moe else "llama", layers=cfg["num_hidden_layers"],
+                     hidden=cfg["hidden_size"], heads=cfg["num_attention_heads"],
+                     groups=cfg["num_key_value_heads"], ffn=cfg["intermediate_size"],
+                     vocab=cfg["vocab_size"], eps=cfg["rms_norm_eps"],
+                     rope_base=cfg["rope_theta"], experts=cfg.get("num_experts", 0),
+                     expert_ffn=cfg.get("moe_intermediate_size", 32),
+                     topk=cfg.get("num_experts_per_tok", 2), qk_norm=moe)
+    layouts = ({"megatron_moe": dict(ep=world)} if moe else
+               {"megatron": dict(tp=world), "megatron_pp": dict(pp=world)})
+    for seed, (prefix, sizes) in enumerate(layouts.items(), start=11):
+        t0 = time.monotonic()
+        _megatron_versions(out, prefix, shape, sizes, seed, llm, rank, init)
+        if rank == 0:
+            out[f"{prefix}_seconds"] = time.monotonic() - t0
+
+
+def _megatron_versions(out: dict, prefix: str, shape, sizes: dict, seed: int, llm, rank: int,
+                       init) -> None:
+    """One megatron-core trainer of ``shape`` at parallel ``sizes`` (``build_gpt`` makes
+    megatron-core's parallel state anew for them): two versions and a skipped update."""
+    from megatron_models import build_gpt
 
     import torchrefit as tr
 
-    shape = GptShape("llama", layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
-                     heads=cfg["num_attention_heads"], groups=cfg["num_key_value_heads"],
-                     ffn=cfg["intermediate_size"], vocab=cfg["vocab_size"],
-                     eps=cfg["rms_norm_eps"], rope_base=cfg["rope_theta"])
-    model = build_gpt(shape, tp=world, seed=11)
+    model = build_gpt(shape, tp=sizes.get("tp", 1), seed=seed, pp=sizes.get("pp", 1),
+                      ep=sizes.get("ep", 1))
     sender = init(source=model, name_map=tr.maps.megatron_to_vllm(model.config))
     for k in (1, 2):
         if k == 2:
             step(model, k)
-            seen = _judge_megatron(llm, model, rank)
+            seen = _judge_megatron(llm, model, rank, shape.hidden)
             if rank == 0:
-                out["cases"]["megatron_skipped_update"] = seen
-        sender.send_weights(weight_version=f"megatron-v{k}")
-        seen = _judge_megatron(llm, model, rank)
+                out["cases"][f"{prefix}_skipped_update"] = seen
+        sender.send_weights(weight_version=f"{prefix}-v{k}")
+        seen = _judge_megatron(llm, model, rank, shape.hidden)
         if rank == 0:
-            out["cases"][f"megatron_version_{k}"] = dict(seen,
-                                                         weight_version=llm.get_weight_version())
+            out["cases"][f"{prefix}_version_{k}"] = dict(
+                seen, weight_version=llm.get_weight_version())
     sender.shutdown()
 
 
-def _judge_megatron(llm, model, rank: int) -> dict | None:
-    """:func:`_judge` with megatron-core's forward as the oracle, a collective over its
-    tensor-parallel ranks: rank 0 generates, every rank runs the forward on its tokens."""
+def _judge_megatron(llm, model, rank: int, hidden: int) -> dict | None:
+    """:func:`_judge` with megatron-core's forward as the oracle, a collective over the
+    trainer's ranks: rank 0 generates, every rank runs the forward on its tokens (its
+    tensor-parallel shard, or its pipeline stage, the hidden states passed on between
+    stages)."""
     import torch
     import torch.distributed as dist
-    from megatron_models import megatron_logits
+    from megatron_models import megatron_pp_logits
 
     box = [_generate(llm) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     outs = box[0]
-    logps = [torch.log_softmax(megatron_logits(model, torch.tensor([p + gen]))[0].double(), -1)
+    logps = [torch.log_softmax(megatron_pp_logits(model, torch.tensor([p + gen]), hidden)[0]
+                               .double(), -1)
              for p, (gen, _) in zip(PROMPTS, outs)]
     return _score(outs, logps) if rank == 0 else None
 
