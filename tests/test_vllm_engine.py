@@ -12,16 +12,16 @@ vLLM's own ``reload_weights`` pass it.
 Covered: the default CPU build (packed linears: routed through vLLM's layerwise reload
 and ``load_weights``), a direct-placement run (a test plugin keeps vLLM's linear weights
 as parameters, as its GPU build does), dense untied and tied, MoE (stacked experts,
-transformers 5 names), trainer ranks 1 and 2 (FSDP2: each sends its own shards), init
-errors (a name map that differs, a missing name, a wrong shape) and an exception
-raised inside the engine's ``load_weights`` reaching the trainer at once; updates
+transformers 5 names), trainer ranks 1 and 2 (FSDP2, dense and MoE: each sends its own
+shards), init errors (a name map that differs, a missing name, a wrong shape) and an
+exception raised inside the engine's ``load_weights`` reaching the trainer at once; updates
 staged while the engine serves (``serve_while_staging``): version v until the commit,
 v+1 after, on the load_weights route and in place.
 
 Trainer namings: after the Hugging Face trainer, a torchtitan 0.3.0 trainer of the same
 model takes over the same engine (``name_map=tr.maps.torchtitan_to_vllm(model_config)``):
-Llama 3 (fused ``wqkv``, grouped-query attention) FSDP2 on 2 ranks into the TP2 Llama
-engine, Qwen 3 MoE (float32 experts) into the MoE engine; its oracle is transformers
+Llama 3 (fused ``wqkv``, grouped-query attention) into the TP2 Llama engine, Qwen 3 MoE
+(float32 experts) into the MoE engine, each FSDP2 on 2 ranks; its oracle is transformers
 holding torchtitan's own conversion (``state_dict_adapter.to_hf``). Its second version
 is sent while vLLM's generation is paused (``LLM.sleep(level=0)`` / ``wake_up``; over
 HTTP ``/pause`` / ``/resume``, a request sent meanwhile answered by the new version). A
@@ -29,7 +29,8 @@ torchtitan trainer under the Hugging Face map fails at init naming the tensor an
 map to pass. Where megatron-core is installed, megatron-core ``GPTModel`` trainers then
 take over through ``megatron_to_vllm``: Llama tensor parallel and then pipeline parallel
 over the 2 trainer ranks into the TP2 engine, Qwen 3 MoE (q/k norms, router, experts)
-into the MoE engine, judged against megatron-core's own forward on vLLM's tokens.
+expert parallel over the 2 trainer ranks (EP2) into the MoE engine, judged against
+megatron-core's own forward on vLLM's tokens.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def test_vllm_own_reload_passes_the_oracle(tmp_path_factory):
     assert_matches_oracle(run("dense", tmp_path_factory)["cases"]["vllm_reload"])
 
 
-@pytest.mark.parametrize("scenario, workers", [("tied-fsdp", 1), ("tp2", 2)])
+@pytest.mark.parametrize("scenario, workers", [("tied-fsdp", 1), ("moe", 1), ("tp2", 2)])
 def test_fsdp2_ranks_send_only_their_shards(scenario, workers, tmp_path_factory):
     case = run(scenario, tmp_path_factory)["cases"]["version_2"]
     sent, total = case["bytes_sent"], case["model_bytes"]
@@ -170,10 +171,10 @@ def test_http_server_path(tmp_path_factory):
 
 @pytest.mark.parametrize("scenario", ["tp2", "moe"])
 def test_torchtitan_trainer_feeds_the_engine(scenario, tmp_path_factory):
-    """torchtitan's Llama 3 (FSDP2, 2 ranks, TP2 engine) and Qwen 3 MoE (1 rank) through
-    ``torchtitan_to_vllm``: two versions equal transformers holding torchtitan's own
-    ``to_hf`` conversion; the second, sent while vLLM's scheduler was paused, serves
-    once it is resumed."""
+    """torchtitan's Llama 3 (TP2 engine) and Qwen 3 MoE (TP1 engine), each FSDP2 over 2
+    trainer ranks, through ``torchtitan_to_vllm``: two versions equal transformers
+    holding torchtitan's own ``to_hf`` conversion; the second, sent while vLLM's
+    scheduler was paused, serves once it is resumed."""
     r = run(scenario, tmp_path_factory)
     cases = r["cases"]
     for k in (1, 2):
@@ -185,10 +186,10 @@ def test_torchtitan_trainer_feeds_the_engine(scenario, tmp_path_factory):
     routes = r["titan_routes"]
     assert any(n.endswith("qkv_proj.weight") and w == "load_weights"
                for n, (w, _) in routes.items()), routes
-    if scenario == "tp2":  # each FSDP2 rank sends its own shards, once per engine worker
-        sent, total = paused["bytes_sent"], paused["model_bytes"]
-        assert len(sent) == 2 and all(0 < s < 2 * total for s in sent), paused
-        assert sum(sent) == 2 * total, paused
+    workers = 2 if scenario == "tp2" else 1  # each FSDP2 rank sends its own shards,
+    sent, total = paused["bytes_sent"], paused["model_bytes"]  # once per engine worker
+    assert len(sent) == 2 and all(0 < s < workers * total for s in sent), paused
+    assert sum(sent) == workers * total, paused
 
 
 @pytest.mark.parametrize("scenario, prefix", [("tp2", "megatron"), ("tp2", "megatron_pp"),
@@ -196,9 +197,10 @@ def test_torchtitan_trainer_feeds_the_engine(scenario, tmp_path_factory):
 def test_megatron_core_trainer_feeds_the_engine(scenario, prefix, tmp_path_factory):
     """megatron-core ``GPTModel``s through ``megatron_to_vllm``: Llama tensor parallel over
     the trainer's 2 ranks and then pipeline parallel (each rank one stage) into the TP2
-    engine, Qwen 3 MoE (q/k norms, router, experts; the MoE scenario's one trainer rank)
-    into the MoE engine. Two versions each equal megatron-core's own forward
-    (across the stages for the pipeline), teacher-forced on vLLM's tokens."""
+    engine, Qwen 3 MoE (q/k norms, router, experts) expert parallel over the 2 ranks (EP2:
+    each holds and sends 2 of the 4 experts of every layer) into the MoE engine. Two
+    versions each equal megatron-core's own forward (across the stages for the pipeline,
+    across the expert ranks for the MoE), teacher-forced on vLLM's tokens."""
     cases = run(scenario, tmp_path_factory)["cases"]
     if f"{prefix}_version_1" not in cases:
         pytest.skip("megatron-core is not installed (pip install --no-deps megatron-core)")
@@ -206,6 +208,12 @@ def test_megatron_core_trainer_feeds_the_engine(scenario, prefix, tmp_path_facto
         assert_matches_oracle(cases[f"{prefix}_version_{k}"])
         assert cases[f"{prefix}_version_{k}"]["weight_version"] == f"{prefix}-v{k}"
     assert_fails_oracle(cases[f"{prefix}_skipped_update"])
+    if scenario == "moe":  # EP2: each rank holds 2 of the 4 experts and sends its part,
+        case = cases[f"{prefix}_version_2"]  # each byte once into the engine's one worker
+        total = cases["version_2"]["model_bytes"]  # the Hugging Face trainer's same model
+        assert case["experts_held"] == [2, 2], case
+        assert len(case["bytes_sent"]) == 2 and all(0 < s < total for s in case["bytes_sent"])
+        assert sum(case["bytes_sent"]) == total, case
 
 
 def test_torchtitan_trainer_under_the_hf_map_fails_at_init(tmp_path_factory):

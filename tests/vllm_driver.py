@@ -28,8 +28,7 @@ import traceback
 SCENARIOS = {
     "dense": dict(model="dense", trainers=1, tp=1, plain=False),
     "tied-fsdp": dict(model="tied", trainers=2, tp=1, plain=False),
-    "moe": dict(model="moe", trainers=1, tp=1, plain=False, titan="qwen3_moe", megatron=True),
-    "moe-fsdp": dict(model="moe", trainers=2, tp=1, plain=False),
+    "moe": dict(model="moe", trainers=2, tp=1, plain=False, titan="qwen3_moe", megatron=True),
     "plain": dict(model="dense", trainers=1, tp=1, plain=True),
     "tp2": dict(model="llama", trainers=2, tp=2, plain=False, titan="llama3", megatron=True),
 }
@@ -206,8 +205,8 @@ def _megatron_trainer(out: dict, cfg: dict, llm, rank: int, world: int, init) ->
     ``megatron_to_vllm``, each for two versions judged against megatron-core's own
     forward on vLLM's tokens (megatron-core has no Hugging Face converter of its own).
     Llama: tensor parallel over the trainer's ranks, then pipeline parallel (each rank
-    one stage); Qwen 3 MoE (q/k norms, router, experts): expert parallel over them (the
-    MoE scenario has one trainer rank)."""
+    one stage); Qwen 3 MoE (q/k norms, router, experts): expert parallel over them (EP2:
+    each rank holds half the experts of every layer)."""
     from megatron_models import GptShape
 
     moe = cfg["model_type"] == "qwen3_moe"
@@ -231,6 +230,9 @@ def _megatron_versions(out: dict, prefix: str, shape, sizes: dict, seed: int, ll
                        init) -> None:
     """One megatron-core trainer of ``shape`` at parallel ``sizes`` (``build_gpt`` makes
     megatron-core's parallel state anew for them): two versions and a skipped update."""
+    import re
+
+    import torch.distributed as dist
     from megatron_models import build_gpt
 
     import torchrefit as tr
@@ -245,10 +247,15 @@ def _megatron_versions(out: dict, prefix: str, shape, sizes: dict, seed: int, ll
             if rank == 0:
                 out["cases"][f"{prefix}_skipped_update"] = seen
         sender.send_weights(weight_version=f"{prefix}-v{k}")
+        sent, held = [None] * dist.get_world_size(), [None] * dist.get_world_size()
+        dist.all_gather_object(sent, sum(r.bytes_sent for r in sender.reports))
+        dist.all_gather_object(held, len({m[1] for n, _ in model.named_parameters()
+                                          if (m := re.search(r"local_experts\.(\d+)\.", n))}))
         seen = _judge_megatron(llm, model, rank, shape.hidden)
-        if rank == 0:
+        if rank == 0:  # held: each rank's local experts of a layer
             out["cases"][f"{prefix}_version_{k}"] = dict(
-                seen, weight_version=llm.get_weight_version())
+                seen, weight_version=llm.get_weight_version(), bytes_sent=sent,
+                experts_held=held)
     sender.shutdown()
 
 
