@@ -749,6 +749,9 @@ def main(scenario: str, out_path: str) -> None:
         result["error"] = traceback.format_exc()
     for p in procs:
         p.join(120)
+        if p.is_alive():  # a rank left waiting must not outlive the driver (and hold its pipes)
+            p.kill()
+            p.join()
         result.setdefault("trainer_exit", []).append(p.exitcode)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
