@@ -627,7 +627,7 @@ def http(out_path: str) -> None:
     workdir = tempfile.mkdtemp(prefix="torchrefit-vllm-")
     with open(os.path.join(workdir, "config.json"), "w") as f:
         json.dump(cfg, f)
-    port = _free_port()
+    port = _free_port(4)  # the server's; the trainer's rendezvous port + 2 and its link's
     base = f"http://127.0.0.1:{port}"
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # vLLM's weight-transfer routes
     # ``vllm serve``'s server: the ``vllm`` command itself asks for the ``vllm``
@@ -641,11 +641,11 @@ def http(out_path: str) -> None:
     result: dict = {"cases": {}}
     try:
         _wait_healthy(base, server)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port + 1}", rank=0,
                                 world_size=1)
         model = hf_model(cfg, seed=0)
         sender = WeightTransferTrainerFactory.trainer_init(
-            TorchrefitTrainerInitInfo("127.0.0.1", _free_port(), timeout=60.0),
+            TorchrefitTrainerInitInfo("127.0.0.1", port + 2, timeout=60.0),
             client=HTTPVLLMWeightSyncClient(base), source=ModuleSource(model))
         for k in (1, 2):
             if k == 2:
@@ -735,7 +735,8 @@ def main(scenario: str, out_path: str) -> None:
               enforce_eager=True, max_model_len=128, tensor_parallel_size=sc["tp"],
               weight_transfer_config=WeightTransferConfig(backend="torchrefit"))
     started = time.monotonic() - t0
-    port, dist_port = _free_port(), _free_port()
+    port = _free_port(101)  # each init's rendezvous pair (see ``trainer``), then the job's own
+    dist_port = port + 100
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_spawned, args=(r, sc["trainers"], scenario, port, dist_port,
                                                  cfg_json))
@@ -758,12 +759,29 @@ def main(scenario: str, out_path: str) -> None:
     llm.llm_engine.engine_core.shutdown()  # the engine's processes go with it
 
 
-def _free_port() -> int:
+def _free_port(span: int) -> int:
+    """The first of ``span`` consecutive ports free now, all below the kernel's ephemeral
+    range: the ports the OS hands out later (gloo's connections, listeners on port 0)
+    never fall there, so none takes a port a later init of this run listens on, and no
+    client connecting to one before its listener is up can be connected to itself."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        base = random.randrange(max(1024, low // 2), low - span)
+        try:
+            for p in range(base, base + span):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {span} consecutive free ports below {low}")
 
 
 if __name__ == "__main__":

@@ -471,7 +471,8 @@ def run_job(llm, ctx, job: str, cfg_json: str) -> dict:
     import torch.multiprocessing  # noqa: F401  (the spawn context's pickling of tensors)
 
     ours, theirs = ctx.Pipe()
-    port, dist_port = _free_port(), _free_port()
+    port = _free_port(3)  # the trainer's link (port, port + 1), then its job's own group
+    dist_port = port + 2
     procs = [ctx.Process(target=trainer_job, args=(r, job, dist_port, port,
                                                    theirs if r == 0 else None, cfg_json))
              for r in range(WORLD)]
