@@ -33,7 +33,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -68,7 +67,7 @@ def _staged(llm, model, repeats: int) -> dict:
     from torchrefit.engines.vllm import TorchrefitTrainerInitInfo
 
     sender = WeightTransferTrainerFactory.trainer_init(
-        TorchrefitTrainerInitInfo("127.0.0.1", _free_port(), serve_while_staging=True),
+        TorchrefitTrainerInitInfo("127.0.0.1", _free_port(2), serve_while_staging=True),
         client=_Client(llm), source=model)
     sender.send_weights(weight_version="staged-warm")
     stage, commit = [], []
@@ -86,26 +85,20 @@ def _staged(llm, model, repeats: int) -> dict:
 
 def run(name: str, repeats: int, staged: bool = False) -> dict:
     import torch.distributed as dist
-    from vllm import LLM
-    from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    from vllm_driver import _Client, _free_port, _full, config, hf_model, step
+    from vllm_driver import _Client, _free_port, _full, config, hf_model, start_engine, step
 
     from torchrefit.engines.vllm import TorchrefitTrainerInitInfo
 
     cfg = QWEN2_05B if name == "dense-0.5b" else config(name)
-    workdir = tempfile.mkdtemp(prefix="torchrefit-bench-")
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    llm = LLM(model=workdir, load_format="dummy", skip_tokenizer_init=True, dtype="float32",
-              enforce_eager=True, max_model_len=128,
-              weight_transfer_config=WeightTransferConfig(backend="torchrefit"))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+    llm = start_engine(cfg)
+    port = _free_port(3)  # this process's group, then the trainer's link (port + 1, port + 2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
                             world_size=1)
     model = hf_model(cfg, seed=0)
     sender = WeightTransferTrainerFactory.trainer_init(
-        TorchrefitTrainerInitInfo("127.0.0.1", _free_port()), client=_Client(llm),
+        TorchrefitTrainerInitInfo("127.0.0.1", port + 1), client=_Client(llm),
         source=ModuleSource(model))
     sender.send_weights(weight_version="warm")  # the first refit compiles its plan
     ours = []

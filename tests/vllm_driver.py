@@ -56,6 +56,27 @@ def config(kind: str) -> dict:
     return dict(base, architectures=["Qwen2ForCausalLM"], model_type="qwen2")
 
 
+def model_dir(cfg: dict) -> str:
+    """A new folder holding ``cfg`` as ``config.json``: the model vLLM loads (dummy weights)."""
+    import tempfile
+
+    workdir = tempfile.mkdtemp(prefix="torchrefit-vllm-")
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return workdir
+
+
+def start_engine(cfg: dict, tp: int = 1):
+    """An in-process ``vllm.LLM`` of ``cfg`` (float32, dummy weights, eager) whose weight
+    transfer is torchrefit's backend."""
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    return LLM(model=model_dir(cfg), load_format="dummy", skip_tokenizer_init=True,
+               dtype="float32", enforce_eager=True, max_model_len=128, tensor_parallel_size=tp,
+               weight_transfer_config=WeightTransferConfig(backend="torchrefit"))
+
+
 def hf_model(cfg: dict, seed: int):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -612,7 +633,6 @@ def http(out_path: str) -> None:
     """``vllm serve --weight-transfer-config '{"backend": "torchrefit"}'`` and a trainer
     launched apart, through vLLM's ``HTTPVLLMWeightSyncClient``."""
     import subprocess
-    import tempfile
 
     import requests
     import torch.distributed as dist
@@ -624,9 +644,7 @@ def http(out_path: str) -> None:
 
     cfg = config("dense")
     os.environ["TORCHREFIT_VLLM_CONFIG_JSON"] = json.dumps(cfg)
-    workdir = tempfile.mkdtemp(prefix="torchrefit-vllm-")
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    workdir = model_dir(cfg)
     port = _free_port(4)  # the server's; the trainer's rendezvous port + 2 and its link's
     base = f"http://127.0.0.1:{port}"
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # vLLM's weight-transfer routes
@@ -715,11 +733,7 @@ def _spawned(rank, world, scenario, port, dist_port, cfg_json):
 
 
 def main(scenario: str, out_path: str) -> None:
-    import tempfile
-
     import torch.multiprocessing as mp
-    from vllm import LLM
-    from vllm.config import WeightTransferConfig
 
     sc = SCENARIOS[scenario]
     cfg = config(sc["model"])
@@ -727,13 +741,8 @@ def main(scenario: str, out_path: str) -> None:
     os.environ["TORCHREFIT_VLLM_CONFIG_JSON"] = cfg_json
     if sc["tp"] > 1:  # one NUMA node here: vLLM CPU cannot bind each worker to its own
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    workdir = tempfile.mkdtemp(prefix="torchrefit-vllm-")
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        json.dump(cfg, f)
     t0 = time.monotonic()
-    llm = LLM(model=workdir, load_format="dummy", skip_tokenizer_init=True, dtype="float32",
-              enforce_eager=True, max_model_len=128, tensor_parallel_size=sc["tp"],
-              weight_transfer_config=WeightTransferConfig(backend="torchrefit"))
+    llm = start_engine(cfg, tp=sc["tp"])
     started = time.monotonic() - t0
     port = _free_port(101)  # each init's rendezvous pair (see ``trainer``), then the job's own
     dist_port = port + 100

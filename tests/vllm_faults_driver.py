@@ -45,7 +45,7 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from vllm_driver import PROMPTS, _compare, _free_port, _full, config, hf_model  # noqa: E402
+from vllm_driver import PROMPTS, _compare, _free_port, _full, config, hf_model, start_engine  # noqa: E402
 
 UPDATES = 200
 JUDGE_EVERY = 25
@@ -215,19 +215,26 @@ def _first_job(rank: int, client, port: int) -> dict:
     if rank == 0:
         client.ask("hold_next_load", HOLD)
         client.ask("kill_at_next_update", "trainer 1", KILL_AFTER)
-    t0 = time.monotonic()
-    try:
-        sender.send_weights(weight_version=f"v{UPDATES + 1}")
-        seen = {"raised": None}
-    except Exception as e:
-        seen = {"raised": type(e).__name__, "message": str(e)}
-    seen["seconds"] = time.monotonic() - t0
+    seen = _outcome(lambda: sender.send_weights(weight_version=f"v{UPDATES + 1}"))
     if rank == 0:
         out["trainer_killed"] = dict(
             seen, weight_version=client.ask("version"), engine=client.ask("last_update"),
             previous=_judge(client, previous), new=_judge(client, new),
             mismatched=checksum_mismatches(client.ask("checksums"), previous))
     return out
+
+
+def _outcome(call) -> dict:
+    """What ``call()`` did: the exception it raised (its class name and message) or None,
+    and how many seconds it took."""
+    t0 = time.monotonic()
+    try:
+        call()
+        seen = {"raised": None}
+    except Exception as e:
+        seen = {"raised": type(e).__name__, "message": str(e)}
+    seen["seconds"] = time.monotonic() - t0
+    return seen
 
 
 def _staged_job(rank: int, client, port: int) -> dict:
@@ -250,13 +257,7 @@ def _staged_job(rank: int, client, port: int) -> dict:
             os._exit(9)
 
         transport.start = dying_start
-    t0 = time.monotonic()
-    try:
-        sender.stage_weights()
-        seen = {"raised": None}
-    except Exception as e:
-        seen = {"raised": type(e).__name__, "message": str(e)}
-    seen["seconds"] = time.monotonic() - t0
+    seen = _outcome(sender.stage_weights)
     try:
         sender.commit_weights(weight_version=f"{STAGED}+1")
         seen["commit"] = None
@@ -292,13 +293,7 @@ def _second_job(rank: int, client, port: int) -> dict:
     if rank == 0:
         client.ask("hold_next_load", HOLD)
         client.ask("kill_at_next_update", "engine", KILL_AFTER)
-    t0 = time.monotonic()
-    try:
-        sender.send_weights(weight_version=f"v{UPDATES + 3}")
-        seen = {"raised": None}
-    except Exception as e:
-        seen = {"raised": type(e).__name__, "message": str(e)}
-    seen["seconds"] = time.monotonic() - t0
+    seen = _outcome(lambda: sender.send_weights(weight_version=f"v{UPDATES + 3}"))
     seen["params_equal"] = all(torch.equal(p.to_local(), params[n])
                                for n, p in model.named_parameters())
     now = {(n, k): v.to_local() if hasattr(v, "to_local") else v
@@ -488,21 +483,12 @@ def run_job(llm, ctx, job: str, cfg_json: str) -> dict:
 
 
 def main(out_path: str) -> None:
-    import tempfile
-
     import torch.multiprocessing as mp
-    from vllm import LLM
-    from vllm.config import WeightTransferConfig
 
     cfg = config("dense")
     cfg_json = json.dumps(cfg)
     os.environ["TORCHREFIT_VLLM_CONFIG_JSON"] = cfg_json
-    workdir = tempfile.mkdtemp(prefix="torchrefit-vllm-")
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    llm = LLM(model=workdir, load_format="dummy", skip_tokenizer_init=True, dtype="float32",
-              enforce_eager=True, max_model_len=128,
-              weight_transfer_config=WeightTransferConfig(backend="torchrefit"))
+    llm = start_engine(cfg)
     ctx = mp.get_context("spawn")
     result: dict = {}
     try:
