@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from ._util.tcp_store import NoListener, open_store
 from .errors import ConnectError
 
 __all__ = ["connect", "Connection", "ROLES"]
@@ -192,10 +193,18 @@ def _check_args(role, rank, world_size, peer_world_size, backend, timeout) -> No
 
 def _open_store(me: _Who, address: str, port: int, timeout: float) -> dist.TCPStore:
     """The trainer's rank 0 hosts the store; everyone else connects to it (retrying
-    until ``timeout``: the host may start later)."""
+    until ``timeout``: the host may start later; every wait bounded, a self-connect
+    refused: ``_util.tcp_store``)."""
     try:
-        return dist.TCPStore(address, port, me.joint_world, is_master=me.is_host,
-                             timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+        return open_store(address, port, host=me.is_host, world=me.joint_world, timeout=timeout,
+                          who=str(me))
+    except NoListener as e:
+        raise ConnectError(
+            f"{me}: missing trainer rank 0: its rendezvous store at {address}:{port} did not "
+            f"answer within {timeout:g} s (is the trainer job running, with the same address "
+            f"and port?)") from e
+    except ConnectError:
+        raise
     except Exception as e:
         if me.is_host:
             raise ConnectError(f"{me}: could not host the rendezvous store on {address}:{port}: "

@@ -15,7 +15,6 @@ Engine-agnostic; :mod:`torchrefit.engines.vllm` uses it on both sides.
 
 from __future__ import annotations
 
-import datetime
 import time
 import traceback
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .._util.tcp_store import NoListener, open_store
 from ..connect import Connection, connect
 from ..errors import ConnectError, PlanError, RefitError, TransportError
 from ..transport.collectives import all_gather_pickled
@@ -68,8 +68,13 @@ def _discovery_store(role: str, rank: int, address: str, port: int,
                      timeout: float) -> dist.TCPStore:
     host = role == "trainer" and rank == 0
     try:
-        return dist.TCPStore(address, port, None, is_master=host,
-                             timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+        return open_store(address, port, host=host, world=None, timeout=timeout,
+                          who=f"{role} rank {rank}")
+    except ConnectError as e:
+        if not isinstance(e, NoListener):
+            raise
+        raise ConnectError(f"{role} rank {rank}: no rendezvous store at {address}:{port} "
+                           f"(trainer rank 0 did not answer within {timeout:g} s): {e}") from e
     except Exception as e:
         raise ConnectError(f"{role} rank {rank}: no rendezvous store at {address}:{port} "
                            f"({'could not host it' if host else 'trainer rank 0 did not answer'} "
