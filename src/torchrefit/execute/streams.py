@@ -1,4 +1,4 @@
-"""The one place where torchrefit orders CUDA streams (DESIGN invariant 1).
+"""The one place where torchrefit orders CUDA streams (docs/reliability.md: never stale, never torn).
 
 Work that runs on a side stream must first wait for the caller's current stream,
 where the producer (the optimizer step) queued the newest weights, and the
