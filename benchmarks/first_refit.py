@@ -4,7 +4,7 @@ sizes (hidden 64), TP1 -> TP1 in one process, after a first Refitter in the proc
 CPU seconds (``time.process_time``: steadier than wall time on a shared 2-core VM),
 minimum and median of ``--repeat`` runs.
 
-    python benchmarks/first_refit_cpu.py --preset qwen3-30b-a3b --layers 8 [--megatron]
+    python benchmarks/first_refit.py --preset qwen3-30b-a3b --layers 8 [--megatron]
         [--default-device cpu] [--json OUT]
 
 ``--megatron`` builds megatron-core ``GPTModel``s of the same tiny shape on the CPU
@@ -14,7 +14,7 @@ mode: every torch call made from Python goes through it). ``warm_refit_median_s`
 median CPU seconds of 20 later refits of the last Refitter (its copies included:
 hidden 64, so mostly host work).
 
-On an H200 host the same work is ``benchmarks/first_refit_profile.py`` (at full sizes,
+On a GPU host the same work is ``benchmarks/first_refit_phases.py`` (at full sizes,
 with graph capture and the copy kernel on top).
 """
 

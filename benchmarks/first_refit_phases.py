@@ -6,7 +6,7 @@ A first Refitter on the same models runs before the timed one, as in ``torchrefi
 bench`` (imports, the CUDA context, the allocator and the copy kernel are warm; what is
 left is the per-Refitter work a trainer pays once per new Refitter).
 
-    python benchmarks/first_refit_profile.py --preset qwen3-30b-a3b --layers 8 [--megatron] [--json OUT]
+    python benchmarks/first_refit_phases.py --preset qwen3-30b-a3b --layers 8 [--megatron] [--json OUT]
 """
 
 from __future__ import annotations

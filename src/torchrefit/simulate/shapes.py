@@ -82,7 +82,7 @@ class ModelShape:
 
 
 PRESETS: dict[str, ModelShape] = {
-    # A GPT-3-style 4 B model as megatron-core's refit benchmark
+    # A GPT-3-style 4 B model as Megatron-LM's refit benchmark
     # (examples/rl/benchmark_refit.py) builds it: 245 tensors, 4.46 B parameters, untied
     # output layer, learned positions. Tied, it is the 244-tensor 4.25 B model.
     "gpt-4b": ModelShape(20, 4096, 32, 32, 16384, 50304, swiglu=False, bias=True, tie=False,

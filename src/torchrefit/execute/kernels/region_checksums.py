@@ -5,7 +5,8 @@ multiplies it by its column weight and its row weight in uint32 (which wraps mod
 ``2**32``: the checksum's ring, so the order of the products and sums does not
 matter) and writes one partial sum; the caller adds the partials per output slot.
 Bit for bit :func:`torchrefit.verify.checksum.region_sum` (``tests/test_verify_fused.py``
-checks it under Triton's interpreter on CPU, ``tests/test_verify_gpu.py`` on a GPU).
+checks it under Triton's interpreter on CPU; on a GPU every ``verify()`` of the GPU tests
+runs it, ``tests/test_gpu_refit.py``'s among them).
 
 Addresses in the segment table are words from ``base_word``; the program reads
 ``base + (address - base_word)``, so one launch reads regions of any number of
