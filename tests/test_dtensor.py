@@ -39,7 +39,13 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import torchrefit as tr
 from torchrefit.layout import TensorLayout, global_name, named_refit_tensors, placement_pieces
-from torchrefit.testing import attempt_refit, check_failed_everywhere, global_value, run_world
+from torchrefit.testing import (
+    attempt_refit,
+    check_failed_everywhere,
+    global_value,
+    run_cases,
+    run_world,
+)
 from torchrefit.testing.toy import FakeGroup, PGCollection
 
 WORLD = 4
@@ -490,13 +496,7 @@ def _world(rank: int, world: int, names: list[str], bad: list[str]) -> dict[str,
     ctx = _Ctx(rank, init_device_mesh("cpu", (world,)),
                init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
                DeviceMesh("cpu", [2, 3]), dist.new_group([1, 2, 3]))
-    out: dict[str, dict] = {}
-    for name in names:
-        try:
-            out[name] = _run_case(CASES[name](ctx))
-        except Exception as e:  # recorded per case; torchrefit's errors reach every rank
-            out[name] = {"error": f"{type(e).__name__}: {e}"}
-        dist.barrier()
+    out: dict[str, dict] = run_cases(names, lambda name: _run_case(CASES[name](ctx)), key=str)
     for name in bad:
         try:
             out[name] = _run_bad(name, ctx)

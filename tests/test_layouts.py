@@ -19,7 +19,6 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import torchrefit as tr
 from torchrefit.testing import (
@@ -27,6 +26,7 @@ from torchrefit.testing import (
     ModelSpec,
     build_toy,
     expected_local,
+    run_cases,
     run_world,
     usable_transports,
 )
@@ -232,14 +232,7 @@ def _world_cases(rank: int, world: int, cases: list[Case], on_gpus: bool = False
         gpu = 0 if one_gpu else rank
         torch.cuda.set_device(gpu)
         device = f"cuda:{gpu}"
-    out = {}
-    for case in cases:
-        try:
-            out[case.id] = _run_case(case, rank, device, transport)
-        except Exception as e:  # recorded per case; errors are agreed, so no rank hangs
-            out[case.id] = {"error": f"{type(e).__name__}: {e}"}
-        dist.barrier()
-    return out
+    return run_cases(cases, lambda case: _run_case(case, rank, device, transport))
 
 
 @pytest.fixture(scope="module", params=usable_transports(cuda=False))

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
 from test_maps_hf import _module, _vllm_shard, reference, toy_globals
 
 import torchrefit as tr
@@ -37,7 +36,7 @@ from torchrefit import settings
 from torchrefit.layout._types import Box
 from torchrefit.layout.vllm_tp import vllm_tp_layout
 from torchrefit.maps import relocate
-from torchrefit.testing import Mesh, ModelSpec, build_toy, run_world, usable_transports
+from torchrefit.testing import Mesh, ModelSpec, build_toy, run_cases, run_world, usable_transports
 
 transformers = pytest.importorskip("transformers")
 
@@ -412,16 +411,8 @@ def _run_vllm(case: Case, rank: int) -> dict:
 def _world(rank: int, world: int, cases: list[Case], transport: str = "auto") -> dict[str, dict]:
     settings.configure(transport=transport)  # what "auto" means in every Refitter of this world
     torch.set_num_threads(1)
-    out = {}
-    for case in cases:
-        try:
-            run = {"logits": _run_logits, "vllm": _run_vllm, "bad": _run_bad}[case.kind]
-            out[case.id] = run(case, rank)
-        except Exception as e:  # recorded per case; the next case still runs on every rank
-            import traceback
-            out[case.id] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
-        dist.barrier()
-    return out
+    runs = {"logits": _run_logits, "vllm": _run_vllm, "bad": _run_bad}
+    return run_cases(cases, lambda case: runs[case.kind](case, rank), trace=True)
 
 
 @pytest.fixture(scope="module", params=usable_transports(cuda=False))

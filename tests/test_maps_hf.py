@@ -27,13 +27,12 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import torchrefit as tr
 from torchrefit.layout._types import Box
 from torchrefit.layout.vllm_tp import vllm_tp_layout
-from torchrefit.testing import Mesh, ModelSpec, build_toy, run_world
+from torchrefit.testing import Mesh, ModelSpec, build_toy, run_cases, run_world
 from torchrefit.testing.toy import global_table, global_value
 
 WORLD = 4
@@ -378,14 +377,7 @@ def _run_case(case: Case, rank: int) -> dict:
 
 
 def _world(rank: int, world: int, cases: list[Case]) -> dict[str, dict]:
-    out = {}
-    for case in cases:
-        try:
-            out[case.id] = _run_case(case, rank)
-        except Exception as e:  # recorded per case; the next case still runs on every rank
-            out[case.id] = {"error": f"{type(e).__name__}: {e}"}
-        dist.barrier()
-    return out
+    return run_cases(cases, lambda case: _run_case(case, rank))
 
 
 @pytest.fixture(scope="module")

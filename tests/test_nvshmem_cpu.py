@@ -23,7 +23,7 @@ from test_layouts import CASES, WORLD, _build_dst, _expected, _state
 
 import torchrefit as tr
 from torchrefit.errors import TransportError
-from torchrefit.testing import build_toy, run_world
+from torchrefit.testing import build_toy, run_cases, run_world
 from torchrefit.transport.nvshmem import plan_inbox
 
 PICK = ["dense-(2, 2)->(1, 1)", "dense-(1, 2)->(2, 4)", "moe-(2, 1, 2)->(4, 1, 1)", "moe-(4, 1, 1)->(1, 1, 4)",
@@ -75,13 +75,7 @@ def _case(case, rank: int) -> dict:
 
 def _world(rank: int, world: int) -> dict:
     shm_transport.ShmNvshmem.slow_receiver = 2e-4  # a missing wait then reads too early
-    out = {}
-    for case in SELECTED:
-        try:
-            out[case.id] = _case(case, rank)
-        except Exception as e:  # agreed errors: every rank records one
-            out[case.id] = {"error": f"{type(e).__name__}: {e}"}
-        torch.distributed.barrier()
+    out = run_cases(SELECTED, lambda case: _case(case, rank))
     shm_transport.ShmNvshmem.shared_place = True
     case = SELECTED[0]
     try:

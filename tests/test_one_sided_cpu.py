@@ -30,7 +30,7 @@ from test_layouts import CASES, WORLD, _build_dst, _expected, _state
 
 import torchrefit as tr
 from torchrefit import settings
-from torchrefit.testing import build_toy, run_world
+from torchrefit.testing import build_toy, run_cases, run_world
 
 PICK = ["dense-(2, 1)->(1, 1)", "dense-(2, 2)->(1, 1)", "moe-(2, 1, 2)->(4, 1, 1)", "tp2->tp3",
         "tied-pp2->untied-tp2", "noncolloc-pp2(0-1)->tp4(2-5)-idle", "noncolloc-moe-ep2(4-7)->ep4tp1(0-3)",
@@ -73,14 +73,7 @@ def _case(case, rank: int, transport: str) -> dict:
 
 
 def _world(rank: int, world: int, transport: str) -> dict:
-    out = {}
-    for case in SELECTED:
-        try:
-            out[case.id] = _case(case, rank, transport)
-        except Exception as e:  # agreed errors: every rank records one
-            out[case.id] = {"error": f"{type(e).__name__}: {e}"}
-        torch.distributed.barrier()
-    return out
+    return run_cases(SELECTED, lambda case: _case(case, rank, transport))
 
 
 @pytest.fixture(scope="module", params=["shm-pull", "shm-push"])

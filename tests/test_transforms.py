@@ -36,7 +36,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
 from test_maps_engines import _fsdp2, _vllm_engine, vllm_reference
 from test_maps_hf import _module, reference, toy_globals
 
@@ -50,6 +49,7 @@ from torchrefit.testing import (
     ModelSpec,
     build_toy,
     expected_local,
+    run_cases,
     run_world,
     usable_transports,
 )
@@ -382,15 +382,8 @@ def _verified(r: tr.Refitter) -> str:
 def _world(rank: int, world: int, cases: list[Case], transport: str = "auto") -> dict[str, dict]:
     settings.configure(transport=transport)  # what "auto" means in every Refitter of this world
     torch.set_num_threads(1)
-    out = {}
-    for case in cases:
-        try:
-            out[case.id] = {"cast": _cast, "fp8-hf": _fp8_hf, "fp8-vllm": _fp8_vllm}[case.kind](case, rank)
-        except Exception as e:  # recorded per case; the next case still runs on every rank
-            import traceback
-            out[case.id] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
-        dist.barrier()
-    return out
+    runs = {"cast": _cast, "fp8-hf": _fp8_hf, "fp8-vllm": _fp8_vllm}
+    return run_cases(cases, lambda case: runs[case.kind](case, rank), trace=True)
 
 
 @pytest.fixture(scope="module", params=usable_transports(cuda=False))
