@@ -176,19 +176,36 @@ def _changed(cur: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
             and a.storage_offset() * a.element_size() % 8 == 0:
         # compare 8 bytes at a time, then the elements of the words that differ
         wa, wb = a.reshape(-1).view(torch.int64), b.reshape(-1).view(torch.int64)
-        words = (wa != wb).nonzero().squeeze(1)
+        words = _differing(wa, wb)
         if not words.numel():
             return words
         per = 8 // cur.element_size()
-        sub = wa[words].view(it).view(-1, per) != wb[words].view(it).view(-1, per)
-        idx = words.unsqueeze(1) * per + torch.arange(per, device=words.device)
-        return idx[sub]
-    return (a != b).reshape(-1).nonzero().squeeze(1)
+        sub = wa.index_select(0, words).view(it).view(-1, per) != wb.index_select(0, words).view(it).view(-1, per)
+        lanes = sub.nonzero()
+        return words.index_select(0, lanes[:, 0]) * per + lanes[:, 1]
+    return _differing(a.reshape(-1), b.reshape(-1)) if a.is_contiguous() and b.is_contiguous() \
+        else (a != b).reshape(-1).nonzero().squeeze(1)
+
+
+#: on CPU, words compared per pass: the mask stays in cache for the scan that follows
+_CPU_SPAN = 1 << 18
+
+
+def _differing(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Indices where two flat integer tensors differ."""
+    if a.device.type != "cpu" or a.numel() <= _CPU_SPAN:
+        return (a != b).nonzero().squeeze(1)
+    found = []
+    for lo in range(0, a.numel(), _CPU_SPAN):
+        nz = (a[lo: lo + _CPU_SPAN] != b[lo: lo + _CPU_SPAN]).nonzero().squeeze(1)
+        if nz.numel():
+            found.append(nz + lo)
+    return torch.cat(found) if found else torch.empty(0, dtype=torch.int64)
 
 
 def _flat_get(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     if t.is_contiguous():
-        return t.reshape(-1)[pos]
+        return t.reshape(-1).index_select(0, pos) if t.dtype != torch.bool else t.reshape(-1)[pos]
     return t[torch.unravel_index(pos, t.shape)] if t.dim() else t.reshape(-1)[pos]
 
 
@@ -237,7 +254,7 @@ def _dense_estimate(msg: _Message) -> bool:
         seen += cur.numel()
     # sparse costs (2 + w) bytes per changed element against w dense: dense from w / (2 + w)
     w = min(p.wire.itemsize for p in msg.parts)
-    return seen > 0 and changed > 1.25 * seen * w / (2 + w)
+    return seen > 0 and changed > 0.8 * seen * w / (2 + w)
 
 
 def _encode(msg: _Message) -> tuple[int, list[int], torch.Tensor]:
