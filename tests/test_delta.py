@@ -102,22 +102,39 @@ STEPS = [("first", None), ("unchanged", 0.0), ("one element", "one"), ("1%", 0.0
          ("30%", 0.3), ("all", 1.0), ("unchanged again", 0.0)]
 
 
-def _dtypes_world(rank: int, world: int, delta: str) -> dict:
-    src = _source(1) if rank == 0 else None
-    dst_d = _destination(2) if rank == 1 else None
-    dst_f = _destination(3) if rank == 1 else None
-    kw = dict(cast=True, fp8_block=(128, 128))
+def _step(src: dict, step: int, density) -> None:
+    if density == "one":
+        src["bf16"][150, 200] = -src["bf16"][150, 200] + 1
+    elif density == "subtle":
+        _subtle(src)
+    else:
+        _mutate(src, step, density)
+
+
+def _on(tensors: dict | None, device: str) -> dict | None:
+    if tensors is None or device == "cpu":
+        return tensors
+    return {k: v.to(device) for k, v in tensors.items()}
+
+
+def _dtypes_world(rank: int, world: int, delta: str, device: str = "cpu", transport: str = "auto") -> dict:
+    """Also run on GPUs by tests/test_gpu_delta.py (``device="cuda"``)."""
+    if device == "cuda":
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
+    src = _on(_source(1), device) if rank == 0 else None
+    dst_d = _on(_destination(2), device) if rank == 1 else None
+    dst_f = _on(_destination(3), device) if rank == 1 else None
+    kw = dict(cast=True, fp8_block=(128, 128), transport=transport)
     r_delta = tr.Refitter(src, dst_d, delta=delta, **kw)
     r_full = tr.Refitter(src, dst_f, **kw)
     out = {"steps": []}
     for step, (what, density) in enumerate(STEPS):
         if rank == 0 and density is not None:
-            if density == "one":
-                src["bf16"][150, 200] = -src["bf16"][150, 200] + 1
-            elif density == "subtle":
-                _subtle(src)
-            else:
-                _mutate(src, step, density)
+            host = {k: v.cpu() for k, v in src.items()}  # the same bits on every device
+            _step(host, step, density)
+            for k, v in host.items():
+                src[k].copy_(v)
         rep = r_delta.refit()
         full = r_full.refit()
         out["steps"].append({"what": what, "wrong": _same(dst_d, dst_f) if rank == 1 else [],
@@ -127,9 +144,7 @@ def _dtypes_world(rank: int, world: int, delta: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("delta", ["device", "host"])
-def test_every_dtype_bit_exact_at_every_density(delta: str) -> None:
-    results = run_world(_dtypes_world, 2, delta, timeout=240)
+def check_dtypes(results: list[dict]) -> None:
     engine = results[1]["steps"]
     for row in engine:
         assert row["wrong"] == [], row
@@ -144,6 +159,11 @@ def test_every_dtype_bit_exact_at_every_density(delta: str) -> None:
     assert by["30%"]["wire"] <= 1.01 * full
     # the sender's reference: the bytes it sends (messages pad regions to 16 bytes)
     assert full <= results[0]["steps"][-1]["reference"] <= 1.01 * full
+
+
+@pytest.mark.parametrize("delta", ["device", "host"])
+def test_every_dtype_bit_exact_at_every_density(delta: str) -> None:
+    check_dtypes(run_world(_dtypes_world, 2, delta, timeout=240))
 
 
 # ---------------------------------------------------------------- the version chain

@@ -79,7 +79,7 @@ def densities(layers: int = 2, vocab: int | None = 32768, lrs=(1e-6, 1e-5), step
                     changed[key][0] += diff
                     changed[key][1] += now.numel()
                 prev[n] = now
-            row = {"part": "densities", "lr": lr, "step": step + 1, "loss": float(loss),
+            row = {"part": "densities", "lr": lr, "step": step + 1, "loss": float(loss.detach()),
                    "delta_density": changed["model"][0] / changed["model"][1],
                    "per_kind": {k: c / t for k, (c, t) in changed.items() if k != "model"}}
             rows.append(row)
@@ -140,8 +140,8 @@ def _wire_world(rank: int, world: int, tensors: int, rows: int, cols: int, dens:
         for _ in range(iters):
             if rank == 0:
                 _mutate(src, p, g)
-            reports = []
-            d_ms.append(_timed(lambda: reports.append(r_d.refit()), group))
+            reports: list = []
+            d_ms.append(_timed(lambda out=reports: out.append(r_d.refit()), group))
             f_ms.append(_timed(r_f.refit, group))
             wire.append(reports[0].wire_bytes_sent + reports[0].wire_bytes_received)
         exact = all(torch.equal(dst_d[k].view(torch.int16), dst_f[k].view(torch.int16)) for k in shapes) \
