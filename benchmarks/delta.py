@@ -6,6 +6,7 @@ floor. One JSON row per line (``delta_density``, ``wire_bytes``, ``full_bytes``,
     python benchmarks/delta.py --part densities [--layers 2 --vocab 32768 | --full-size]
     python benchmarks/delta.py --part wire [--tensors 8 --rows 4096 --cols 2048 --iters 5]
     python benchmarks/delta.py --part gpu                  # CUDA: one GPU
+    python benchmarks/delta.py --part gloo-cuda            # CUDA: 2 processes, GPU tensors, gloo
     python benchmarks/delta.py --part nccl                 # CUDA: 2 GPUs, 2 processes
     python benchmarks/delta.py --part all --json OUT       # every part this machine runs
 """
@@ -22,7 +23,7 @@ from torchrefit.bench import delta
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", default="all", choices=["densities", "wire", "gpu", "nccl", "all"])
+    p.add_argument("--part", default="all", choices=["densities", "wire", "gpu", "gloo-cuda", "nccl", "all"])
     p.add_argument("--layers", type=int, default=2, help="densities: Qwen2 layers (Qwen2-0.5B has 24)")
     p.add_argument("--vocab", type=int, default=32768, help="densities: vocabulary (Qwen2-0.5B: 151936)")
     p.add_argument("--full-size", action="store_true", help="densities: the whole Qwen2-0.5B shape")
@@ -37,13 +38,16 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     rows = []
     parts = [args.part] if args.part != "all" else (
-        ["densities", "wire"] + (["gpu"] if cuda else []) + (["nccl"] if torch.cuda.device_count() >= 2 else []))
+        ["densities", "wire"] + (["gpu", "gloo-cuda"] if cuda else []) + (["nccl"] if torch.cuda.device_count() >= 2 else []))
     for part in parts:
         if part == "densities":
             got = delta.densities(args.layers, args.vocab, steps=args.steps, full=args.full_size,
                                   device="cuda" if cuda else "cpu")
         elif part == "wire":
             got = delta.wire(args.tensors, args.rows, args.cols, iters=args.iters, delta=args.reference)
+        elif part == "gloo-cuda":
+            got = delta.wire(args.tensors, args.rows, args.cols, iters=args.iters, delta=args.reference,
+                             cuda=True)
         elif part == "nccl":
             got = delta.wire(args.tensors, args.rows, args.cols, iters=args.iters, delta=args.reference,
                              transport="nccl")

@@ -26,20 +26,13 @@ import torch.distributed as dist
 
 __all__ = ["densities", "wire", "gpu", "KINDS"]
 
-#: tensor kinds of a Qwen2 model, by a part of their names
-KINDS = (("embed", "embed_tokens"), ("q/k/v", "_proj"), ("o", "o_proj"), ("mlp", "mlp."), ("norm", "norm"),
-         ("lm_head", "lm_head"))
+#: tensor kinds of a Qwen2 model, by a part of their names, first match wins
+KINDS = (("mlp", "mlp."), ("o", "o_proj"), ("q/k/v", "q_proj"), ("q/k/v", "k_proj"), ("q/k/v", "v_proj"),
+         ("norm", "norm"), ("embed", "embed_tokens"), ("lm_head", "lm_head"))
 
 
 def _kind(name: str) -> str:
-    if "o_proj" in name:
-        return "o"
-    if any(p in name for p in ("q_proj", "k_proj", "v_proj")):
-        return "q/k/v"
-    for kind, part in KINDS:
-        if part in name:
-            return kind
-    return "other"
+    return next((kind for kind, part in KINDS if part in name), "other")
 
 
 def _qwen2(layers: int, vocab: int | None, full: bool):
@@ -120,9 +113,9 @@ def _timed(fn, group) -> float:
 
 
 def _wire_world(rank: int, world: int, tensors: int, rows: int, cols: int, dens: list[float], iters: int,
-                delta: str, transport: str) -> list[dict]:
+                delta: str, transport: str, cuda: bool) -> list[dict]:
     import torchrefit as tr
-    dev = torch.device("cuda", rank) if transport == "nccl" else torch.device("cpu")
+    dev = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     g = torch.Generator().manual_seed(3)
@@ -146,7 +139,7 @@ def _wire_world(rank: int, world: int, tensors: int, rows: int, cols: int, dens:
             wire.append(reports[0].wire_bytes_sent + reports[0].wire_bytes_received)
         exact = all(torch.equal(dst_d[k].view(torch.int16), dst_f[k].view(torch.int16)) for k in shapes) \
             if rank == 1 else True
-        out.append({"part": transport, "delta_density": p, "wire_bytes": max(wire),
+        out.append({"part": transport + ("-cuda" if cuda and transport == "gloo" else ""), "delta_density": p, "wire_bytes": max(wire),
                     "full_bytes": r_f.plan.bytes_sent + r_f.plan.bytes_received,
                     "delta_ms": statistics.median(d_ms), "full_ms": statistics.median(f_ms),
                     "exact": exact, "iters": iters, "reference_bytes": reports[0].delta_reference_bytes})
@@ -155,12 +148,14 @@ def _wire_world(rank: int, world: int, tensors: int, rows: int, cols: int, dens:
 
 
 def wire(tensors: int = 8, rows: int = 4096, cols: int = 2048, dens=(0.001, 0.01, 0.05, 0.2, 0.5),
-         iters: int = 5, delta: str = "device", transport: str = "gloo") -> list[dict]:
-    """Delta against full refits, 2 processes, non-collocated, in one run: over gloo on
-    CPU, or over nccl with one GPU per process."""
+         iters: int = 5, delta: str = "device", transport: str = "gloo", cuda: bool = False) -> list[dict]:
+    """Delta against full refits, 2 processes, non-collocated, in one run: over gloo with
+    CPU tensors (or ``cuda``: both processes' tensors on GPUs, messages through host
+    memory), or over nccl with one GPU per process."""
+    cuda = cuda or transport == "nccl"
     from ..testing import run_world
     backend = "cpu:gloo,cuda:nccl" if transport == "nccl" else "gloo"
-    per_rank = run_world(_wire_world, 2, tensors, rows, cols, list(dens), iters, delta, transport,
+    per_rank = run_world(_wire_world, 2, tensors, rows, cols, list(dens), iters, delta, transport, cuda,
                          backend=backend, timeout=1800, pg_timeout=600)
     rows_out = []
     for a, b in zip(*per_rank):  # the engine's wire bytes and exactness; the slower rank's times
