@@ -107,6 +107,7 @@ class DeltaRounds:
     token: int = field(default_factory=lambda: next(_tokens))
     pairs: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
     last: DeltaStats = DeltaStats()
+    pool: torch.Tensor | None = None  # receive buffers, grown as needed and kept
 
     @property
     def idle(self) -> bool:
@@ -337,8 +338,7 @@ def run_delta(d: DeltaRounds, transport: RoundsTransport) -> DeltaStats:
     for m in range(rounds):
         sends = [(p, _on(encoded[p][m][2], d.wire)) for p in sorted(encoded)
                  if m < len(encoded[p]) and encoded[p][m][2].numel()]
-        recvs = [(p, torch.empty(plans[p][m][2], dtype=torch.uint8, device=d.wire)) for p in sorted(plans)
-                 if m < len(plans[p]) and plans[p][m][2]]
+        recvs = _receive_buffers(d, plans, m)
         if sends or recvs:
             transport.finish(transport.start(sends, recvs))
         sent += sum(b.numel() for _, b in sends)
@@ -350,7 +350,8 @@ def run_delta(d: DeltaRounds, transport: RoundsTransport) -> DeltaStats:
             enc, counts, size = plans[p][m]
             msg = d.recvs[p][m]
             if enc == DENSE:
-                _unpack(msg, _on(got[p], d.device))
+                if _in_place(msg, d.wire) is None:  # else received straight into the destination
+                    _unpack(msg, _on(got[p], d.device))
                 dense += 1
             else:
                 if size:
@@ -358,6 +359,37 @@ def run_delta(d: DeltaRounds, transport: RoundsTransport) -> DeltaStats:
                 sparse += 1
     d.last = DeltaStats(sent, received, sparse, dense)
     return d.last
+
+
+def _in_place(msg: _Message, wire: torch.device) -> torch.Tensor | None:
+    """The destination's own bytes where a dense message can land in them directly (one
+    contiguous region, no conversion, on the wire's device), as a full refit receives."""
+    if len(msg.parts) != 1:
+        return None
+    v = msg.parts[0].view
+    if v.dtype != msg.parts[0].wire or v.device != wire or not v.is_contiguous():
+        return None
+    return v.reshape(-1).view(torch.uint8)
+
+
+def _receive_buffers(d: DeltaRounds, plans, m: int) -> list[tuple[int, torch.Tensor]]:
+    """Round ``m``'s receive buffers: dense messages into the destination where they can
+    be, the rest in one pool kept across calls (a fresh allocation per call would fault
+    its pages in every time on CPU)."""
+    out, offsets, at = [], {}, 0
+    for p in sorted(plans):
+        if m < len(plans[p]) and plans[p][m][2]:
+            enc, _, size = plans[p][m]
+            direct = _in_place(d.recvs[p][m], d.wire) if enc == DENSE else None
+            if direct is not None:
+                out.append((p, direct))
+            else:
+                offsets[p] = at
+                out.append((p, None))
+                at += _align(size)
+    if offsets and (d.pool is None or d.pool.numel() < at):
+        d.pool = torch.empty(at, dtype=torch.uint8, device=d.wire)
+    return [(p, b if b is not None else d.pool[offsets[p]: offsets[p] + plans[p][m][2]]) for p, b in out]
 
 
 def _receive_plans(d: DeltaRounds, headers: dict[int, torch.Tensor]) -> dict[int, list[tuple[int, list[int], int]]]:
