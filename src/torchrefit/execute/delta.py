@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .._collectives import collective, collective_device
 from ..layout._types import dtype_from_name
 from ..plan.delta_chain import UNKNOWN, Chain, delta_pairs
 from ..plan.messages import ALIGN, cut_messages, rows_of
 from ..plan.types import RankPlan
 from ..transport.base import RoundsTransport
+from ..transport.collectives import collective, collective_device
 from .views import Views
 
 __all__ = ["DeltaRounds", "DeltaStats", "compile_delta", "gather_offers", "BLOCK", "DENSE", "SPARSE",
