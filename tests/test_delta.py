@@ -339,3 +339,33 @@ def test_separate_jobs_through_connect() -> None:
     assert engines[0]["ok"] == [True, True, True]
     sent, full = trainers[0]["sent"], trainers[0]["full"]
     assert sent[0] == full and max(sent[1:]) < full / 10, (sent, full)
+
+
+# ------------------------------------------------------------------ a failed refit
+def _failed_world(rank: int, world: int) -> dict:
+    """A transfer that fails mid-refit on every rank, delta and full alike: the same
+    outcome (version kept, every later refit refused: docs/reliability.md)."""
+    src = {"x": torch.ones(64, 64, dtype=torch.bfloat16)} if rank == 0 else None
+    out = {}
+    for delta in (None, "device"):
+        dst = {"x": torch.zeros(64, 64, dtype=torch.bfloat16)} if rank == 1 else None
+        r = tr.Refitter(src, dst, delta=delta)
+        r.refit()
+
+        def broken(*_args, **_kwargs):
+            raise tr.TransportError("injected failure")
+        r._program.run = broken
+        seen = []
+        for _ in range(2):
+            try:
+                r.refit()
+                seen.append("ok")
+            except tr.TransportError as e:
+                seen.append("unusable" if "unusable" in str(e) else "raised")
+        out[str(delta)] = (seen, r.version)
+    return out
+
+
+def test_a_failed_delta_refit_leaves_what_a_failed_full_refit_leaves() -> None:
+    for got in run_world(_failed_world, 2, timeout=120):
+        assert got["None"] == got["device"] == (["raised", "unusable"], 1), got
