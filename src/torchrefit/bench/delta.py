@@ -91,7 +91,7 @@ def densities(layers: int = 2, vocab: int | None = 32768, lrs=(1e-6, 1e-5), step
 # --------------------------------------------------------- 2 processes, gloo or nccl
 def _sync() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+        _sync()
 
 
 def _mutate(src: dict, density: float, g: torch.Generator) -> None:
@@ -169,12 +169,13 @@ def wire(tensors: int = 8, rows: int = 4096, cols: int = 2048, dens=(0.001, 0.01
 
 
 # --------------------------------------------------------------------------- GPU
-def gpu(numel: int = 1 << 28, dens=(0.001, 0.01, 0.05, 0.2, 0.5), iters: int = 10) -> list[dict]:
+def gpu(numel: int = 1 << 28, dens=(0.001, 0.01, 0.05, 0.2, 0.5), iters: int = 10,
+        device: str = "cuda") -> list[dict]:
     """One GPU: encode (diff against the reference, sparse payload, reference update) and
     apply (scatter into the destination) against the copy floor (one device copy of the
     full bytes), bf16, one message of ``numel`` elements."""
     from ..execute import delta as d
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(0)
     src = torch.randn(numel, device=dev, generator=g).to(torch.bfloat16)
     dst = src.clone()
@@ -186,10 +187,10 @@ def gpu(numel: int = 1 << 28, dens=(0.001, 0.01, 0.05, 0.2, 0.5), iters: int = 1
     def clock(fn) -> float:
         times = []
         for _ in range(iters):
-            torch.cuda.synchronize()
+            _sync()
             t0 = time.perf_counter()
             fn()
-            torch.cuda.synchronize()
+            _sync()
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
 
@@ -201,18 +202,18 @@ def gpu(numel: int = 1 << 28, dens=(0.001, 0.01, 0.05, 0.2, 0.5), iters: int = 1
             k = int(p * numel)  # the trainer's step, not timed
             idx = torch.randint(0, numel, (k,), device=dev, generator=g)
             src[idx] = (src[idx].float() + 0.01).to(torch.bfloat16)
-            torch.cuda.synchronize()
+            _sync()
             t0 = time.perf_counter()
             enc, counts, payload = d._encode(msg_s)
             if enc == d.SPARSE:
                 d._apply(msg_r, counts, payload)
             else:
                 d._unpack(msg_r, payload)
-            torch.cuda.synchronize()
+            _sync()
             times.append((time.perf_counter() - t0) * 1e3)
             wires.append(payload.numel())
         assert torch.equal(dst.view(torch.int16), src.view(torch.int16))
         rows.append({"part": "gpu", "delta_density": p, "wire_bytes": max(wires), "full_bytes": src.nbytes,
                      "delta_ms": statistics.median(times), "full_ms": floor, "to_floor": statistics.median(times) / floor,
-                     "device": torch.cuda.get_device_name()})
+                     "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"})
     return rows
