@@ -16,7 +16,8 @@ transformers 5 names), trainer ranks 1 and 2 (FSDP2, dense and MoE: each sends i
 shards), init errors (a name map that differs, a missing name, a wrong shape) and an
 exception raised inside the engine's ``load_weights`` reaching the trainer at once; updates
 staged while the engine serves (``serve_while_staging``): version v until the commit,
-v+1 after, on the load_weights route and in place.
+v+1 after, on the load_weights route and in place; delta updates (``delta="device"``)
+on both routes, a whole step then a patch of every 97th element.
 
 Trainer namings: after the Hugging Face trainer, a torchtitan 0.3.0 trainer of the same
 model takes over the same engine (``name_map=tr.maps.torchtitan_to_vllm(model_config)``):
@@ -104,6 +105,18 @@ def test_two_versions_equal_the_oracle(scenario, tmp_path_factory):
         assert_matches_oracle(cases[f"version_{k}"])
         assert cases[f"version_{k}"]["weight_version"] == f"v{k}"
     assert_fails_oracle(cases["skipped_update"])  # the step between versions shows
+
+
+@pytest.mark.parametrize("scenario", ["dense", "plain"])
+def test_delta_updates_equal_the_oracle(scenario, tmp_path_factory):
+    """``delta="device"``: the load_weights route (dense: packed linears rebuilt whole from
+    the engine's kept copy) and the in-place route (plain), a full then a patched update."""
+    cases = run(scenario, tmp_path_factory)["cases"]
+    for k in (7, 8):
+        assert_matches_oracle(cases[f"delta_{k}"])
+        assert cases[f"delta_{k}"]["weight_version"] == f"delta-v{k}"
+    assert cases["delta_7"]["wire"] >= cases["delta_7"]["full"] > 0  # a new link: every byte
+    assert cases["delta_8"]["wire"] < 0.05 * cases["delta_8"]["full"], cases["delta_8"]
 
 
 def test_vllm_own_reload_passes_the_oracle(tmp_path_factory):

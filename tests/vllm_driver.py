@@ -209,6 +209,8 @@ def trainer(rank: int, world: int, scenario: str, port: int, dist_port: int, con
             out["cases"]["after_failure"] = dict(_judge(llm, full),
                                                  weight_version=llm.get_weight_version())
     sender.shutdown()
+    if sc["model"] == "dense" and sc["tp"] == 1:  # the same engine, delta updates
+        _delta_updates(out, init(delta="device"), model, llm, rank)
     if sc["model"] == "dense" and sc["tp"] == 1:  # the same engine, staged updates
         _serve_while_staging(out, init(serve_while_staging=True), model, llm, rank)
     if "titan" in sc:
@@ -463,6 +465,29 @@ def _serve_while_staging(out: dict, sender, model, llm, rank: int) -> None:
                                      commit_seconds=seconds)
             out["cases"][f"staged_{k}"] = seen
         serving = staged
+    sender.shutdown()
+
+
+def _delta_updates(out: dict, sender, model, llm, rank: int) -> None:
+    """``delta="device"``: a step that moves every weight (the new link's first update: full
+    bytes), then one that moves every 97th element (a patch); each version against the
+    oracle, with the bytes on the wire and a full update's."""
+    import torch
+
+    for k in (7, 8):
+        if k == 7:
+            step(model, k)
+        else:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.view(-1)[::97] += 0.05
+        sender.send_weights(weight_version=f"delta-v{k}")
+        full = _full(model)
+        if rank == 0:
+            out["cases"][f"delta_{k}"] = dict(
+                _judge(llm, full), weight_version=llm.get_weight_version(),
+                wire=sum(r.wire_bytes_sent for r in sender.reports),
+                full=sum(r.bytes_sent for r in sender.reports))
     sender.shutdown()
 
 

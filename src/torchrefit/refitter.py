@@ -31,6 +31,7 @@ from ._util.gc_pause import gc_paused
 from ._util.weak_models import weak
 from .connect import Connection
 from .errors import LayoutError, PlanError, RefitError, TransportError, VerificationError
+from .execute.delta import DeltaStats, run_chained
 from .execute.program import Program, RunStats
 from .execute.quantize import fp8_buffers
 from .execute.rounds import MessagePools
@@ -41,6 +42,7 @@ from .layout.sink import SinkDescribed
 from .layout.walk import shared_walks
 from .maps import Identity, NameMap
 from .plan.buckets import plan_buckets, split_plan
+from .plan.delta_chain import Chain
 from .plan.planner import CastPolicy, Planner
 from .plan.roster import encode_roster
 from .plan.types import RankPlan
@@ -58,13 +60,15 @@ from .verify import Witness, check
 from .versions import stamp_version
 
 __all__ = ["Refitter", "RefitReport", "DEFAULT_POOL_BYTES",
-           "VERIFY_MODES", "WATCH_MODES"]
+           "VERIFY_MODES", "WATCH_MODES", "DELTA_MODES"]
 
 #: ``Refitter(verify=...)``: never check automatically, after the first refit, after every one
 VERIFY_MODES = ("never", "first", "every")
 #: ``Refitter(watch=...)``: look for replaced or moved tensors before every refit, or only
 #: when the caller says so (``rebind()``)
 WATCH_MODES = ("every", "manual")
+#: ``Refitter(delta=...)``: where a sender keeps the reference of what it last sent
+DELTA_MODES = (None, "device", "host")
 
 _log = logging.getLogger(__name__)
 
@@ -107,6 +111,12 @@ class RefitReport:
     # source's dtype) that the exchange fills before the quantize step
     fp8_buffer_bytes: int = 0
     fp8_shadow_bytes: int = 0
+    # delta refits (docs/delta.md): the memory this rank's references of what it last sent
+    # take, and the bytes that crossed the wire (payloads and headers) where bytes_sent and
+    # bytes_received count what a full refit moves
+    delta_reference_bytes: int = 0
+    wire_bytes_sent: int = 0
+    wire_bytes_received: int = 0
 
     @property
     def bytes_remote(self) -> int:
@@ -193,6 +203,14 @@ class Refitter:
             their device; the commit is a device-memory copy) or ``"host"`` (pinned host
             memory: no extra device memory, the commit crosses PCIe). Allocated by the
             first stage, once; unused by :meth:`refit`.
+        delta: None (default): every refit sends every byte. ``"device"`` or ``"host"``:
+            each sending rank keeps a reference of exactly the bytes it last sent (on its
+            device, or in pinned host memory), and each refit or stage sends, per message,
+            only the elements whose bits changed (or the whole message where that is fewer
+            bytes); receivers patch in place (a stage: its twins). A patch is sent only where
+            every rank agrees the receiver holds the reference's bytes, else full bytes.
+            Gloo and NCCL rounds; ``report.delta_reference_bytes`` and ``wire_bytes_*`` say
+            what it costs and saves. See docs/delta.md.
         watch: ``"every"`` (default): before every refit, this rank checks that each
             described tensor is still the one its module (or mapping) holds and that each
             compiled tensor still views the storage it did (same storage, offset, sizes and
@@ -243,11 +261,16 @@ class Refitter:
         timeout: float | None = DEFAULT_TIMEOUT,
         staging: str = "device",
         staging_bytes: int | None = None,
+        delta: str | None = None,
     ) -> None:
         t0 = perf_counter()
         pool_bytes = _pool_bytes(pool_bytes, staging_bytes)
         if staging not in STAGING:  # every rank has the same arguments: all raise, none hangs
             raise ValueError(f"staging must be one of {STAGING}, not {staging!r}")
+        if delta not in DELTA_MODES:
+            raise ValueError(f"delta must be one of {DELTA_MODES}, not {delta!r}")
+        self.delta = delta
+        self._chain = Chain()
         self.staging = staging
         self.cuda_graph = cuda_graph
         self.share_storage = share_storage
@@ -261,6 +284,7 @@ class Refitter:
             self.transport_name)
         self.plan = self._plan(infos, name_map or Identity(), cast, skip, fp8_block)
         self._phases = self._bucket(infos)
+        self._check_delta()
         self._prepare_transport(transport, infos, max_peers=self._agree())
         self.plan_seconds = perf_counter() - t0
         _log.debug("rank %d: planned in %.3f s (transport %s)\n%s", self.rank, self.plan_seconds,
@@ -405,6 +429,25 @@ class Refitter:
             self._dst.place(buckets)
         return list(zip(buckets, split_plan(self.plan, buckets)))
 
+    def _check_delta(self) -> None:
+        """``delta=`` runs over message rounds into live or staged tensors (the same
+        arguments and gathered facts on every rank: all raise or none)."""
+        if self.delta is None:
+            return
+        cls = self._transport_cls
+        if cls.protocol != "rounds" or cls.name == "nvshmem":
+            raise RefitError(f"delta={self.delta!r} sends patches over gloo or nccl message rounds; "
+                             f"transport {cls.name!r} does not carry them (docs/delta.md)", rule="delta")
+        if self._phases is not None:
+            raise RefitError(f"delta={self.delta!r}: a load_weights sink keeps no tensors to patch "
+                             "(docs/delta.md)", rule="delta")
+
+    def _run(self, program: Program, check: bool, target: str) -> tuple[RunStats, DeltaStats | None]:
+        """``program.run``, or with ``delta=`` one call of the version chain into ``target``."""
+        if self.delta is None:
+            return program.run(check), None
+        return run_chained(program, self._chain, target, self.group, self.timeout, check)
+
     def _agree(self) -> int:
         """Second gather: every rank learns whether any rank failed to plan, and the
         largest number of peers any rank talks to (which sizes messages)."""
@@ -473,8 +516,8 @@ class Refitter:
             if compiled:
                 self._program = self._compile(compare=False)
             # a program compiled just now took its tensors as they are: nothing to check yet
-            stats = (self._program.run(check and not compiled) if self._phases is None
-                     else self._run_phases(check))
+            stats, wire = ((self._run(self._program, check and not compiled, "live")) if self._phases is None
+                           else (self._run_phases(check), None))
         except (TransportError, LayoutError) as e:  # a peer gone, or a tensor that no longer fits
             self._failed = e
             raise
@@ -492,11 +535,20 @@ class Refitter:
             stats.messages_received, stats.pool_bytes, compiled,
             sum(len(p.shared) for p in self._phase_programs or [self._program]),
             *reversed(self.plan.fp8_bytes), *self._fp8_held_bytes,
+            *self._wire(wire),
         )
         _log.debug("rank %d: refit %d in %.3f s: %d B local, %d B sent, %d B received",
                    self.rank, report.version, report.seconds, report.bytes_local,
                    report.bytes_sent, report.bytes_received)
         return report
+
+    def _wire(self, wire: DeltaStats | None, program: Program | None = None) -> tuple[int, int, int]:
+        """(reference bytes, wire bytes sent, received) for a report."""
+        if wire is None:
+            return 0, self.plan.bytes_sent, self.plan.bytes_received
+        program = program or self._program
+        delta = program.compiled.delta if program is not None else None
+        return (delta.reference_bytes if delta is not None else 0), wire.wire_bytes_sent, wire.wire_bytes_received
 
     # ------------------------------------------------------------ stage and commit
     @set_aside
@@ -542,7 +594,7 @@ class Refitter:
         commit different versions. A failed stage leaves the group unusable, as a failed
         refit does (messages of its unfinished rounds may still be in flight)."""
         t0 = perf_counter()
-        error, failure, compiled, stats = None, None, False, None
+        error, failure, compiled, stats, wire = None, None, False, None, None
         try:
             check = self.watch == "every"
             if check:
@@ -552,7 +604,7 @@ class Refitter:
             compiled = self._stage_program is None
             if compiled:
                 self._stage_program = self._compile_stage()
-            stats = self._stage_program.run(check and not compiled)
+            stats, wire = self._run(self._stage_program, check and not compiled, "twins")
         except TransportError as e:  # a peer gone: no agreement to reach
             raise self._stage_lost(version, e) from e
         except Exception as e:  # told to every rank below
@@ -575,7 +627,7 @@ class Refitter:
         return StageReport(version, perf_counter() - t0, self.plan.bytes_local, self.plan.bytes_sent,
                            self.plan.bytes_received, self.transport_name, stats.rounds,
                            stats.messages_sent, stats.messages_received, self.staging, twins,
-                           stats.pool_bytes, compiled)
+                           stats.pool_bytes, compiled, *self._wire(wire, self._stage_program))
 
     def _stage_lost(self, version: int, cause: TransportError) -> TransportError:
         """A stage cut short by a peer that died, stopped or left it (``cause``, on this
@@ -639,6 +691,7 @@ class Refitter:
                 raise self._unbound
             commit = self._commit_copies()
             commit.run()
+            self._chain.committed()
             done = staged.version
         finally:
             stager.committed(done)
@@ -792,6 +845,7 @@ class Refitter:
             pools=pools,
             fp8_block=self._planner.fp8_block,
             device=self._device() if twins is not None else None,
+            delta=None if compare else self.delta,
         )
 
     def _fp8(self, src, dst) -> tuple[dict, dict]:

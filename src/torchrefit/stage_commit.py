@@ -64,6 +64,10 @@ class StageReport:
     staging_bytes: int
     pool_bytes: int
     compiled: bool  # this stage compiled its program (the first stage, or after a rebind)
+    # with ``delta=``: the references' bytes and what crossed the wire (RefitReport's fields)
+    delta_reference_bytes: int = 0
+    wire_bytes_sent: int = 0
+    wire_bytes_received: int = 0
 
 
 @dataclass(frozen=True)

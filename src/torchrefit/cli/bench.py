@@ -68,6 +68,11 @@ def add_parser(sub) -> None:
     p.add_argument("--staging", default="device", choices=["device", "host"],
                    help="with --stage: Refitter(staging=...), twins on the device (default) or in "
                         "pinned host memory")
+    p.add_argument("--delta", action="store_true",
+                   help="time delta refits (Refitter(delta=...)) against full refits instead: 2 processes, "
+                        "non-collocated, over gloo on CPU (nccl with 2 GPUs), at 0.1/1/5/20/50%% of elements "
+                        "changed, plus on a GPU the diff, encode and apply against the copy floor "
+                        "(benchmarks/delta.py has every part, the real RL densities too)")
     p.add_argument("--compare", choices=["megatron-core"], help="also time megatron-core's "
                                                                  "swap_model_weights on the same models")
     p.add_argument("--map", dest="name_map", choices=["hf"],
@@ -128,6 +133,8 @@ def _variants(asked: list[str] | None) -> tuple[str, ...]:
 def run(args) -> int:
     from torchrefit.bench import BenchConfig, run_bench
 
+    if args.delta:
+        return _run_delta(args)
     sizes = [int(x) for x in args.layers.split(",")] if args.layers else [None]
     variants = _variants(args.variant)
     rows = []
@@ -148,6 +155,24 @@ def run(args) -> int:
                       indent=1, default=str)
     if args.plot:
         _plot(rows, args.plot)
+    return 0
+
+
+def _run_delta(args) -> int:
+    from torchrefit.bench import delta
+
+    two_gpus = torch.cuda.device_count() >= 2
+    rows = delta.wire(iters=args.iters if args.iters != 30 else 5, transport="nccl" if two_gpus else "gloo")
+    if torch.cuda.is_available():
+        rows += delta.gpu(iters=10)
+    print(f"{'part':6} {'changed':>8} {'wire':>10} {'full':>10} {'wire/full':>9} {'delta ms':>9} {'full ms':>9}")
+    for r in rows:
+        print(f"{r['part']:6} {r['delta_density']:8.1%} {format_bytes(r['wire_bytes']):>10} "
+              f"{format_bytes(r['full_bytes']):>10} {r['wire_bytes'] / r['full_bytes']:9.3f} "
+              f"{r['delta_ms']:9.2f} {r['full_ms']:9.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": "torchrefit bench --delta", "rows": rows}, f, indent=1, default=str)
     return 0
 
 

@@ -36,12 +36,14 @@ _ENGINES = "torchrefit/engine_world_size"
 class Terms:
     """What the two jobs' refits must agree on: the name map (its ``cache_key``, as
     text), the ``skip`` globs, the ``cast`` policy and whether updates are staged
-    while the engine serves (``staged``: then both sides stage and commit)."""
+    while the engine serves (``staged``: then both sides stage and commit), and
+    ``delta`` (``Refitter(delta=...)``: both sides agree on every refit's pairs)."""
 
     name_map: str
     skip: tuple[str, ...]
     cast: str | bool
     staged: bool = False
+    delta: str | None = None
 
 
 def join(role: str, rank: int, world_size: int, address: str, port: int, *,

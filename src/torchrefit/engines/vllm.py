@@ -66,7 +66,7 @@ from vllm.distributed.weight_transfer.factory import (
 from ..errors import PlanError, RefitError
 from ..layout import describe
 from ..layout._described import named_refit_tensors
-from ..layout.sink import load_weights_sink
+from ..layout.sink import load_weights_mirror, load_weights_sink
 from ..layout.vllm_tp import vllm_tp_specs
 from ..maps.base import NameMap
 from ..maps.hf_vllm import hf_to_vllm, is_engine_state
@@ -128,6 +128,7 @@ class TorchrefitInitInfo(WeightTransferInitInfo):
     timeout: float = _DEFAULT_TIMEOUT
     bucket_bytes: int = _DEFAULT_BUCKET_BYTES
     staged: bool = False
+    delta: str | None = None
 
 
 @dataclass
@@ -156,6 +157,11 @@ class TorchrefitTrainerInitInfo(TrainerInitInfo):
     update is staged while the engine serves and installed by ``finish_weight_update``
     (the engine then holds a staging copy of the bytes it receives: in-place tensors'
     twins, and every tensor bound for ``load_weights`` at once instead of a bucket).
+    ``delta``: ``Refitter(delta=...)`` on both sides (``"device"`` or ``"host"``: where
+    the trainer keeps its reference): updates carry only the changed elements. In-place
+    tensors are patched; the engine keeps a copy of every tensor bound for
+    ``load_weights``, patches it and hands the whole tensors to ``load_weights`` (its
+    memory, instead of a bucket; docs/delta.md).
     """
 
     backend: ClassVar[str] = BACKEND
@@ -170,6 +176,7 @@ class TorchrefitTrainerInitInfo(TrainerInitInfo):
     timeout: float = _DEFAULT_TIMEOUT
     bucket_bytes: int = _DEFAULT_BUCKET_BYTES
     serve_while_staging: bool = False
+    delta: str | None = None
 
     def __post_init__(self) -> None:
         if self.rank is None:
@@ -258,6 +265,7 @@ class TorchrefitWeightTransferEngine(
         self._direct: Refitter | None = None
         self._reload: Refitter | None = None
         self._sink = None
+        self._mirror: dict[str, torch.Tensor] = {}  # with delta: the load_weights tensors, kept
         self._load_error: tuple[str, str] | None = None
         self._reloading = False
         self._staged = False  # serve while staging: update_weights stages, finish commits
@@ -282,7 +290,7 @@ class TorchrefitWeightTransferEngine(
             key = repr(name_map.cache_key())
         except PlanError as e:  # told to every rank by the agreement below
             name_map, key = None, f"unusable: {e}"
-        terms = Terms(key, tuple(init_info.skip), init_info.cast, init_info.staged)
+        terms = Terms(key, tuple(init_info.skip), init_info.cast, init_info.staged, init_info.delta)
         self._staged = self.defers_processing = init_info.staged
         self.routes = decide_routes(self.model)
         seen = agree(self._conn, terms, {k: (r.way, r.why) for k, r in self.routes.items()})
@@ -302,12 +310,17 @@ class TorchrefitWeightTransferEngine(
             error = failure(e, f"engine rank {self._conn.rank} planning")
         agree_status(self._conn, error, "planning the vLLM refit", applied=False)
         kw = dict(group=self._conn, skip=tuple(init_info.skip), cast=init_info.cast,
-                  timeout=init_info.timeout)
+                  timeout=init_info.timeout, delta=init_info.delta)
         if DIRECT in ways:
             self._direct = Refitter(None, direct or None, dst_layout=vllm_tp_specs(
                 direct, tp.rank_in_group, tp.world_size, num_heads=heads[0],
                 num_kv_heads=heads[1]) if direct else None, name_map=maps[DIRECT], **kw)
-        if LOAD_WEIGHTS in ways:
+        if LOAD_WEIGHTS in ways and init_info.delta is not None:
+            # a patch needs the previous version: a kept copy, whole tensors to load_weights
+            self._mirror, layout = load_weights_mirror(reload, self.device) if reload else ({}, None)
+            self._reload = Refitter(None, self._mirror or None, dst_layout=layout,
+                                    name_map=maps[LOAD_WEIGHTS], **kw)
+        elif LOAD_WEIGHTS in ways:
             # staged: one bucket holding every tensor until the commit (the staging area)
             self._sink = load_weights_sink(
                 self._hold if self._staged else self._load_bucket, reload,
@@ -344,7 +357,7 @@ class TorchrefitWeightTransferEngine(
 
     # -- update: start, receive, apply
     def start_weight_update(self) -> None:
-        if self._sink is not None and not self._staged:  # this worker has tensors routed through load_weights
+        if (self._sink is not None or self._mirror) and not self._staged:  # tensors routed through load_weights
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
             initialize_layerwise_reload(self.model)
@@ -374,6 +387,8 @@ class TorchrefitWeightTransferEngine(
                 self._direct.stage()
             if self._reload is not None:
                 self._reload.refit()  # into the held buffer: load_weights runs at the commit
+                if self._mirror:
+                    self._held = list(self._mirror.items())
         except Exception as e:
             error = failure(e, f"engine rank {self._conn.rank} staging")
         agree_status(self._conn, error, f"vLLM weight update {update_info.update} (staging)",
@@ -427,6 +442,8 @@ class TorchrefitWeightTransferEngine(
             for refitter in (self._direct, self._reload):
                 if refitter is not None:
                     refitter.refit()
+            if self._mirror:  # patched in place: whole tensors to load_weights (it copies them)
+                self._load_bucket(list(self._mirror.items()))
         except Exception as e:
             error = failure(e, f"engine rank {self._conn.rank} receiving")
         error = error or self._load_error
@@ -482,6 +499,7 @@ class TorchrefitWeightTransferEngine(
         is closed first (vLLM's layerwise reload), so the live model is whole."""
         self._abandon()
         self._direct = self._reload = self._sink = None
+        self._mirror = {}
         self._pending = self._held = None  # a stage over the old link: never committed
         self.routes = {}
         if self._conn is not None:
@@ -558,7 +576,7 @@ class TorchrefitTrainerWeightTransferEngine(
             worker = TorchrefitInitInfo(
                 init_info.master_address, init_info.master_port, world, source_map,
                 list(init_info.skip), init_info.cast, init_info.group_backend,
-                init_info.timeout, init_info.bucket_bytes, init_info.serve_while_staging)
+                init_info.timeout, init_info.bucket_bytes, init_info.serve_while_staging, init_info.delta)
             pending = engine._rpc.submit(client.init_weight_transfer_engine, asdict(worker))
         try:
             engine._connect(init_info, world, name_map, meta, model)
@@ -575,14 +593,15 @@ class TorchrefitTrainerWeightTransferEngine(
         self._conn, self._store = join("trainer", info.rank, world, info.master_address, info.master_port,
                           peer_world_size=None, backend=info.group_backend, timeout=info.timeout)
         terms = Terms(repr(name_map.cache_key()), tuple(info.skip), info.cast,
-                      info.serve_while_staging)
+                      info.serve_while_staging, info.delta)
         self._staged = info.serve_while_staging
         seen = agree(self._conn, terms, meta)
         engines = [extra for role, _, _, extra in seen if role == "engine"]
         self.routes = {k: Route(*v) for k, v in engines[0].items()}
         ways = {way for extra in engines for way, _ in extra.values()}
         agree_status(self._conn, None, "planning the vLLM refit", applied=False)
-        kw = dict(group=self._conn, skip=tuple(info.skip), cast=info.cast, timeout=info.timeout)
+        kw = dict(group=self._conn, skip=tuple(info.skip), cast=info.cast, timeout=info.timeout,
+                  delta=info.delta)
         maps = route_maps(name_map)
         self._ways = [way for way in (DIRECT, LOAD_WEIGHTS) if way in ways]
         self._refitters = [Refitter(model, None, name_map=maps[way], **kw) for way in self._ways]

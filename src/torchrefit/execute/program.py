@@ -37,6 +37,7 @@ from ..layout.binding import Meta, check_same_meta, meta_of
 from ..plan.types import LocalCopy, RankPlan
 from ..transport.base import RoundsTransport, Transport
 from ..transport.one_sided.protocol import OneSidedTransport
+from .delta import DeltaRounds, compile_delta, run_delta
 from .local import LANES, Copy, LocalCopies, compile_copies, differing
 from .one_sided_program import OneSidedProgram, compile_one_sided
 from .quantize import Quantizes, compile_quantize
@@ -72,10 +73,12 @@ class Compiled:
     quantize: Quantizes
     metas: tuple[tuple[str, str, Meta], ...]  # side, key, what the tensor was
     native: object | None = None  # ``_native.watch.views_check`` of watched and refs, where built
+    delta: DeltaRounds | None = None  # the exchange as patches (``execute.delta``), in place of rounds
 
     @functools.cached_property
     def exchanges(self) -> bool:
-        return bool(self.rounds and self.rounds.rounds) or bool(self.one_sided and not self.one_sided.idle)
+        return (bool(self.rounds and self.rounds.rounds) or bool(self.one_sided and not self.one_sided.idle)
+                or bool(self.delta and not self.delta.idle))
 
     @functools.cached_property
     def stats(self) -> RunStats:
@@ -83,6 +86,10 @@ class Compiled:
         if self.rounds is not None:
             r = self.rounds
             return RunStats(len(r.rounds), r.messages_sent, r.messages_received, r.pool_bytes)
+        if self.delta is not None:
+            d = self.delta
+            return RunStats(max(map(len, (*d.sends.values(), *d.recvs.values())), default=0),
+                            sum(map(len, d.sends.values())), sum(map(len, d.recvs.values())), 0)
         if self.one_sided is not None:
             c = self.one_sided.compiled
             return RunStats(0, c.messages_sent, c.messages_received, 0)
@@ -132,6 +139,7 @@ class Program:
         pools: MessagePools | None = None,
         fp8_block: tuple[int, int] = (128, 128),
         device: torch.device | None = None,
+        delta: str | None = None,
     ) -> None:
         self.plan = plan
         self.src_tensors = src_tensors
@@ -144,6 +152,7 @@ class Program:
         self.share_storage = share_storage and not compare
         self.pools = pools  # message pools shared with programs run one after another, or None
         self.fp8_block = fp8_block
+        self.delta = delta  # where the references live ("device" | "host"), or None: full bytes
         # given where destination tensors are staged in host memory: the rank's device
         self.device = device if device is not None else _device_of(plan, src_tensors, dst_tensors)
         self.side = SideStreams(self.device, LANES)
@@ -166,13 +175,16 @@ class Program:
             Copy(views.view("dst", c.dst_key, c.dst_box), views.view("src", c.src_key, c.src_box), c.name)
             for c in planned]
         local = compile_copies(copies, self.side, self.cuda_graph)
-        rounds, one_sided = None, None
+        rounds, one_sided, delta = None, None, None
         remote = bool(self.plan.sends or self.plan.recvs)
         if one is not None:
             if remote or handed or one.copies_for(rank, self.compare):
                 one_sided = OneSidedProgram(
                     compile_one_sided(views, one, planned if handed else (), self.compare), one,
                     self.device, self.cuda_graph)
+        elif self.delta is not None and not self.compare and isinstance(self.transport, RoundsTransport):
+            delta = compile_delta(views, self.delta, self.device, self.transport.wire_device(),
+                                  self.message_limit)
         elif remote or isinstance(self.transport, RoundsTransport):
             rounds = compile_rounds(views, self.transport, self.message_limit, self.compare, self.device,
                                     self.pools)
@@ -183,7 +195,7 @@ class Program:
         metas = tuple((side, key, meta_of(t)) for side, key, t in used)
         refs = tuple(views.base(side, key) for side, key, _ in used)
         return Compiled(local, rounds, one_sided, tuple(shared), watched, [t.data_ptr() for t in watched],
-                        refs, quantize, metas, views_check(watched, refs))
+                        refs, quantize, metas, views_check(watched, refs), delta)
 
     # ------------------------------------------------------------ compiled state
     @property
@@ -309,6 +321,10 @@ class Program:
     def _exchange(self, c: Compiled, compare: bool) -> list[str]:
         if c.one_sided is not None and not c.one_sided.idle:
             return c.one_sided.run(compare)
+        if c.delta is not None:
+            if not c.delta.idle:
+                run_delta(c.delta, self.transport)
+            return []
         bad: list[str] = []
         if c.rounds is not None and c.rounds.rounds:
             unpack = (lambda r: bad.extend(differing(r.unpack_dst, r.unpack_src, r.unpack_names))) \

@@ -33,10 +33,10 @@ from .._util.caller_state import caller_state
 from ..errors import LayoutError
 from ._described import Described
 from ._types import ModelLayout, TensorLayout, dtype_name
-from .explicit import TensorSpec
+from .explicit import Explicit, TensorSpec
 from .sharding import whole_piece
 
-__all__ = ["load_weights_sink", "LoadWeightsSink", "SinkDescribed", "SINK_ALIGN"]
+__all__ = ["load_weights_sink", "load_weights_mirror", "LoadWeightsSink", "SinkDescribed", "SINK_ALIGN"]
 
 #: byte alignment of each tensor in the buffer (any dtype; planning's bucket rule uses it)
 SINK_ALIGN = 256
@@ -142,6 +142,21 @@ def load_weights_sink(
     """
     return LoadWeightsSink(load_weights, names_and_shapes, bucket_bytes=bucket_bytes,
                            dtype=dtype, device=device)
+
+
+def load_weights_mirror(names_and_shapes: Iterable[tuple], device: torch.device | str | None = None,
+                        dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], Explicit]:
+    """What a sink would receive, as kept tensors instead of one reused buffer: ``{name:
+    tensor}`` (zeros) and their explicit layout, entries as :func:`load_weights_sink`
+    takes them. A refit with ``delta=`` patches them in place (they hold the previous
+    version); the engine then hands them whole to its ``load_weights``. Costs the memory
+    of every tensor, where a sink costs one bucket."""
+    device = torch.device(device) if device is not None else _default_device()
+    tensors, specs = {}, {}
+    for key, spec, dt in (_entry(e, dtype) for e in names_and_shapes):
+        tensors[key] = torch.zeros(_local_shape(spec), dtype=dt, device=device)
+        specs[key] = spec
+    return tensors, Explicit(specs)
 
 
 def _entry(e: tuple, default: torch.dtype | None) -> tuple[str, TensorSpec, torch.dtype]:

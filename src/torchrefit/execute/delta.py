@@ -1,0 +1,435 @@
+"""Delta exchange: only the elements that changed since the last call cross the wire.
+
+Compiled once per program from the plan's remote transfers, cut into the same messages as
+a full refit (``plan.messages.cut_messages``). A sending rank keeps, per message, a
+reference of exactly the bytes it last sent (in the wire dtype: after a cast or an FP8
+quantize, so scales and quantized bytes are diffed, never the source's values). Each call:
+
+1. the sender diffs every message against its reference, bit for bit (integer views: NaN
+   payloads, -0.0 and subnormals compare by their bits), and encodes it sparse (per part:
+   changed counts per block of 65536 elements, the 16-bit position within the block, the
+   values) or dense (the whole message), whichever is fewer bytes; the reference is
+   brought up to date;
+2. one header round tells each receiver, per message, the encoding and the changed count
+   of every part (so both ends know every payload's size);
+3. payload rounds carry message m of every pair in round m; a receiver scatters a sparse
+   payload into its destination views in place (under stage/commit: the twins), or
+   copies a dense one.
+
+Which pairs exchange patches at all is the version chain's decision (``plan.delta_chain``),
+taken before the call from numbers every rank gathered: a pair outside it gets every
+message dense (the reference is filled on the way), so a receiver never patches a base
+it does not hold.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..layout._types import dtype_from_name
+from ..plan.delta_chain import UNKNOWN, Chain, delta_pairs
+from ..plan.messages import ALIGN, cut_messages, rows_of
+from ..plan.types import RankPlan
+from ..transport.base import RoundsTransport
+from ..transport.collectives import collective, collective_device
+from .views import Views
+
+__all__ = ["DeltaRounds", "DeltaStats", "compile_delta", "gather_offers", "BLOCK", "DENSE", "SPARSE",
+           "sparse_nbytes", "run_chained"]
+
+#: elements per position block: positions travel as 16 bits within their block
+BLOCK = 1 << 16
+DENSE, SPARSE = 0, 1
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_tokens = itertools.count(1)
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def sparse_nbytes(numel: int, changed: int, itemsize: int) -> int:
+    """Bytes of one part's sparse encoding: block counts, 16-bit positions, values."""
+    if not changed:
+        return 0
+    return _align(4 * -(-numel // BLOCK)) + _align(2 * changed) + _align(itemsize * changed)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One region (or rows of it) of a message: its local view and its place in the
+    dense message."""
+
+    view: torch.Tensor  # local, in the local dtype (source: before a cast; destination: after)
+    wire: torch.dtype
+    offset: int
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.wire.itemsize
+
+
+@dataclass(frozen=True)
+class _Message:
+    peer: int
+    parts: tuple[_Part, ...]
+    nbytes: int
+    ref: torch.Tensor | None  # sends: the bytes last sent (uint8), on the reference's device
+
+
+@dataclass(frozen=True)
+class DeltaStats:
+    """What one call put on the wire from this rank and took from it (payloads and headers)."""
+
+    wire_bytes_sent: int = 0
+    wire_bytes_received: int = 0
+    sparse_messages: int = 0
+    dense_messages: int = 0
+
+
+@dataclass
+class DeltaRounds:
+    """A program's delta exchange. ``ref_epoch``: the call whose bytes the references hold
+    (``plan.delta_chain``); ``token``: this compile, distinct from every other."""
+
+    sends: dict[int, list[_Message]]
+    recvs: dict[int, list[_Message]]
+    device: torch.device
+    wire: torch.device
+    reference_bytes: int
+    ref_epoch: int = UNKNOWN
+    token: int = field(default_factory=lambda: next(_tokens))
+    pairs: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
+    last: DeltaStats = DeltaStats()
+    pool: torch.Tensor | None = None  # receive buffers, grown as needed and kept
+
+    @property
+    def idle(self) -> bool:
+        return not self.sends and not self.recvs
+
+    def arm(self, send: frozenset[int], recv: frozenset[int]) -> None:
+        """The pairs that exchange patches in the next call (the rest: dense)."""
+        self.pairs = (send, recv)
+
+
+def compile_delta(views: Views, reference: str, device: torch.device, wire: torch.device,
+                  limit: int) -> DeltaRounds:
+    """The plan's remote transfers as messages with their views; a reference per sent
+    message, on ``device`` (``reference="device"``) or in pinned host memory (``"host"``)."""
+    plan: RankPlan = views.plan
+    ref_device = device if reference == "device" else torch.device("cpu")
+    pinned = reference == "host" and device.type == "cuda"
+    out: dict[str, dict[int, list[_Message]]] = {"send": {}, "recv": {}}
+    for kind, transfers in (("send", plan.sends), ("recv", plan.recvs)):
+        by_peer = defaultdict(list)
+        for t in transfers:
+            by_peer[t.peer].append(t)
+        side = "src" if kind == "send" else "dst"
+        for peer, ts in sorted(by_peer.items()):
+            msgs = []
+            for m in cut_messages(peer, ts, limit):
+                parts = tuple(_Part(views.view(side, ts[c.index].key, rows_of(ts[c.index].local_box, c.rows)),
+                                    dtype_from_name(ts[c.index].wire_dtype), c.offset,
+                                    c.nbytes // dtype_from_name(ts[c.index].wire_dtype).itemsize)
+                              for c in m.chunks)
+                ref = (torch.zeros(m.nbytes, dtype=torch.uint8, device=ref_device, pin_memory=pinned)
+                       if kind == "send" else None)
+                msgs.append(_Message(peer, parts, m.nbytes, ref))
+            out[kind][peer] = msgs
+    ref_bytes = sum(m.nbytes for ms in out["send"].values() for m in ms)
+    return DeltaRounds(out["send"], out["recv"], device, wire, ref_bytes)
+
+
+def gather_offers(offer: tuple[int, int], group: dist.ProcessGroup,
+                  timeout: float | None) -> list[tuple[int, int]]:
+    """Every rank's ``(references' epoch, target's epoch)``: one small all-gather."""
+    world = dist.get_world_size(group)
+    device = collective_device(group)
+    mine = torch.tensor(offer, dtype=torch.int64, device=device)
+    out = [torch.empty(2, dtype=torch.int64, device=device) for _ in range(world)]
+    collective("agreeing on the delta base versions", dist.all_gather, out, mine,
+               group=group, timeout=timeout)
+    return [tuple(o.tolist()) for o in out]
+
+
+# ------------------------------------------------------------------ the sender's side
+def _ref_part(msg: _Message, part: _Part) -> torch.Tensor:
+    """The reference bytes of ``part`` as its wire dtype, in the view's shape."""
+    return msg.ref[part.offset: part.offset + part.nbytes].view(part.wire).view(part.view.shape)
+
+
+def _current(part: _Part) -> torch.Tensor:
+    """The part's current value in the wire dtype (a cast on the sender: a new tensor)."""
+    return part.view if part.view.dtype == part.wire else part.view.to(part.wire)
+
+
+def _changed(cur: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Row-major positions of the elements whose bits differ (int64)."""
+    it = _INT[cur.element_size()]
+    a, b = cur.view(it), ref.view(it)
+    if a.is_contiguous() and b.is_contiguous() and cur.element_size() < 8 and a.numel() * a.element_size() % 8 == 0 \
+            and a.storage_offset() * a.element_size() % 8 == 0:
+        # compare 8 bytes at a time, then the elements of the words that differ
+        wa, wb = a.reshape(-1).view(torch.int64), b.reshape(-1).view(torch.int64)
+        words = _differing(wa, wb)
+        if not words.numel():
+            return words
+        per = 8 // cur.element_size()
+        sub = wa.index_select(0, words).view(it).view(-1, per) != wb.index_select(0, words).view(it).view(-1, per)
+        lanes = sub.nonzero()
+        return words.index_select(0, lanes[:, 0]) * per + lanes[:, 1]
+    return _differing(a.reshape(-1), b.reshape(-1)) if a.is_contiguous() and b.is_contiguous() \
+        else (a != b).reshape(-1).nonzero().squeeze(1)
+
+
+#: on CPU, words compared per pass: the mask stays in cache for the scan that follows
+_CPU_SPAN = 1 << 18
+
+
+def _differing(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Indices where two flat integer tensors differ."""
+    if a.device.type != "cpu" or a.numel() <= _CPU_SPAN:
+        return (a != b).nonzero().squeeze(1)
+    found = []
+    for lo in range(0, a.numel(), _CPU_SPAN):
+        nz = (a[lo: lo + _CPU_SPAN] != b[lo: lo + _CPU_SPAN]).nonzero().squeeze(1)
+        if nz.numel():
+            found.append(nz + lo)
+    return torch.cat(found) if found else torch.empty(0, dtype=torch.int64)
+
+
+def _flat_get(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    if t.is_contiguous():
+        return t.reshape(-1).index_select(0, pos) if t.dtype != torch.bool else t.reshape(-1)[pos]
+    return t[torch.unravel_index(pos, t.shape)] if t.dim() else t.reshape(-1)[pos]
+
+
+def _flat_put(t: torch.Tensor, pos: torch.Tensor, values: torch.Tensor) -> None:
+    """``t``'s elements at row-major ``pos`` = ``values`` (integer views: bits exact)."""
+    it = _INT[t.element_size()]
+    v = t.view(it)
+    vals = values.view(it)
+    if v.is_contiguous():
+        v.view(-1).index_copy_(0, pos, vals)
+    else:
+        v.index_put_(torch.unravel_index(pos, v.shape), vals)
+
+
+def _sparse_payload(parts, positions, values, device: torch.device) -> torch.Tensor:
+    """One message's sparse payload: per changed part, block counts (int32), low 16 bits
+    of positions (int16), values (their bytes), each at a 16-byte aligned offset."""
+    sizes = [sparse_nbytes(p.numel, len(pos), p.wire.itemsize) for p, pos in zip(parts, positions)]
+    out = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    at = 0
+    for part, pos, vals, size in zip(parts, positions, values, sizes):
+        if not size:
+            continue
+        k, nblocks = len(pos), -(-part.numel // BLOCK)
+        c0 = _align(4 * nblocks)
+        out[at: at + 4 * nblocks].view(torch.int32).copy_(torch.bincount(pos >> 16, minlength=nblocks))
+        out[at + c0: at + c0 + 2 * k].view(torch.int16).copy_((pos & 0xFFFF).to(torch.int32).to(torch.int16))
+        v0 = at + c0 + _align(2 * k)
+        out[v0: v0 + k * part.wire.itemsize].copy_(vals.reshape(-1).view(torch.uint8))
+        at += size
+    return out
+
+
+def _dense_estimate(msg: _Message) -> bool:
+    """Whether a sample (every 61st element of each part) says the message is dense
+    enough to send whole: skips the full diff where most elements changed."""
+    seen = changed = 0
+    for part in msg.parts:
+        if part.numel < 4096:
+            continue
+        cur, ref = _current(part).reshape(-1)[::61], _ref_part(msg, part).reshape(-1)[::61]
+        it = _INT[part.wire.itemsize]
+        if ref.device != cur.device:
+            ref = ref.to(cur.device)
+        changed += int((cur.view(it) != ref.view(it)).sum())
+        seen += cur.numel()
+    # sparse costs (2 + w) bytes per changed element against w dense: dense from w / (2 + w)
+    w = min(p.wire.itemsize for p in msg.parts)
+    return seen > 0 and changed > 0.8 * seen * w / (2 + w)
+
+
+def _encode(msg: _Message) -> tuple[int, list[int], torch.Tensor]:
+    """(encoding, changed count per part, payload) of one message against its reference,
+    the reference brought up to date."""
+    if not _dense_estimate(msg):
+        positions, values = [], []
+        for part in msg.parts:
+            cur, ref = _current(part), _ref_part(msg, part)
+            ref_here = ref if ref.device == cur.device else ref.to(cur.device)
+            pos = _changed(cur, ref_here)
+            positions.append(pos)
+            values.append(_flat_get(cur, pos))
+        sparse = sum(sparse_nbytes(p.numel, len(pos), p.wire.itemsize) for p, pos in zip(msg.parts, positions))
+        if sparse < msg.nbytes:
+            for part, pos, vals in zip(msg.parts, positions, values):
+                if len(pos):
+                    ref = _ref_part(msg, part)
+                    _flat_put(ref, pos.to(ref.device), vals.to(ref.device))
+            device = msg.parts[0].view.device
+            return SPARSE, [len(p) for p in positions], _sparse_payload(msg.parts, positions, values, device)
+    return DENSE, [0] * len(msg.parts), _fill(msg)
+
+
+def _fill(msg: _Message) -> torch.Tensor:
+    """The reference overwritten with the message's current bytes (its dense payload)."""
+    for part in msg.parts:
+        _ref_part(msg, part).copy_(part.view)
+    return msg.ref
+
+
+# ---------------------------------------------------------------- the receiver's side
+def _apply(msg: _Message, counts: list[int], payload: torch.Tensor) -> None:
+    """Scatter a sparse payload into the message's destination views."""
+    at = 0
+    for part, k in zip(msg.parts, counts):
+        if not k:
+            continue
+        nblocks = -(-part.numel // BLOCK)
+        c0 = _align(4 * nblocks)
+        per_block = payload[at: at + 4 * nblocks].view(torch.int32).to(torch.int64)
+        low = payload[at + c0: at + c0 + 2 * k].view(torch.int16).to(torch.int64) & 0xFFFF
+        blocks = torch.repeat_interleave(torch.arange(nblocks, device=payload.device), per_block)
+        pos = (blocks << 16) | low
+        v0 = at + c0 + _align(2 * k)
+        vals = payload[v0: v0 + k * part.wire.itemsize].view(part.wire)
+        if part.view.dtype != part.wire:  # converted on receipt, as a full refit's unpack does
+            vals = vals.to(part.view.dtype)
+        _flat_put(part.view, pos, vals)
+        at += sparse_nbytes(part.numel, k, part.wire.itemsize)
+
+
+def _unpack(msg: _Message, payload: torch.Tensor) -> None:
+    for part in msg.parts:
+        part.view.copy_(payload[part.offset: part.offset + part.nbytes].view(part.wire).view(part.view.shape))
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t if t.device == device else t.to(device)
+
+
+# --------------------------------------------------------------------- running
+def run_delta(d: DeltaRounds, transport: RoundsTransport) -> DeltaStats:
+    """One call: encode, headers, payload rounds, apply. Collective with the plan's peers."""
+    send_delta, recv_delta = d.pairs
+    encoded = {p: [(_encode(m) if p in send_delta else (DENSE, [0] * len(m.parts), _fill(m))) for m in ms]
+               for p, ms in d.sends.items()}
+    sent = received = 0
+    headers_out = [(p, _on(torch.tensor([x for e, ks, _ in encoded[p] for x in (e, *ks)], dtype=torch.int32),
+                           d.wire)) for p in sorted(encoded) if p in send_delta]
+    headers_in = [(p, torch.empty(sum(1 + len(m.parts) for m in d.recvs[p]), dtype=torch.int32, device=d.wire))
+                  for p in sorted(d.recvs) if p in recv_delta]
+    if headers_out or headers_in:
+        transport.finish(transport.start(headers_out, headers_in))
+        sent += sum(h.nbytes for _, h in headers_out)
+        received += sum(h.nbytes for _, h in headers_in)
+    plans = _receive_plans(d, dict(headers_in))
+    rounds = max([len(ms) for ms in (*d.sends.values(), *d.recvs.values())], default=0)
+    sparse = dense = 0
+    for m in range(rounds):
+        sends = [(p, _on(encoded[p][m][2], d.wire)) for p in sorted(encoded)
+                 if m < len(encoded[p]) and encoded[p][m][2].numel()]
+        recvs = _receive_buffers(d, plans, m)
+        if sends or recvs:
+            transport.finish(transport.start(sends, recvs))
+        sent += sum(b.numel() for _, b in sends)
+        received += sum(b.numel() for _, b in recvs)
+        got = dict(recvs)
+        for p in sorted(plans):
+            if m >= len(plans[p]):
+                continue
+            enc, counts, size = plans[p][m]
+            msg = d.recvs[p][m]
+            if enc == DENSE:
+                if _in_place(msg, d.wire) is None:  # else received straight into the destination
+                    _unpack(msg, _on(got[p], d.device))
+                dense += 1
+            else:
+                if size:
+                    _apply(msg, counts, _on(got[p], d.device))
+                sparse += 1
+    d.last = DeltaStats(sent, received, sparse, dense)
+    return d.last
+
+
+def _in_place(msg: _Message, wire: torch.device) -> torch.Tensor | None:
+    """The destination's own bytes where a dense message can land in them directly (one
+    contiguous region, no conversion, on the wire's device), as a full refit receives."""
+    if len(msg.parts) != 1:
+        return None
+    v = msg.parts[0].view
+    if v.dtype != msg.parts[0].wire or v.device != wire or not v.is_contiguous():
+        return None
+    return v.reshape(-1).view(torch.uint8)
+
+
+def _receive_buffers(d: DeltaRounds, plans, m: int) -> list[tuple[int, torch.Tensor]]:
+    """Round ``m``'s receive buffers: dense messages into the destination where they can
+    be, the rest in one pool kept across calls (a fresh allocation per call would fault
+    its pages in every time on CPU)."""
+    out, offsets, at = [], {}, 0
+    for p in sorted(plans):
+        if m < len(plans[p]) and plans[p][m][2]:
+            enc, _, size = plans[p][m]
+            direct = _in_place(d.recvs[p][m], d.wire) if enc == DENSE else None
+            if direct is not None:
+                out.append((p, direct))
+            else:
+                offsets[p] = at
+                out.append((p, None))
+                at += _align(size)
+    if offsets and (d.pool is None or d.pool.numel() < at):
+        d.pool = torch.empty(at, dtype=torch.uint8, device=d.wire)
+    return [(p, b if b is not None else d.pool[offsets[p]: offsets[p] + plans[p][m][2]]) for p, b in out]
+
+
+def _receive_plans(d: DeltaRounds, headers: dict[int, torch.Tensor]) -> dict[int, list[tuple[int, list[int], int]]]:
+    """Per receiving peer and message: (encoding, changed counts, payload bytes)."""
+    out = {}
+    for p, msgs in d.recvs.items():
+        if p not in headers:
+            out[p] = [(DENSE, [], m.nbytes) for m in msgs]
+            continue
+        flat, at, rows = headers[p].tolist(), 0, []
+        for m in msgs:
+            enc, counts = flat[at], flat[at + 1: at + 1 + len(m.parts)]
+            at += 1 + len(m.parts)
+            size = m.nbytes if enc == DENSE else sum(
+                sparse_nbytes(part.numel, k, part.wire.itemsize) for part, k in zip(m.parts, counts))
+            rows.append((enc, counts, size))
+        out[p] = rows
+    return out
+
+
+def run_chained(program, chain: Chain, target: str, group: dist.ProcessGroup, timeout: float | None,
+                check: bool) -> tuple[object, DeltaStats]:
+    """Run ``program`` (a ``Program`` compiled with ``delta=``) as one call of the version
+    chain writing ``target``: check storage first (a recompile forgets what the old
+    program's references and targets held), agree with every rank on the pairs that
+    exchange patches, run, and record what the references and the target now hold.
+    Collective over ``group``. Returns the program's run stats and what went on the wire."""
+    if check:
+        program.check_storage()
+    d: DeltaRounds = program.compiled.delta
+    epoch = chain.next()
+    shadows = any(q.received for q in program.plan.quantize)
+    offers = gather_offers(chain.offer(target, d.token, d.ref_epoch, shadows), group, timeout)
+    d.arm(*delta_pairs(offers, program.plan.rank, sorted(d.sends), sorted(d.recvs)))
+    d.ref_epoch = UNKNOWN  # until every message went: a failed call leaves them partly updated
+    try:
+        stats = program.run(False)
+    except BaseException:
+        chain.failed(target)
+        raise
+    d.ref_epoch = epoch
+    chain.done(target, d.token, epoch)
+    return stats, d.last
