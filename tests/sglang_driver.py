@@ -332,6 +332,10 @@ def main(scenario: str, out_path: str) -> None:
     cfg = config(sc["model"])
     cfg_json = json.dumps(cfg)
     os.environ["TORCHREFIT_SGLANG_CONFIG_JSON"] = cfg_json
+    if sc["tp"] > 1:  # one NUMA node here: SGLang CPU wants each TP rank's cores named
+        cores = os.cpu_count() or 1
+        os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(
+            str(r % cores) for r in range(sc["tp"])))
     t0 = time.monotonic()
     engine = start_engine(cfg, tp=sc["tp"])
     started = time.monotonic() - t0
