@@ -95,37 +95,39 @@ def test_two_versions_equal_the_oracle(scenario, prefix, tmp_path_factory):
     for k in (1, 2):
         case = cases[f"{prefix}version_{k}"]
         assert_matches_oracle(case)
-        if prefix != "megatron-":  # megatron's oracle is its own forward, no version
-            assert case["weight_version"] == f"{prefix}v{k}", case
-        else:
-            assert case["weight_version"] == f"megatron-v{k}", case
+        assert case["weight_version"] == f"{prefix}v{k}", case
     assert_fails_oracle(cases[f"{prefix}skipped_update"])  # the step between versions shows
 
 
-@pytest.mark.parametrize("scenario, workers", [("qwen2", 1), ("llama-tp2", 2)])
-def test_every_weight_is_written_in_place(scenario, workers, tmp_path_factory):
+@pytest.mark.parametrize("scenario", ["qwen2", "llama-tp2"])
+def test_every_weight_is_written_in_place(scenario, tmp_path_factory):
     routes = run(scenario, tmp_path_factory)["routes"]
     assert any(n.endswith("qkv_proj.weight") for n in routes), routes
     assert routes and all(way == "direct" for way, _ in routes.values()), routes
 
 
 @pytest.mark.parametrize("scenario, prefix, workers", [("qwen2", "", 1), ("llama-tp2", "", 2),
-                                                       ("llama-tp2", "titan-", 2)])
+                                                       ("llama-tp2", "titan-", 2),
+                                                       ("llama-tp2", "megatron-", 2)])
 def test_each_rank_sends_only_its_shards(scenario, prefix, workers, tmp_path_factory):
     """Every trainer rank sends its own shards, each byte to the one TP worker that holds
-    it: a tensor-parallel engine is sent the model once, not once per worker."""
-    cases = run(scenario, tmp_path_factory)["cases"]
-    case = cases[f"{prefix}version_2"]
-    sent, total = case["bytes_sent"], cases["version_2"]["model_bytes"]
-    replicated = 0 if workers == 1 else _norm_bytes(run(scenario, tmp_path_factory))
+    it: a tensor-parallel engine is sent the model once (plus, per extra worker, the
+    tensors every worker holds whole: the norms), not once per worker."""
+    r = run(scenario, tmp_path_factory)
+    case = r["cases"].get(f"{prefix}version_2")
+    if case is None:
+        pytest.skip("megatron-core is not installed (pip install --no-deps megatron-core)")
+    sent, total = case["bytes_sent"], r["cases"]["version_2"]["model_bytes"]
+    assert len(sent) == len(r.get("trainer_exit", [])) + 1, case
     assert all(0 < s < total for s in sent) or len(sent) == 1, case
-    assert sum(sent) == total + (workers - 1) * replicated, case
+    assert sum(sent) == total + (workers - 1) * _whole_bytes(), case
 
 
-def _norm_bytes(result: dict) -> int:
-    """Bytes of the tensors every TP worker holds whole (the norms)."""
-    cfg_layers, hidden = 2, 128
-    return (2 * cfg_layers + 1) * hidden * 4
+def _whole_bytes() -> int:
+    """Bytes of the tensors every TP worker holds whole: the driver's model's norms (2
+    per layer and the final one, hidden size 128, float32)."""
+    layers, hidden = 2, 128
+    return (2 * layers + 1) * hidden * 4
 
 
 def test_init_errors_name_the_difference(tmp_path_factory):
