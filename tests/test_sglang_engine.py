@@ -134,10 +134,14 @@ def test_init_errors_name_the_difference(tmp_path_factory):
     cases = run("qwen2", tmp_path_factory)["cases"]
     nm = cases["disagreeing_name_map"]
     assert nm["raised"] == "PlanError" and "same name_map" in nm["message"], nm
+    assert "('HfToVllm', 4, 4)" in nm["message"] and "('HfToVllm', 4, 2)" in nm["message"]
     shape = cases["mismatched_shape"]
-    assert shape["raised"] and "gate_up_proj" in shape["message"], shape
+    assert shape["raised"] == "PlanError", shape
+    assert "model.layers.0.mlp.down_proj.weight" in shape["message"], shape
+    assert "[128, 192]" in shape["message"] and "[128, 256]" in shape["message"], shape
     dtype = cases["mismatched_dtype"]
-    assert dtype["raised"] and "float16" in dtype["message"], dtype
+    assert dtype["raised"] == "PlanError" and "float16" in dtype["message"], dtype
+    assert "float32" in dtype["message"], dtype
     for case in (nm, shape, dtype):
         assert case["seconds"] < 15, case  # at once, not by a timeout
 
