@@ -18,9 +18,9 @@ which calls a scheduler method on every TP rank. This module is both sides:
   for AMX) fails the init, named, on every rank;
 * trainer side: :func:`init_sender` on every trainer rank (rank 0 holds the client:
   the ``sglang.Engine``) returns a :class:`SGLangSender`; ``send_weights`` wraps each
-  update as SGLang requires (``begin_weight_update``, the transfer, ``end_weight_update``,
-  ``flush_cache``, the weight version through the tokenizer manager), all through
-  SGLang's own client. ``serve_while_staging=True``: :meth:`SGLangSender.stage_weights`
+  update as SGLang requires (``begin_weight_update``, the transfer and the scheduler's
+  ``flush_cache``, ``end_weight_update``, the weight version through the tokenizer
+  manager), all through SGLang's own client. ``serve_while_staging=True``: :meth:`SGLangSender.stage_weights`
   streams the update into staging while the engine keeps serving (the scheduler's RPC
   returns at once and a thread of the worker receives), and
   :meth:`SGLangSender.commit_weights` installs it.
@@ -274,6 +274,7 @@ class _Receiver:
         except Exception as e:
             error = failure(e, f"engine rank {self.conn.rank} receiving")
         agree_status(self.conn, error, f"SGLang weight update {update}")
+        _flush(scheduler)
 
     def stage(self, update: int) -> None:
         """Start staging ``update`` on a thread of this worker and return: the scheduler
@@ -311,6 +312,7 @@ class _Receiver:
             raise RefitError(f"SGLang weight update {update}: the stage failed, nothing was "
                              f"installed: {str(e).splitlines()[0]}", rule="nothing staged") from e
         self.refitter.commit()
+        _flush(scheduler)
 
     def close(self) -> None:
         if self._pending is not None:
@@ -323,6 +325,16 @@ class _Receiver:
             except Exception:  # a link whose peer died: nothing left to close cleanly
                 _log.warning("torchrefit: closing the trainer link", exc_info=True)
             self.conn = None
+
+
+def _flush(scheduler) -> None:
+    """Flush the cache the old weights produced, in the scheduler, as SGLang's own
+    ``update_weights_from_distributed`` / ``_from_tensor`` do: without emptying the
+    allocator's cache (their default; on CPU that alone takes ~0.7 s)."""
+    if not scheduler.flush_cache(empty_cache=False):
+        raise RuntimeError("torchrefit: the weights were updated, but SGLang refused to flush "
+                           "its cache (requests still running or queued): retract or finish "
+                           "them, then call flush_cache")
 
 
 def _session(scheduler) -> None:
@@ -339,7 +351,7 @@ def _session(scheduler) -> None:
 class EngineClient:
     """Trainer rank 0's way to the engine: an in-process ``sglang.Engine``'s own calls
     (``collective_rpc`` to the scheduler methods above; begin / end of the weight-update
-    session, ``flush_cache`` and the weight version through its tokenizer manager)."""
+    session and the weight version through its tokenizer manager)."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -355,11 +367,6 @@ class EngineClient:
 
     def end(self) -> None:
         _check(self.engine.end_weight_update(), "end_weight_update")
-
-    def flush_cache(self) -> None:
-        out = self.engine.flush_cache()
-        if not getattr(out, "success", True):
-            raise RuntimeError(f"SGLang's flush_cache refused: {getattr(out, 'message', out)}")
 
     def set_weight_version(self, version: str) -> None:
         from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
@@ -442,8 +449,8 @@ class SGLangSender:
 
     def send_weights(self, weight_version: str | None = None) -> None:
         """One update, on every trainer rank: rank 0 opens SGLang's weight-update session
-        and has every TP worker receive while every rank sends its shards; then closes
-        the session, flushes the cache and records ``weight_version``. With
+        and has every TP worker receive while every rank sends its shards (each worker
+        then flushes its cache); then closes the session and records ``weight_version``. With
         ``serve_while_staging``: :meth:`stage_weights`, then :meth:`commit_weights`."""
         if self._staged:
             self.stage_weights()
@@ -472,14 +479,11 @@ class SGLangSender:
                            "finishing the SGLang weight update")
 
     def _finish(self, pending: Future | None, weight_version: str | None):
-        """Rank 0: the engine's answer, the session's end, the cache, the version."""
-        got = _outcome(pending, self._conn.timeout)
+        """Rank 0: the engine's answer, the session's end, the version."""
+        got = _outcome(pending, self._conn.timeout)  # the update, then the cache flushed
         ended = self._on_client(self.client.end)
-        if got or ended:
+        if got or ended or weight_version is None:
             return got or ended
-        flushed = self._on_client(self.client.flush_cache)
-        if flushed or weight_version is None:
-            return flushed
         return self._on_client(self.client.set_weight_version, weight_version)
 
     def stage_weights(self) -> None:
@@ -509,8 +513,8 @@ class SGLangSender:
 
     def commit_weights(self, weight_version: str | None = None) -> None:
         """After :meth:`stage_weights`, every trainer rank: rank 0 has every TP worker
-        install its staged shards inside SGLang's weight-update session (the engine's
-        only stall), then flushes the cache and records ``weight_version``. Refused
+        install its staged shards and flush its cache inside SGLang's weight-update
+        session (the engine's only stall), then records ``weight_version``. Refused
         after a :meth:`stage_weights` that failed: the engine keeps its version."""
         if self._stage_failed is not None:
             raise RefitError(f"commit_weights({weight_version!r}): nothing staged to commit, the "
