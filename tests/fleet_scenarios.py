@@ -63,13 +63,38 @@ def replica(rank: int, world: int, port: int, name: str, staged: bool, logdir: s
             "fds": open_fds()}
 
 
+def _capture_warnings() -> list[str]:
+    import logging
+    got: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            got.append(record.getMessage())
+
+    logger = logging.getLogger("torchrefit.fleet")
+    logger.addHandler(_Keep(logging.WARNING))
+    logger.setLevel(logging.INFO)
+    return got
+
+
+def _wait_ready(f, count: int, limit: float) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline and sum(m.state == "ready" for m in f.replicas()) < count:
+        time.sleep(0.05)
+
+
 def trainer(rank: int, world: int, port: int, updates: int, expect: int, timeout: float,
-            drop_after: float, pause: float, ctl: str | None = None, relay: bool = True) -> dict:
-    """The trainer job: wait for ``expect`` replicas to be ready (rank 0), then ``updates``
-    updates; each rank returns every report and its fd / memory figures."""
+            drop_after: float, pause: float, ctl: str | None = None, relay: bool = True,
+            settle: int = 0, join_timeout: float = 120.0, hold: str | None = None) -> dict:
+    """The trainer job: wait for ``expect`` replicas to have joined (rank 0), then
+    ``updates`` updates; with ``settle``, rank 0 then waits (at most 120 s) until ``settle``
+    replicas are ready and one more update runs (restarts that joined late are fed too).
+    With ``hold``, rank 0 waits (at most 120 s) for that file before closing the fleet.
+    Each rank returns every report, its fd / memory figures and the fleet's warnings."""
+    warnings = _capture_warnings()
     model = build_toy(SPEC, TRAINER, rank, seed=0)
     f = fleet.Fleet(model, rank, world, "127.0.0.1", port, secret=SECRET, timeout=timeout,
-                    drop_after=drop_after, join_timeout=120.0)
+                    drop_after=drop_after, join_timeout=join_timeout)
     if f.coordinator is not None:
         f.coordinator.relay = relay
         deadline = time.monotonic() + 120
@@ -89,7 +114,86 @@ def trainer(rank: int, world: int, port: int, updates: int, expect: int, timeout
         rss.append(rss_kib())
         assert matches(model, TRAINER, rank, v)  # the oracle's trainer side
         time.sleep(pause)
+    if settle:
+        if rank == 0:
+            _wait_ready(f, settle, 120.0)
+        reports.append(f.update(updates + 1))
+    if hold is not None and rank == 0:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(hold) and time.monotonic() < deadline:
+            time.sleep(0.05)
     table = f.replicas()
+    seeds = list(f.coordinator.seeds) if f.coordinator is not None else []
     f.close()
-    return {"reports": reports, "fds": fds, "rss": rss, "worst": worst, "table": table,
+    return {"reports": reports, "fds": fds, "rss": rss, "worst": worst, "table": table, "seeds": seeds,
+            "warnings": list(warnings),
             "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+
+
+# ---------------------------------------------------------------------------- chaos
+def _current(ctl: str) -> int:
+    try:
+        with open(ctl) as f:
+            lines = f.read().split()
+        return int(lines[-1]) if lines else 0
+    except FileNotFoundError:
+        return 0
+
+
+def run_chaos(logdir: str, updates: int, kills: int, add_at: int | None, seed: int = 0,
+              timeout: float = 10.0, drop_after: float = 3.0, pause: float = 0.05,
+              layouts: tuple[tuple[int, bool], ...] = ((1, False), (2, True), (2, True)),
+              relay: bool = True, limit: float = 600.0, settle: bool = True) -> dict:
+    """A 2-rank trainer, replicas of ``layouts`` ((TP, staged) each), ``updates`` updates;
+    during ``kills`` chosen updates a random replica is SIGKILLed a random moment after the
+    update began and restarted at once (a new join); a 4th replica (TP2, staged) joins at
+    update ``add_at``. Returns the trainer's results, every replica job's, and the kills."""
+    import random
+
+    from torchrefit.testing.fleet_jobs import Job
+    from torchrefit.testing.jobs import free_ports
+
+    rnd = random.Random(seed)
+    port = free_ports(1)[0]
+    ctl = os.path.join(logdir, "ctl")
+    live = {i: Job(replica, tp, port, f"r{i}", staged, logdir, timeout) for i, (tp, staged) in enumerate(layouts)}
+    spec = dict(enumerate(layouts))
+    every: list[Job] = list(live.values())
+    final = len(layouts) + (add_at is not None)
+    trainer_job = Job(trainer, 2, port, updates, len(layouts), timeout, drop_after, pause, ctl, relay,
+                      final if settle else 0)
+    plan = sorted(rnd.sample(range(3, updates - 2), kills)) if kills else []
+    killed: list[tuple[int, str]] = []
+    names = {i: f"r{i}" for i in live}
+    restarts = 0
+    deadline = time.monotonic() + limit
+    while not trainer_job.finished() and time.monotonic() < deadline:
+        v = _current(ctl)
+        if add_at is not None and v >= add_at and 3 not in spec:
+            spec[3] = (2, True)
+            live[3], names[3] = Job(replica, 2, port, "r3", True, logdir, timeout), "r3"
+            every.append(live[3])
+        if plan and v >= plan[0] and v <= updates - 3:
+            plan.pop(0)
+            time.sleep(rnd.uniform(0.0, 0.05))  # somewhere inside the update
+            i = rnd.choice(sorted(live))
+            live[i].kill()
+            killed.append((v, names[i]))
+            restarts += 1
+            tp, staged = spec[i]
+            names[i] = f"r{i}x{restarts}"
+            live[i] = Job(replica, tp, port, names[i], staged, logdir, timeout)
+            every.append(live[i])
+        time.sleep(0.005)
+    trained = trainer_job.results(max(1.0, deadline - time.monotonic()))
+    replicas = [j.results(30) for j in every]
+    return {"trainer": trained, "replicas": replicas, "killed": killed}
+
+
+def read_logs(logdir: str) -> list[dict]:
+    import glob
+    out = []
+    for path in glob.glob(os.path.join(logdir, "*.jsonl")):
+        with open(path) as f:
+            out += [json.loads(line) for line in f if line.strip()]
+    return out

@@ -85,6 +85,8 @@ class Coordinator:
         self._joins_seen = 0
         self._unnamed: dict[int, float] = {}  # join indices counted but not yet named
         self._order = 0
+        #: every seed that made a replica ready: (newcomer, peer, version, seconds)
+        self.seeds: list[tuple[str, str, int, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="torchrefit-fleet", daemon=True)
         self._thread.start()
@@ -250,7 +252,8 @@ class Coordinator:
             word = b.get(f"task/{m.name}/{posted[m.name]}")["in"]["word"]
             self._open[word] = src
             m.state = "seeding"
-            m.seed = {"src": src, "n": posted[m.name], "word": word, "version": self.version}
+            m.seed = {"src": src, "n": posted[m.name], "word": word, "version": self.version,
+                      "t0": time.monotonic()}
             busy = busy | {src}
             _log.info("fleet: seeding %s from %s at version %d", m.name, src, self.version)
 
@@ -272,6 +275,8 @@ class Coordinator:
             if got["agreed"] and m.version == self.version and not m.mixed:
                 m.state = "ready"
                 self.post(b, m.name, {"kind": "ready", "version": m.version})
+                self.seeds.append((m.name, seed["src"], m.version, time.monotonic() - seed["t0"]))
+                del self.seeds[:-1000]  # a bounded record
                 _log.info("fleet: %s seeded by %s at version %d: ready", m.name, seed["src"], m.version)
             else:
                 m.state = "joined"  # seeded again: from a peer at the newest version

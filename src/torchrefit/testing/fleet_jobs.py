@@ -52,6 +52,16 @@ class Job:
     def alive(self) -> bool:
         return any(p.is_alive() for p in self.procs)
 
+    def finished(self) -> bool:
+        """Every rank has answered (or none is left running); does not block."""
+        try:
+            while True:
+                rank, ok, value = self.out.get_nowait()
+                self._got[rank] = (ok, value)
+        except queue.Empty:
+            pass
+        return len(self._got) == self.nprocs or not self.alive()
+
     def kill(self) -> None:
         """SIGKILL every process of the job, now."""
         for p in self.procs:

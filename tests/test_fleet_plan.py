@@ -1,0 +1,63 @@
+"""Fleet planning and admission proofs, pure (no processes): relay trees (a chain, fan-out
+trees, every target fed once, only the first source sending), re-feed sources (whole
+replicas first, the trainer last), the seed source (only a peer whole at the current
+version, never a mixed one, never a busy one, none before the first version), and the
+secret (required, never a default; proofs that a wrong secret or other parts cannot make)."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchrefit import settings
+from torchrefit.fleet.relay import TRAINER, Edge, Holding, refeed_sources, relay_edges, seed_source
+from torchrefit.fleet.secret import check, group_prefix, prove, read_secret
+
+
+def test_chain_feeds_every_target_once_from_one_source() -> None:
+    edges = relay_edges([TRAINER, "x"], ["a", "b", "c"])
+    assert edges == [Edge(TRAINER, "a"), Edge("a", "b"), Edge("b", "c")]
+    assert [e for e in edges if e.src == TRAINER] == [Edge(TRAINER, "a")]  # egress: one replica
+
+
+@pytest.mark.parametrize("fanout", [1, 2, 3])
+def test_tree_feeds_each_once(fanout: int) -> None:
+    targets = [f"r{i}" for i in range(9)]
+    edges = relay_edges([TRAINER], targets, fanout)
+    assert sorted(e.dst for e in edges) == sorted(targets)
+    assert sum(e.src == TRAINER for e in edges) == 1
+    fed = {TRAINER}
+    for e in edges:  # each sender was fed before it sends
+        assert e.src in fed
+        fed.add(e.dst)
+    assert max(sum(e.src == s for e in edges) for s in fed) <= fanout
+    assert edges == relay_edges([TRAINER], targets, fanout)  # deterministic
+
+
+def test_refeed_prefers_whole_replicas_and_the_trainer_last() -> None:
+    holders = [Holding("a", 4), Holding("b", 5, mixed=True), Holding("c", 5)]
+    assert refeed_sources(holders, 5) == ["c", TRAINER]
+
+
+def test_seed_source_only_whole_at_the_current_version() -> None:
+    peers = [Holding("mixed", 7, mixed=True), Holding("old", 6), Holding("busy", 7), Holding("good", 7)]
+    assert seed_source(peers, 7, frozenset({"busy"})) == "good"
+    assert seed_source(peers[:2], 7) is None  # a mix is never a seed
+    assert seed_source([Holding("a", 0)], 0) is None  # nothing to seed before the first version
+
+
+def test_secret_is_required_and_proofs_bind_it(tmp_path) -> None:
+    with settings.overridden(fleet_secret=""):
+        with pytest.raises(ValueError, match="no fleet secret"):
+            read_secret(None, None, "Fleet")
+    f = tmp_path / "secret"
+    f.write_text("s3cret\n")
+    key = read_secret(None, str(f), "join")
+    assert key == b"s3cret"
+    with settings.overridden(fleet_secret="from-env"):
+        assert read_secret(None, None, "join") == b"from-env"
+    p = prove(key, "join", "salt", "name", "2")
+    assert check(key, p, "join", "salt", "name", "2")
+    assert not check(b"wrong", p, "join", "salt", "name", "2")
+    assert not check(key, p, "join", "salt", "name", "3")
+    assert not check(key, "", "join", "salt", "name", "2")
+    assert group_prefix(key, "salt", "t>a#0") != group_prefix(b"wrong", "salt", "t>a#0")
