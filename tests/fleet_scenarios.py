@@ -77,6 +77,21 @@ def _capture_warnings() -> list[str]:
     return got
 
 
+def _wait_allowed(path: str, v: int, limit: float = 180.0) -> None:
+    """The chaos launcher holds the trainer back before an update it will kill in until
+    the last restart is ready (training would go on; the test wants each kill to land on a
+    fleet whose restarts joined)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            with open(path) as f:
+                if int(f.read().strip() or 0) >= v:
+                    return
+        except (FileNotFoundError, ValueError):
+            pass
+        time.sleep(0.01)
+
+
 def _wait_ready(f, count: int, limit: float) -> None:
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline and sum(m.state == "ready" for m in f.replicas()) < count:
@@ -102,6 +117,8 @@ def trainer(rank: int, world: int, port: int, updates: int, expect: int, timeout
             time.sleep(0.05)
     reports, fds, rss, worst = [], [], [], 0.0
     for v in range(1, updates + 1):
+        if ctl is not None and rank == 0:
+            _wait_allowed(ctl + ".allow", v)
         load_seed(model, SPEC, TRAINER, rank, v)
         if ctl is not None and rank == 0:
             with open(ctl, "a") as c:
@@ -163,17 +180,23 @@ def run_chaos(logdir: str, updates: int, kills: int, add_at: int | None, seed: i
     trainer_job = Job(trainer, 2, port, updates, len(layouts), timeout, drop_after, pause, ctl, relay,
                       final if settle else 0)
     plan = sorted(rnd.sample(range(3, updates - 2), kills)) if kills else []
+    allowed = _allow(ctl, plan[0] if plan else updates + 1, None)
     killed: list[tuple[int, str]] = []
     names = {i: f"r{i}" for i in live}
-    restarts = 0
+    restarts, pending, last_look = 0, None, 0.0
     deadline = time.monotonic() + limit
     while not trainer_job.finished() and time.monotonic() < deadline:
         v = _current(ctl)
+        if pending is not None and time.monotonic() - last_look > 0.2:
+            last_look = time.monotonic()
+            if any(line["name"] == pending for line in read_logs(logdir)):
+                pending = None  # the restart holds a version: the next kill may come
+        allowed = _allow(ctl, updates + 1 if not plan else plan[0] - (pending is not None), allowed)
         if add_at is not None and v >= add_at and 3 not in spec:
             spec[3] = (2, True)
             live[3], names[3] = Job(replica, 2, port, "r3", True, logdir, timeout), "r3"
             every.append(live[3])
-        if plan and v >= plan[0] and v <= updates - 3:
+        if plan and v >= plan[0]:
             plan.pop(0)
             time.sleep(rnd.uniform(0.0, 0.05))  # somewhere inside the update
             i = rnd.choice(sorted(live))
@@ -181,13 +204,21 @@ def run_chaos(logdir: str, updates: int, kills: int, add_at: int | None, seed: i
             killed.append((v, names[i]))
             restarts += 1
             tp, staged = spec[i]
-            names[i] = f"r{i}x{restarts}"
+            names[i] = pending = f"r{i}x{restarts}"
             live[i] = Job(replica, tp, port, names[i], staged, logdir, timeout)
             every.append(live[i])
         time.sleep(0.005)
     trained = trainer_job.results(max(1.0, deadline - time.monotonic()))
     replicas = [j.results(30) for j in every]
     return {"trainer": trained, "replicas": replicas, "killed": killed}
+
+
+def _allow(ctl: str, v: int, before: int | None) -> int:
+    if v != before:
+        with open(ctl + ".allow.tmp", "w") as f:
+            f.write(str(v))
+        os.replace(ctl + ".allow.tmp", ctl + ".allow")
+    return v
 
 
 def read_logs(logdir: str) -> list[dict]:

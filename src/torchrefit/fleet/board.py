@@ -63,6 +63,9 @@ class Board:
             return None
         return json.loads(self.store.get(f"fleet/{key}"))
 
+    def delete(self, key: str) -> None:
+        self.store.delete_key(f"fleet/{key}")
+
     def add(self, key: str, n: int) -> int:
         return self.store.add(f"fleet/{key}", n)
 

@@ -270,9 +270,12 @@ class Coordinator:
                 continue
             seed, m.seed = m.seed, None
             self._open.pop(seed["word"], None)
+            self._bump(seed["src"], m.name)  # the seed's group is gone: the next one meets anew
+            self._forget_task(b, m.name, seed["n"], m.ranks)
             got = done[0]["in"]
             m.version, m.mixed = done[0]["version"], any(d["mixed"] for d in done)
-            if got["agreed"] and m.version == self.version and not m.mixed:
+            newest = m.version == self.version and self.inflight is None
+            if got["agreed"] and newest and not m.mixed:
                 m.state = "ready"
                 self.post(b, m.name, {"kind": "ready", "version": m.version})
                 self.seeds.append((m.name, seed["src"], m.version, time.monotonic() - seed["t0"]))
@@ -284,6 +287,14 @@ class Coordinator:
                     self._bump(seed["src"], m.name)
                 _log.info("fleet: seeding %s from %s ended at version %d (fleet at %d): %s", m.name,
                           seed["src"], m.version, self.version, got["error"] or "newer version since")
+
+    def _forget_task(self, b: Board, job: str, n: int, ranks: int) -> None:
+        """Delete a finished task's keys (every rank of the job has read and answered it), so
+        the store holds a bounded number of keys however long the fleet runs."""
+        b.delete(f"task/{job}/{n}")
+        for r in range(ranks):
+            b.delete(f"done/{job}/{n}/{r}")
+            b.delete(f"sib/{job}/{n}/{r}")
 
     def _bump(self, src: str, dst: str) -> None:
         self._gen[(src, dst)] = self._gen.get((src, dst), 0) + 1
@@ -315,10 +326,17 @@ class Coordinator:
                                                                      "why": f"{e.src} was dropped"})
             if TRAINER in posted:
                 run_own(self.board.get(f"task/{TRAINER}/{posted[TRAINER]}"))
-            results = self._collect(posted, t0 + self.timeout * (len(edges) + 2) + self.drop_after)
+            # every edge of the tree may take the timeout, one after another along a chain
+            results = self._collect(posted, time.monotonic() + self.timeout * (len(edges) + 2)
+                                    + self.drop_after)
             egress += sum(o["bytes"] for d in results.get(TRAINER) or () for o in d["outs"].values())
             with self._lock:
                 pending = self._settle(edges, results, version, t0, outcomes, words)
+                for job, n in posted.items():
+                    if results.get(job) is not None:
+                        self._forget_task(self.board, job, n, self._world(job))
+                for word in words.values():
+                    self.board.delete(f"edge/{word}")
                 holders = [m.holding() for m in sorted(self.members.values(), key=lambda m: m.order)
                            if m.state != "dropped"]
                 sources = refeed_sources(holders, version)
@@ -394,7 +412,8 @@ class Coordinator:
             self.inflight = None
             report = FleetReport(version, time.monotonic() - t0, egress, rounds,
                                  tuple(outcomes[k] for k in sorted(outcomes)))
-            self.post(self.board, TRAINER, {"kind": "end", "version": version, "report": _encode(report)})
+            if self.trainer_ranks > 1:  # the others' last task of this update
+                self.post(self.board, TRAINER, {"kind": "end", "version": version, "report": _encode(report)})
         return report
 
     def table(self) -> list[MemberState]:

@@ -89,9 +89,13 @@ class Fleet:
     def _follow(self) -> FleetReport:
         """Ranks other than 0: run the trainer's tasks of this update until its end."""
         while True:
-            task = self.board.wait(f"task/{TRAINER}/{self._tasks}")
+            key = f"task/{TRAINER}/{self._tasks}"
+            task = self.board.wait(key)
             self._tasks += 1
             if task["kind"] == "end":
+                if self.board.add(f"read/{key}", 1) == self.world - 1:  # the last reader
+                    self.board.delete(key)
+                    self.board.delete(f"read/{key}")
                 return decode(task["report"])
             self._worker.run(task)
 

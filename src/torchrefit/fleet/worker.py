@@ -59,6 +59,9 @@ class Worker:
             holds = out["in"]["agreed"]
         for e in task.get("outs", ()):
             out["outs"][e["tag"]] = self._send(task, e, holds)
+        if task["kind"] == "seed":  # seeds are rare: keep no group or staging for them
+            for e in [task["in"]] if task.get("in") else task.get("outs", ()):
+                self.links.forget(e["tag"])
         if self.whole is not None:
             out["version"], out["mixed"] = self.whole.version, self.whole.mixed
         self.board.put(f"done/{self.job}/{task['n']}/{self.rank}", out)
