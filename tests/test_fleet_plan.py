@@ -61,3 +61,19 @@ def test_secret_is_required_and_proofs_bind_it(tmp_path) -> None:
     assert not check(key, p, "join", "salt", "name", "3")
     assert not check(key, "", "join", "salt", "name", "2")
     assert group_prefix(key, "salt", "t>a#0") != group_prefix(b"wrong", "salt", "t>a#0")
+
+
+def test_a_relay_or_seed_source_never_sends_a_mix() -> None:
+    """The sender's own check, behind the coordinator's choice: a replica sends only when it
+    holds the version asked for, whole (a mixed one says why it does not)."""
+    from torchrefit.fleet.worker import Whole, Worker
+
+    w = Worker(None, None, "r", 0, 1, 1.0, Whole(version=7, mixed=True))
+    task = {"version": 8, "expect": 7}
+    assert w._what_to_send(task, True)[1] == "r holds a mix of versions"
+    w.whole.mixed = False
+    assert w._what_to_send(task, True) == (7, None)
+    assert "holds version 7, not 8" in w._what_to_send({"version": 8}, True)[1]
+    assert "did not receive version 8 whole" in w._what_to_send({"version": 8}, False)[1]
+    trainer = Worker(None, None, TRAINER, 0, 2, 1.0)
+    assert trainer._what_to_send({"version": 8}, True) == (8, None)
