@@ -134,6 +134,7 @@ def trainer(rank: int, world: int, port: int, updates: int, expect: int, timeout
     if settle:
         if rank == 0:
             _wait_ready(f, settle, 120.0)
+        load_seed(model, SPEC, TRAINER, rank, updates + 1)
         reports.append(f.update(updates + 1))
     if hold is not None and rank == 0:
         deadline = time.monotonic() + 120
