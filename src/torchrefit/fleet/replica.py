@@ -131,8 +131,8 @@ def join(model, rank: int, world_size: int, address: str, port: int, *, name: st
          timeout: float = 60.0, on_version: Callable[[int], None] | None = None,
          refitter_args: dict | None = None) -> Replica:
     """Join the fleet at ``address:port`` with this rank's ``model`` (every rank of the
-    replica job calls it; the job's default process group must be initialized where it has
-    more than one rank). ``name`` (default ``replica``) gets a random suffix, so a restart is
+    replica job calls it, after initializing the job's own default process group, as a
+    ``torchrun`` job does; a one-process job initializes a group of one). ``name`` (default ``replica``) gets a random suffix, so a restart is
     a new member. ``staged=True`` receives each version into staging and commits it under
     ``replica.lock`` once every rank has it (never a mix); ``False`` writes live weights
     directly (a cut update leaves the replica marked mixed until its next complete one).
