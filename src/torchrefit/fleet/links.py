@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .._joint_group import build_joint_group
+from ..connect import _build_joint_group as build_joint_group
 from ..refitter import Refitter
 from .secret import group_prefix
 
