@@ -60,8 +60,8 @@ def trainer(rank: int, world: int, port: int, size: str, device: str, transport:
     model = _model(size, Mesh(tp=world, ranks=world), rank, device)
     f = fleet.Fleet(model, rank, world, "127.0.0.1", port, secret=SECRET, timeout=TIMEOUT,
                     drop_after=30.0, refitter_args={"transport": transport})
-    if f.coordinator is not None:
-        while len(f.replicas()) < k:
+    if f.coordinator is not None:  # every replica's ranks started: the first update feeds them
+        while sum(m.state != "arming" for m in f.replicas()) < k:
             time.sleep(0.05)
     reports = []
     for v in range(1, updates + 4):
