@@ -25,6 +25,7 @@ from .errors import (
     TransportError,
     VerificationError,
 )
+from .fleet import Fleet, FleetReport, JoinRefused, join
 from .layout import Box, Explicit, Piece, TensorSpec, shard_pieces
 from .layout.sink import load_weights_sink
 from .layout.vllm_tp import vllm_tp_layout
@@ -52,6 +53,8 @@ __all__ = [
     "ConnectError",
     # separately launched trainer and engine jobs; weight versions; engine load_weights
     "connect", "Connection", "weight_version", "load_weights_sink",
+    # a fleet of engine replicas that come and go
+    "Fleet", "join", "FleetReport", "JoinRefused",
     # every tunable: tr.settings.configure(...), tr.settings.overridden(...)
     "settings",
 ]

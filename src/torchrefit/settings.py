@@ -42,6 +42,9 @@ name                    default     environment override                      wh
 ``batched_copy``        ``"auto"``  --                                        which large copies join the one batched
                                                                               kernel launch: ``auto`` (programs of many
                                                                               mid-sized copies), ``all`` or ``none``
+``fleet_secret``        ``""``      ``TORCHREFIT_FLEET_SECRET``               the secret ``Fleet`` and ``join`` share when
+                                                                              neither is given ``secret=`` or
+                                                                              ``secret_file=`` (``""``: none; they raise)
 ``delegate_copies``     True        --                                        ranks sharing a GPU hand their copies to one
                                                                               of them (one graph, no turns); False: they
                                                                               take turns, as FP8-quantizing ranks always
@@ -90,6 +93,8 @@ class Settings:
     batched_copy: str = "auto"
     #: ranks copying on one GPU hand their copies to one of them
     delegate_copies: bool = True
+    #: the fleet's shared secret where Fleet / join get none ("": none, they raise)
+    fleet_secret: str = ""
 
     def __post_init__(self) -> None:
         if not 1 <= self.branches <= MAX_BRANCHES:
@@ -114,6 +119,7 @@ ENV = {
     "nixl_timeout": "TORCHREFIT_NIXL_TIMEOUT",
     "mailbox": "TORCHREFIT_MAILBOX",
     "native_watch": "TORCHREFIT_NATIVE_WATCH",
+    "fleet_secret": "TORCHREFIT_FLEET_SECRET",
 }
 
 
@@ -123,7 +129,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
     environ = os.environ if environ is None else environ
     raw = {name: environ[var].strip() for name, var in ENV.items() if environ.get(var, "").strip()}
     changes: dict[str, object] = {}
-    for name in ("transport", "kernel_cache", "nvrtc"):
+    for name in ("transport", "kernel_cache", "nvrtc", "fleet_secret"):
         if name in raw:
             changes[name] = raw[name]
     if "nvshmem_shared_gpu" in raw:

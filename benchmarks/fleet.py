@@ -1,0 +1,138 @@
+"""Fleets: update time and trainer egress with 1, 2 and 3 replicas, and seeding a
+newcomer from a peer against a first refit from the trainer, in one run.
+
+A 2-rank TP2 trainer job feeds k TP2 replica jobs (each its own job of 2 processes, staged)
+through ``tr.Fleet`` / ``join``, for k = 1, 2, 3 (a fresh fleet each). Per k: the median
+wall time of ``Fleet.update`` over ``--updates`` timed updates (after 3 warm-up ones), the
+trainer's egress per update (bytes its ranks sent) over one replica's bytes, and the ratio
+of the update time to k = 1's. With k = 2, after the timed updates a newcomer joins and is
+seeded by a peer: its seed time (group, plan and transfer, cold) against the cold first
+update of k = 1 (the trainer feeding one replica for the first time: group, plan and
+transfer) and the warm single-replica update::
+
+    python benchmarks/fleet.py [--device cpu --transport gloo] [--size small] [--json out.json]
+    python benchmarks/fleet.py --device cuda --transport ipc --size large   # one GPU
+
+Prints a markdown table and (with ``--json``) the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+import torchrefit.fleet as fleet
+from torchrefit.testing import Mesh, ModelSpec, build_toy
+from torchrefit.testing.fleet_jobs import Job
+from torchrefit.testing.jobs import free_ports
+
+SIZES = {"small": ModelSpec(layers=2, hidden=256, heads=8, groups=4, ffn=1024, vocab=4096),
+         "large": ModelSpec(layers=8, hidden=2048, heads=16, groups=4, ffn=8192, vocab=32768,
+                            dtype=torch.bfloat16)}
+SECRET = "fleet-benchmark"
+TIMEOUT = 120.0
+
+
+def _model(size: str, mesh: Mesh, rank: int, device: str):
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    return build_toy(SIZES[size], mesh, rank, seed=rank, device=device, random_init=True)
+
+
+def replica(rank: int, world: int, port: int, size: str, device: str, transport: str) -> dict:
+    model = _model(size, Mesh(tp=world, ranks=world), rank, device)
+    rep = fleet.join(model, rank, world, "127.0.0.1", port, name="bench", secret=SECRET,
+                     timeout=TIMEOUT, refitter_args={"transport": transport})
+    while not rep._stop.wait(0.1):
+        pass
+    return {}
+
+
+def trainer(rank: int, world: int, port: int, size: str, device: str, transport: str, k: int,
+            updates: int, newcomer: str | None) -> dict:
+    model = _model(size, Mesh(tp=world, ranks=world), rank, device)
+    f = fleet.Fleet(model, rank, world, "127.0.0.1", port, secret=SECRET, timeout=TIMEOUT,
+                    drop_after=30.0, refitter_args={"transport": transport})
+    if f.coordinator is not None:  # every replica's ranks started: the first update feeds them
+        while sum(m.state != "arming" for m in f.replicas()) < k:
+            time.sleep(0.05)
+    reports = []
+    for v in range(1, updates + 4):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        reports.append(f.update(v))
+    seed = None
+    if newcomer is not None and f.coordinator is not None:
+        open(newcomer, "w").close()  # the launcher starts the newcomer now
+        while not f.coordinator.seeds:
+            time.sleep(0.01)
+        seed = f.coordinator.seeds[0]
+    if newcomer is not None:
+        reports.append(f.update(updates + 4))  # every rank runs the same number of updates
+    f.close()
+    return {"reports": [(r.seconds, r.trainer_bytes_sent, [x.bytes for x in r.replicas], r.rounds)
+                        for r in reports], "seed": seed}
+
+
+def run_fleet(args, k: int, newcomer: bool) -> dict:
+    port = free_ports(1)[0]
+    flag = os.path.join(tempfile.mkdtemp(), "newcomer") if newcomer else None
+    jobs = [Job(replica, 2, port, args.size, args.device, args.transport) for _ in range(k)]
+    t = Job(trainer, 2, port, args.size, args.device, args.transport, k, args.updates, flag)
+    late = None
+    while not t.finished():
+        if flag is not None and late is None and os.path.exists(flag):
+            late = Job(replica, 2, port, args.size, args.device, args.transport)
+        time.sleep(0.02)
+    got = t.results(10)
+    for j in jobs + ([late] if late else []):
+        j.results(30)
+    if any(g is None or not g[0] for g in got):
+        sys.exit(f"trainer failed: {got}")
+    return got[0][1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--transport", default="gloo")
+    ap.add_argument("--size", default="small", choices=sorted(SIZES))
+    ap.add_argument("--updates", type=int, default=10)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    rows, out = [], {}
+    for k in (1, 2, 3):
+        res = run_fleet(args, k, newcomer=(k == 2))
+        timed = res["reports"][3:3 + args.updates]
+        one = max(max(b) for _, _, b, _ in timed)
+        out[k] = {"median_s": statistics.median(s for s, *_ in timed),
+                  "egress_x": statistics.median(e for _, e, _, _ in timed) / one,
+                  "replica_bytes": one, "first_s": res["reports"][0][0], "seed": res["seed"]}
+    base = out[1]["median_s"]
+    print(f"| replicas | update ms (median of {args.updates}) | x 1 replica | trainer egress / one replica's bytes |")
+    print("| --- | --- | --- | --- |")
+    for k in (1, 2, 3):
+        o = out[k]
+        print(f"| {k} | {1e3 * o['median_s']:.1f} | {o['median_s'] / base:.2f} | {o['egress_x']:.3f} |")
+        rows.append(o)
+    seed = out[2]["seed"]
+    print(f"\nseeding a newcomer from a peer (cold: group, plan, transfer): {seed[3]:.3f} s; "
+          f"first update from the trainer into one replica (cold): {out[1]['first_s']:.3f} s; "
+          f"warm single-replica update: {base:.3f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "fleets": out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
