@@ -28,9 +28,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["Board", "open_store"]
+__all__ = ["Board", "open_store", "SHORT"]
 
-_MAX_PAUSE = 0.02  # seconds between two looks at a key being waited for
+_MAX_PAUSE = 0.02  # seconds between two looks at a key being waited for, while idle
+SHORT = 0.002  # the same inside an update, where each look's delay adds to its time
 
 
 def open_store(address: str, port: int, host: bool, timeout: float) -> dist.TCPStore:
@@ -69,10 +70,12 @@ class Board:
     def add(self, key: str, n: int) -> int:
         return self.store.add(f"fleet/{key}", n)
 
-    def wait(self, key: str, until: float | None = None, stop=lambda: False) -> Any:
+    def wait(self, key: str, until: float | None = None, stop=lambda: False,
+             most: float = _MAX_PAUSE) -> Any:
         """Block until ``key`` is set, ``until`` (monotonic time) passes or ``stop()`` says
-        so; the value, or None. Polls (1 ms at first, backing off to 20 ms): the store's own
-        blocking wait logs a warning at every timeout, and this one must check ``stop``."""
+        so; the value, or None. Polls (1 ms at first, backing off to ``most`` seconds): the
+        store's own blocking wait logs a warning at every timeout, and this one must check
+        ``stop``. Waits inside an update pass ``most=SHORT``: each is on the update's path."""
         full, pause = f"fleet/{key}", 0.001
         while True:
             if self.store.check([full]):
@@ -80,4 +83,4 @@ class Board:
             if stop() or (until is not None and time.monotonic() >= until):
                 return None
             time.sleep(pause)
-            pause = min(2 * pause, _MAX_PAUSE)
+            pause = min(2 * pause, most)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .board import Board, open_store
+from .board import SHORT, Board, open_store
 from .links import edge_tag
 from .relay import TRAINER, Edge, Holding, refeed_sources, relay_edges, seed_source
 from .report import FleetReport, MemberState, ReplicaOutcome
@@ -369,7 +369,7 @@ class Coordinator:
                         out.setdefault(TRAINER, [])
                     return out
             time.sleep(pause)
-            pause = min(2 * pause, 0.01)
+            pause = min(2 * pause, SHORT)
 
     def _settle(self, edges: list[Edge], results: dict, version: int, t0: float,
                 outcomes: dict[str, ReplicaOutcome], words: dict[str, str]) -> list[str]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
 
-from .board import Board
+from .board import SHORT, Board
 from .links import Links
 
 __all__ = ["Worker", "Whole"]
@@ -71,7 +71,7 @@ class Worker:
     def _receive(self, task: dict, e: dict) -> dict:
         t0 = perf_counter()
         res = {"ok": False, "agreed": False, "bytes": 0, "error": "", "from": e["peer"]}
-        word = self.board.wait(f"edge/{e['word']}", stop=self.stop)
+        word = self.board.wait(f"edge/{e['word']}", stop=self.stop, most=SHORT)
         version = None
         if word is None:
             res["error"] = "stopped while waiting for the sender"
@@ -104,7 +104,7 @@ class Worker:
         self.board.put(f"sib/{self.job}/{n}/{self.rank}", ok)
         until = time.monotonic() + self.timeout
         for r in range(self.world):
-            told = self.board.wait(f"sib/{self.job}/{n}/{r}", until, self.stop)
+            told = self.board.wait(f"sib/{self.job}/{n}/{r}", until, self.stop, SHORT)
             if not told:
                 return False
         return True
