@@ -3,7 +3,8 @@
 # Usage: bash benchmarks/multi_gpu_suite.sh N            N GPUs: nccl, gloo, ipc, nvshmem, nixl
 #        bash benchmarks/multi_gpu_suite.sh N --cpu      no GPU: the same layouts over gloo, N processes
 #        bash benchmarks/multi_gpu_suite.sh N [--cpu] --dry-run   print the commands only
-# N = 2, 4 or 8. Every bench run verifies the destination against the source (verify())
+# N = 2, 4 or 8. TRANSPORTS="nixl nvshmem" runs only those; GPU_TESTS=0 skips the GPU tests.
+# Every bench run verifies the destination against the source (verify())
 # before it reports. On GPUs each run also measures the NCCL link between GPUs 0 and 1 and
 # reports the floor per GPU (remote bytes / link bandwidth vs local bytes / HBM copy
 # bandwidth); nvshmem and nixl run where they are installed and say why not elsewhere.
@@ -44,7 +45,7 @@ if [ "$CPU" = 1 ]; then
   B=(python3 -m torchrefit bench --warmup 1 --iters 2 --variant plain)
   tag=cpu
 else
-  transports="nccl gloo ipc nvshmem nixl"
+  transports=${TRANSPORTS:-nccl gloo ipc nvshmem nixl}
   B=(python3 -m torchrefit bench --model gpt-4b --variant graph)
   tag=gpu
 fi
@@ -70,7 +71,7 @@ for t in $transports; do
   fi
 done
 
-if [ "$CPU" = 0 ]; then
+if [ "$CPU" = 0 ] && [ "${GPU_TESTS:-1}" != 0 ]; then
   step "correctness on the GPUs" python3 -m pytest -q -p no:cacheprovider \
     tests/test_gpu_stale_read.py tests/test_gpu_layouts.py tests/test_gpu_one_sided.py \
     tests/test_gpu_refit.py tests/test_gpu_nvshmem.py
