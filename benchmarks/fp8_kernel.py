@@ -5,14 +5,14 @@ up 16384x4096, down 4096x16384) in bf16 and their float8_e4m3fn destinations wit
 128x128 scale grids, then measures (median of ``--iters``, device idle before each
 call, synchronized after): the HBM copy floor of the bytes read (bf16) and written
 (FP8 + scales); the torch reference ``quantize_blocks`` tensor by tensor; a
-baseline kernel (masked 128x128 tiles, 64-bit offsets, IEEE division per element); and every variant of ``transforms.fp8_kernel`` in one launch,
+baseline kernel (masked 128x128 tiles, 64-bit offsets, IEEE division per element); and every variant of ``execute.kernels.fp8_blocks`` in one launch,
 also with q/k/v read as 128-row strips of a fused QKV source (how megatron_to_hf feeds
 them). Every kernel is checked bit for bit against the torch reference on every
 tensor and on adversarial blocks (every finite bf16 bit pattern; blocks whose
 exponents span 20 binades at every exponent, subnormals and signed zeros included).
 Also the host time of one launch. Prints JSON (``--json`` keeps it) and, last, the
 best variant's name alone on a line (``best=...``), to set against the default a refit
-uses (``transforms.fp8_kernel.variant()``).
+uses (``execute.kernels.fp8_blocks.variant()``).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import time
 import torch
 
 from torchrefit.bench.timing import copy_bandwidth, median_ms
+from torchrefit.execute.kernels import fp8_blocks
+from torchrefit.execute.kernels.fp8_blocks import BlockTable, launch
 from torchrefit.testing.fp8_inputs import hard_blocks
-from torchrefit.transforms import fp8_kernel
 from torchrefit.transforms.fp8 import quantize_blocks
-from torchrefit.transforms.fp8_kernel import BlockTable, launch
 
 BLOCK = (128, 128)
 
@@ -125,14 +125,14 @@ def main() -> None:
     import triton.language as tl
     out["old"] = check(lambda ts: [v1[(t.blocks,)](t.table, BR=128, BC=128, SRC=tl.bfloat16, num_warps=8)
                                    for t in ts])
-    for name in fp8_kernel.VARIANTS:
+    for name in fp8_blocks.VARIANTS:
         try:
             out[name] = check(lambda ts, n=name: [launch(t, n) for t in ts])
         except Exception as e:  # a variant that does not compile is a finding, not a crash
             out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-    good = {n: out[n]["ms"] for n in fp8_kernel.VARIANTS
+    good = {n: out[n]["ms"] for n in fp8_blocks.VARIANTS
             if out[n].get("bit_identical") and out[n].get("adversarial_bit_identical")}
-    best = min(good, key=good.get) if good else fp8_kernel.variant()
+    best = min(good, key=good.get) if good else fp8_blocks.variant()
     out["best"] = best
 
     # host time of one launch (the refit pays it before the device starts)
@@ -165,7 +165,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)
-    for name in ["old", *fp8_kernel.VARIANTS]:
+    for name in ["old", *fp8_blocks.VARIANTS]:
         r = out[name]
         print(f"{name:16s} {r.get('ms', float('nan')):8.3f} ms {r.get('vs_floor', float('nan')):6.3f}x floor "
               f"bits {r.get('bit_identical')}/{r.get('adversarial_bit_identical')} {r.get('error', '')}")

@@ -104,7 +104,7 @@ def quick(path: Path, against: str | None = None, repeats: int = 3) -> dict:
     drift with the other jobs. Its plans must equal this tree's, field by field."""
     import gc
 
-    from torchrefit.simulate import parse_mesh, preset, simulated_role
+    from torchrefit.simulate import parse_mesh, preset, simulated_rosters
     from torchrefit.simulate.predict import Hardware
     from torchrefit.simulate.report import _metadata, time_rank
 
@@ -114,8 +114,8 @@ def quick(path: Path, against: str | None = None, repeats: int = 3) -> dict:
     for name in (n for n in CASES if CASES[n][3] == 16384):
         model, src, dst, w, _ = CASES[name]
         c0 = time.process_time()
-        s = simulated_role(preset(model), parse_mesh(src, w), w)
-        d = simulated_role(preset(model), parse_mesh(dst, w), w)
+        s = simulated_rosters(preset(model), parse_mesh(src, w), w)
+        d = simulated_rosters(preset(model), parse_mesh(dst, w), w)
         per, g, full, _ = _metadata(s, d, w, Hardware())
         row = {"src_classes": len(s.classes), "dst_classes": len(d.classes),
                "roster_bytes_per_rank_max": per, "gathered_records": g.records,
@@ -125,8 +125,8 @@ def quick(path: Path, against: str | None = None, repeats: int = 3) -> dict:
         planners = [(time_rank, s, d)]
         if base is not None:
             planners.append((base.report.time_rank,
-                             base.simulated_role(base.preset(model), base.parse_mesh(src, w), w),
-                             base.simulated_role(base.preset(model), base.parse_mesh(dst, w), w)))
+                             base.simulated_rosters(base.preset(model), base.parse_mesh(src, w), w),
+                             base.simulated_rosters(base.preset(model), base.parse_mesh(dst, w), w)))
         for r in (0, w // 2 + 3, w - 1):
             best: list = [None] * len(planners)
             for _ in range(repeats):
@@ -177,7 +177,7 @@ def _baseline(ref: str):
     sys.path.insert(0, str(folder))
     sim = importlib.import_module("torchrefit_base.simulate")
     report = importlib.import_module("torchrefit_base.simulate.report")
-    return types.SimpleNamespace(simulated_role=sim.simulated_role, preset=sim.preset,
+    return types.SimpleNamespace(simulated_rosters=sim.simulated_rosters, preset=sim.preset,
                                  parse_mesh=sim.parse_mesh, report=report)
 
 
@@ -315,7 +315,7 @@ NOTES = [
     "Where the model is optimistic, and why the published refits take longer than predicted:",
     "",
     "* It is a bandwidth floor. It has no per-message latency, no packing and unpacking of "
-    "non-contiguous regions, no waiting between rounds of a bounded staging budget, no "
+    "non-contiguous regions, no waiting between rounds of a bounded message-pool budget, no "
     "synchronization (the published systems barrier between mesh groups and signal "
     "completion), and it lets NVLink and the network run at full rate at once with every "
     "rank starting together.",

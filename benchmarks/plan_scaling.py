@@ -68,11 +68,11 @@ def child_ours(model: str, src: str, dst: str, world: int) -> dict:
 
 def child_megatron(model: str, src: str, dst: str, world: int, megatron_path: str | None) -> dict:
     planner, utils = _load_megatron(megatron_path)
-    from torchrefit.simulate import parse_mesh, preset, simulated_role
+    from torchrefit.simulate import parse_mesh, preset, simulated_rosters
 
     shape = preset(model)
-    s = simulated_role(shape, parse_mesh(src, world), world)
-    d = simulated_role(shape, parse_mesh(dst, world), world)
+    s = simulated_rosters(shape, parse_mesh(src, world), world)
+    d = simulated_rosters(shape, parse_mesh(dst, world), world)
     pairs = _megatron_rosters(utils, shape, s, d, world)
     meta = max(len(pickle.dumps(p, protocol=5)) for p in pairs)
     timed, out = [], {}

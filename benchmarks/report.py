@@ -11,7 +11,7 @@ import json
 import pathlib
 import sys
 
-from torchrefit._format import format_bytes
+from torchrefit._util.format import format_bytes
 
 
 def _gb(n) -> str:

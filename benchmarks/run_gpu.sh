@@ -50,7 +50,7 @@ transports() {
 
 fp8() {
   folder fp8
-  python3 benchmarks/fp8_kernel.py --json "$R/fp8_kernel.json"
+  python3 benchmarks/fp8_blocks.py --json "$R/fp8_blocks.json"
   python3 -m torchrefit bench --model gpt-4b --map hf --fp8 --variant graph --variant plain \
     --warmup 3 --iters 20 --json "$R/gpt4b_map_hf_fp8.json"
 }

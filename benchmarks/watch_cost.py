@@ -15,7 +15,7 @@ microseconds, min over repeats; nothing else runs).
   and ``numel()`` per tensor against lists taken when compiling. With the pointer
   unchanged these catch a transposed or re-strided view and a narrower one.
 * ``native_views`` and ``native_bindings``: the same two answers from the optional C++
-  loops (``torchrefit._native_watch``), where ``torchrefit native build`` built them;
+  loops (``torchrefit._native.watch``), where ``torchrefit native build`` built them;
   ``bindings`` and ``views`` above are then the Python forms, timed with it off.
 * ``every_refit_host_us``: a whole refit's host time with ``watch="every"`` as it runs
   (native where built).
@@ -29,7 +29,7 @@ microseconds, min over repeats; nothing else runs).
   tensors' TensorImpls and StorageImpls (torch's ``_cdata`` addresses), and how many pages
   of 4 KiB and regions of 2 MiB hold them;
 * ``huge_pages`` and ``anon_huge_kib``: whether the native views check made that memory
-  huge pages (``_native_watch.views_check``, from ``COLLAPSE_MIN`` watched views on), and
+  huge pages (``_native.watch.views_check``, from ``COLLAPSE_MIN`` watched views on), and
   this process's memory in huge pages at the end (Linux).
 * ``..._after_wait_us``: the same, each call made right after the host waited for the
   device (a GPU sleep of ``--wait-ms``, then ``torch.cuda.synchronize``), as the

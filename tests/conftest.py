@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(config, items):
 def native_cache(tmp_path_factory) -> str:
     """A kernel cache (``TORCHREFIT_KERNEL_CACHE``) holding the native watch checks,
     compiled once per test run; skips where no C++ compiler builds them."""
-    from torchrefit import _native_watch as native
+    from torchrefit._native import watch as native
 
     cache = str(tmp_path_factory.mktemp("native") / "kernels")
     patch = pytest.MonkeyPatch()

@@ -22,9 +22,9 @@ import torch
 
 from torchrefit.layout._types import dtype_from_name, dtype_name
 from torchrefit.transport.base import Availability, register_transport
-from torchrefit.transport.mailbox import Mailbox
 from torchrefit.transport.nvshmem import NvshmemTransport
-from torchrefit.transport.one_sided import WORD, OneSidedTransport, Table
+from torchrefit.transport.one_sided.mailbox import Mailbox
+from torchrefit.transport.one_sided.protocol import WORD, OneSidedTransport, Table
 
 LOG: list[str] = []  # this process's protocol calls
 #: seconds an initiator dawdles between a target's ready token and its transfer (a

@@ -1,4 +1,4 @@
-"""A process with a Python audit hook (``torchrefit._identity``).
+"""A process with a Python audit hook (``torchrefit._util.identity``).
 
 ``id()`` raises the audit event ``builtins.id``, which every audit hook in the process
 runs on: filelock 4 installs one on Python >= 3.12, and megatron-core imports filelock.

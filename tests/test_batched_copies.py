@@ -1,4 +1,4 @@
-"""Batched copies (``execute.batched``, ``execute.copy_kernel``), on CPU.
+"""Batched copies (``execute.batched``, ``execute.kernels.copy_runs``), on CPU.
 
 Covers the pure tiling (``plan_tiles``: applied row by row to a byte buffer it moves
 exactly what the copies would, every copy cut into tiles no larger than the tile, its
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from torchrefit import settings
-from torchrefit.execute import batched, kernel_copies
+from torchrefit.execute import batched
 from torchrefit.execute.batched import (
     ALIGN,
     MIN_RUN_BYTES,
@@ -29,7 +29,8 @@ from torchrefit.execute.batched import (
     plan_tiles,
     strided_runs,
 )
-from torchrefit.execute.copy_kernel import ByteRuns, TileTable, plan_owners
+from torchrefit.execute.kernels import elementwise_copies
+from torchrefit.execute.kernels.copy_runs import ByteRuns, TileTable, plan_owners
 
 WORD = 4  # the buffers below are int32
 
@@ -105,7 +106,7 @@ def test_when_a_program_batches() -> None:
     dense = [100 * MB] * 300  # large ones: memcpy nodes are at the floor
     assert batch_from(moe, MB) == MB and batch_from(dense, MB) is None and batch_from(moe[:10], MB) is None
     least = batched.BATCH_MIN_COPIES  # fewer than per-copy kernels ask for (a 0.5 B dense model's 97)
-    assert least < kernel_copies.KERNEL_MIN_COPIES
+    assert least < elementwise_copies.KERNEL_MIN_COPIES
     assert batch_from(moe[:least], MB) == MB and batch_from(moe[:least - 1], MB) is None
     settings.configure(batched_copy="all")
     assert batch_from(dense, MB) == 0 and batch_from([], MB) == 0

@@ -1,4 +1,4 @@
-"""A caller's torch function modes and inference mode (``torchrefit._caller_state``).
+"""A caller's torch function modes and inference mode (``torchrefit._util.caller_state``).
 
 One world of two gloo processes, a TP2 trainer into a TP1 engine (local copies and
 messages both), with the models built first and then, on every rank:

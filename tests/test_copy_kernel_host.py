@@ -1,4 +1,4 @@
-"""The batched copy's two CUDA kernels (``copy_kernel.SOURCE``), their own source text
+"""The batched copy's two CUDA kernels (``execute.kernels.copy_runs.SOURCE``), their own source text
 compiled for the host with a C++ compiler, one host thread playing every (block,
 thread) in turn: ``expand_tiles`` must build :func:`plan_owners`' tile index, and
 ``copy_tiles`` must move, over a host buffer, exactly the bytes of each copy (dense and
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchrefit.execute.copy_kernel import (
+from torchrefit.execute.kernels.copy_runs import (
     SOURCE,
     THREADS,
     UNROLL,

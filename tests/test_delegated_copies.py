@@ -40,8 +40,8 @@ import torch
 import torchrefit as tr
 from torchrefit import settings
 from torchrefit.testing import Mesh, ModelSpec, build_toy, expected_local, load_seed, run_world
-from torchrefit.transport import one_sided
 from torchrefit.transport.delegates import delegates_of
+from torchrefit.transport.one_sided import protocol as one_sided
 from torchrefit.transport.turns import device_key
 
 SPEC = ModelSpec(layers=2, hidden=64, heads=4, groups=2, ffn=128, vocab=128)

@@ -1,6 +1,6 @@
 """Block FP8 on a real GPU: the Triton kernel and a refit into an FP8 engine.
 
-What the CPU suite cannot reach: ``transforms.fp8_kernel`` quantizes blocks of many
+What the CPU suite cannot reach: ``execute.kernels.fp8_blocks`` quantizes blocks of many
 regions in one launch; with every variant, its values and scales must equal, bit for
 bit, the torch reference run on the CPU (``transforms.fp8.quantize_blocks``), on
 shapes with partial edge blocks, row strips of a wider tensor (how q / k / v come out
@@ -19,9 +19,10 @@ import pytest
 import torch
 
 import torchrefit as tr
+from torchrefit.execute.kernels import fp8_blocks
 from torchrefit.testing import Mesh, ModelSpec, build_toy, run_world
 from torchrefit.testing.fp8_inputs import hard_blocks
-from torchrefit.transforms import fp8_kernel, quantize_blocks
+from torchrefit.transforms import quantize_blocks
 
 pytestmark = pytest.mark.gpu
 
@@ -38,14 +39,14 @@ def _kernel_case(src: torch.Tensor, variant: str) -> bool:
     grid = tuple(lead) + (-(-rows // BLOCK[0]), -(-cols // BLOCK[1]))
     dst = torch.full(src.shape, float("nan"), device="cuda").to(torch.float8_e4m3fn)
     scale = torch.full(grid, -1.0, device="cuda")
-    for table in fp8_kernel.BlockTable.build([(src, dst, scale)], BLOCK):
-        fp8_kernel.launch(table, variant)
+    for table in fp8_blocks.BlockTable.build([(src, dst, scale)], BLOCK):
+        fp8_blocks.launch(table, variant)
     want_q, want_s = quantize_blocks(src.cpu(), BLOCK)
     return torch.equal(_bits(dst.cpu()), _bits(want_q)) and torch.equal(scale.cpu(), want_s)
 
 
 def test_kernel_equals_the_cpu_reference() -> None:
-    if not fp8_kernel.available():
+    if not fp8_blocks.available():
         pytest.skip("Triton is not usable here")
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(300, 200, device="cuda", generator=g).to(torch.bfloat16)
@@ -56,7 +57,7 @@ def test_kernel_equals_the_cpu_reference() -> None:
     cases = {"partial edges": w, "strip of a fused tensor": fused[256:384],
              "stacked": experts, "fp32": experts[1], "fp16": w.half() * 7,
              "whole blocks": fused[:, :256], "hard blocks": hard_blocks("cuda")}
-    wrong = [(name, v) for v in fp8_kernel.VARIANTS for name, t in cases.items()
+    wrong = [(name, v) for v in fp8_blocks.VARIANTS for name, t in cases.items()
              if not _kernel_case(t, v)]
     assert wrong == []
 
@@ -90,7 +91,7 @@ def _refit(rank: int, world: int) -> dict:
 
 
 def test_refit_into_an_fp8_engine_goes_through_the_kernel() -> None:
-    if not fp8_kernel.available():
+    if not fp8_blocks.available():
         pytest.skip("Triton is not usable here")
     (got,) = run_world(_refit, 1, backend="nccl", timeout=180)
     assert got["o_proj"] and got["tables"] >= 1 and got["sender"] > 0 and got["verified"] == "ok", got

@@ -1,4 +1,4 @@
-"""The block-FP8 Triton kernel (``transforms.fp8_kernel``) on CPU, through Triton's interpreter.
+"""The block-FP8 Triton kernel (``execute.kernels.fp8_blocks``) on CPU, through Triton's interpreter.
 
 Covers what does not need a GPU to go wrong: which blocks the table calls *even*
 (whole, aligned: the unmasked kernel) and which not (partial edges, odd strides, a
@@ -24,7 +24,7 @@ import textwrap
 import torch
 from interpreted import run_interpreted
 
-from torchrefit.transforms.fp8_kernel import BlockTable
+from torchrefit.execute.kernels.fp8_blocks import BlockTable
 
 BLOCK = (128, 128)
 
@@ -46,7 +46,7 @@ def test_even_blocks_are_whole_and_aligned() -> None:
 _INTERPRETED = textwrap.dedent("""
     import torch
     from torchrefit.testing.fp8_inputs import hard_blocks
-    from torchrefit.transforms import fp8_kernel
+    from torchrefit.execute.kernels import fp8_blocks
     from torchrefit.transforms.fp8 import quantize_blocks
 
     B = (128, 128)
@@ -63,8 +63,8 @@ _INTERPRETED = textwrap.dedent("""
         lead, (rows, cols) = src.shape[:-2], src.shape[-2:]
         dst = torch.full(src.shape, float("nan")).to(torch.float8_e4m3fn)
         scale = torch.full(tuple(lead) + (-(-rows // 128), -(-cols // 128)), -1.0)
-        for t in fp8_kernel.BlockTable.build([(src, dst, scale)], B):
-            fp8_kernel.launch(t, name)
+        for t in fp8_blocks.BlockTable.build([(src, dst, scale)], B):
+            fp8_blocks.launch(t, name)
         q, s = quantize_blocks(src, B)
         got, want = dst.view(torch.uint8).int(), q.view(torch.uint8).int()
         values = bool(close(got, want).all())
@@ -76,7 +76,7 @@ _INTERPRETED = textwrap.dedent("""
     fused = torch.randn(768, 256, generator=g).to(torch.bfloat16) * 1e-3
     cases = {"edges": w, "strip": fused[256:384], "stacked fp32": torch.randn(2, 130, 256, generator=g),
              "fp16": (w[:256, :256].half() * 7), "hard": hard_blocks(stride=24)}
-    bad = [(n, v) for v in fp8_kernel.VARIANTS for n, t in cases.items() if not case(t, v)]
+    bad = [(n, v) for v in fp8_blocks.VARIANTS for n, t in cases.items() if not case(t, v)]
     print("EXACT" if not bad else f"DIFFERS {bad}")
 """)
 

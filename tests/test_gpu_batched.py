@@ -1,4 +1,4 @@
-"""Batched copies (``execute.batched``, ``execute.copy_kernel``) on a real GPU, in this process.
+"""Batched copies (``execute.batched``, ``execute.kernels.copy_runs``) on a real GPU, in this process.
 
 What the CPU suite cannot reach: the CUDA kernel (compiled by NVRTC, launched through
 the driver) on device memory, launched eagerly and captured in the program's CUDA
@@ -21,7 +21,7 @@ import torch
 
 from torchrefit import settings
 from torchrefit.execute.batched import byte_runs, kernel_available
-from torchrefit.execute.copy_kernel import ByteRuns, plan_owners
+from torchrefit.execute.kernels.copy_runs import ByteRuns, plan_owners
 from torchrefit.execute.local import LANES, Copy, compile_copies
 from torchrefit.execute.streams import SideStreams
 

@@ -4,7 +4,7 @@
   is installed (skipped where fewer than 8 are present);
 * one GPU shared by 8 processes, through every one-sided transport usable here
   (``ipc``, ``nixl`` where its package is installed), in a Gloo world (a push
-  transport, nixl, converts a dtype through staging of the wire dtype).
+  transport, nixl, converts a dtype through buffers of the wire dtype).
 """
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ def test_ipc_stream_words_land_after_queued_work() -> None:
 
     from torchrefit.bench.timing import sleep_cycles_per_ms
     from torchrefit.transport.ipc import StreamWords
-    from torchrefit.transport.mailbox import Mailbox
+    from torchrefit.transport.one_sided.mailbox import Mailbox
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")

@@ -9,7 +9,7 @@ Expert tensors the caching allocator put back to back on both models are copied
 as merged runs (``execute.runs``: byte views across tensors of one allocation),
 exactly, also after the source's storage moved. With ``settings.sm_copy_below`` the
 large copies run as elementwise kernels inside the graph, exactly; by default this
-model's few large copies stay memcpy nodes (``execute.kernel_copies.mostly_mid_sized``
+model's few large copies stay memcpy nodes (``execute.kernels.elementwise_copies.mostly_mid_sized``
 wants 256 or more).
 """
 

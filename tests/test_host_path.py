@@ -4,7 +4,7 @@
   dicts through ``dict.get`` in C, falls back to a Python helper for mapping models
   that are not dicts, and still reports a replaced tensor either way.
 * Python's cyclic collector is paused while a Refitter is built and its program
-  compiled (``torchrefit._gc_pause``): with the collector's threshold set low, no
+  compiled (``torchrefit._util.gc_pause``): with the collector's threshold set low, no
   collection starts inside construction or the first compile of a MoE-shaped toy
   (1024 expert tensors per model): at most the one each paused region defers to its
   end, while the same process collects outside a refit; the
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 import torchrefit as tr
-from torchrefit._gc_pause import gc_paused
+from torchrefit._util.gc_pause import gc_paused
 from torchrefit.bench.config import BenchConfig
 from torchrefit.bench.runner import _aggregate
 from torchrefit.errors import LayoutError
@@ -255,7 +255,7 @@ def test_views_take_a_whole_box_as_the_tensor_and_slice_any_other() -> None:
 def test_aggregate_derives_device_and_flat_copy_ratios() -> None:
     cfg = BenchConfig(spec=ModelSpec(layers=1), variants=("graph",))
     row = {"impl": "torchrefit", "variant": "graph", "transport": "gloo", "bytes_local": 1000,
-           "bytes_sent": 0, "bytes_received": 0, "staging_bytes": 0, "first_refit_s": 0.5,
+           "bytes_sent": 0, "bytes_received": 0, "pool_bytes": 0, "first_refit_s": 0.5,
            "peak_extra_bytes": 0, "times": [0.004, 0.006, 0.005], "hosts": [], "hosts_cold": [],
            "devices": [0.0042, 0.0044, 0.0040]}
     per_rank = [{"rows": [row], "bandwidth": 2000 / 0.004,  # floor: 2 x 1000 B at that rate = 4 ms

@@ -1,4 +1,4 @@
-"""Compiled kernel images kept on disk (``execute.kernel_cache``), on CPU.
+"""Compiled kernel images kept on disk (``execute.kernels.image_cache``), on CPU.
 
 A first call compiles and files the image; a later one (same name and key) reads it back
 without compiling; another key compiles again; ``TORCHREFIT_KERNEL_CACHE=0`` compiles every
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from torchrefit import settings
-from torchrefit.execute import kernel_cache
+from torchrefit.execute.kernels import image_cache
 
 
 def _cache_at(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
@@ -37,39 +37,39 @@ def _maker(calls: list[int], image: bytes = b"\x7fELF-image"):
 def test_images_are_compiled_once_and_read_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _cache_at(monkeypatch, str(tmp_path / "k"))
     calls: list[int] = []
-    assert kernel_cache.cached("copy", "key-a", _maker(calls)) == (b"\x7fELF-image", False)
-    assert kernel_cache.cached("copy", "key-a", _maker(calls)) == (b"\x7fELF-image", True)
+    assert image_cache.cached("copy", "key-a", _maker(calls)) == (b"\x7fELF-image", False)
+    assert image_cache.cached("copy", "key-a", _maker(calls)) == (b"\x7fELF-image", True)
     assert len(calls) == 1
-    assert kernel_cache.cached("copy", "key-b", _maker(calls, b"other")) == (b"other", False)
+    assert image_cache.cached("copy", "key-b", _maker(calls, b"other")) == (b"other", False)
     assert len(calls) == 2
     files = sorted(p.name for p in (tmp_path / "k").iterdir())
     assert len(files) == 2 and all(f.startswith("copy-") and f.endswith(".bin") for f in files), files
-    kernel_cache.forget("copy", "key-a")
-    assert kernel_cache.cached("copy", "key-a", _maker(calls)) == (b"\x7fELF-image", False)
+    image_cache.forget("copy", "key-a")
+    assert image_cache.cached("copy", "key-a", _maker(calls)) == (b"\x7fELF-image", False)
     assert len(calls) == 3
 
 
 def test_empty_file_is_no_image(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _cache_at(monkeypatch, str(tmp_path))
     calls: list[int] = []
-    kernel_cache.cached("copy", "k", _maker(calls))
+    image_cache.cached("copy", "k", _maker(calls))
     (path,) = tmp_path.iterdir()
     path.write_bytes(b"")  # a write cut short
-    assert kernel_cache.cached("copy", "k", _maker(calls)) == (b"\x7fELF-image", False)
+    assert image_cache.cached("copy", "k", _maker(calls)) == (b"\x7fELF-image", False)
     assert len(calls) == 2 and path.read_bytes() == b"\x7fELF-image"
 
 
 def test_off_and_unwritable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     _cache_at(monkeypatch, "0")
-    assert kernel_cache.cache_dir() is None
+    assert image_cache.cache_dir() is None
     for _ in range(2):
-        assert kernel_cache.cached("copy", "k", _maker(calls)) == (b"\x7fELF-image", False)
+        assert image_cache.cached("copy", "k", _maker(calls)) == (b"\x7fELF-image", False)
     assert len(calls) == 2
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     _cache_at(monkeypatch, str(blocker / "sub"))
-    assert kernel_cache.cached("copy", "k", _maker(calls)) == (b"\x7fELF-image", False)
+    assert image_cache.cached("copy", "k", _maker(calls)) == (b"\x7fELF-image", False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     _cache_at(monkeypatch, "")
-    assert kernel_cache.cache_dir() == tmp_path / "xdg" / "torchrefit" / "kernels"
+    assert image_cache.cache_dir() == tmp_path / "xdg" / "torchrefit" / "kernels"

@@ -1,4 +1,4 @@
-"""Large plain copies as elementwise kernels (``execute.kernel_copies``), on CPU.
+"""Large plain copies as elementwise kernels (``execute.kernels.elementwise_copies``), on CPU.
 
 * A program of many mid-sized copies (256 or more large ones as planned, half their
   bytes in copies below 24 MB) runs all its plain large copies as kernels, by default;
@@ -31,8 +31,8 @@ from torch import nn
 
 import torchrefit as tr
 from torchrefit import settings
-from torchrefit.execute import kernel_copies
 from torchrefit.execute.batched import batch_from
+from torchrefit.execute.kernels import elementwise_copies
 from torchrefit.testing import run_world
 
 MB = 1 << 20
@@ -92,15 +92,15 @@ def _kernel_world(rank: int, world: int, below: int | None, model: type = _Model
 
 
 def test_mostly_mid_sized_needs_many_copies_mostly_below_24_mb() -> None:
-    many, mid = kernel_copies.KERNEL_MIN_COPIES, kernel_copies.MID_COPY_BYTES
+    many, mid = elementwise_copies.KERNEL_MIN_COPIES, elementwise_copies.MID_COPY_BYTES
     small = [MB] * (many - 1)
-    assert kernel_copies.mostly_mid_sized([*small, mid - 1])
-    assert not kernel_copies.mostly_mid_sized(small)  # one copy too few
-    assert not kernel_copies.mostly_mid_sized([MB, MB])
-    assert kernel_copies.mostly_mid_sized([*small, 255 * MB])  # 255 MB below, 255 MB above
-    assert not kernel_copies.mostly_mid_sized([*small, 256 * MB])
-    assert not kernel_copies.mostly_mid_sized([mid] * many)  # 24 MB is not mid-sized
-    assert not kernel_copies.mostly_mid_sized([])
+    assert elementwise_copies.mostly_mid_sized([*small, mid - 1])
+    assert not elementwise_copies.mostly_mid_sized(small)  # one copy too few
+    assert not elementwise_copies.mostly_mid_sized([MB, MB])
+    assert elementwise_copies.mostly_mid_sized([*small, 255 * MB])  # 255 MB below, 255 MB above
+    assert not elementwise_copies.mostly_mid_sized([*small, 256 * MB])
+    assert not elementwise_copies.mostly_mid_sized([mid] * many)  # 24 MB is not mid-sized
+    assert not elementwise_copies.mostly_mid_sized([])
 
 
 @pytest.mark.parametrize("preset, layers, kernels, batched", [
@@ -123,7 +123,7 @@ def test_the_rule_chooses_as_measured(preset: str, layers: int | None, kernels: 
         return math.prod(t.shape) * (getattr(torch, t.dtype) if t.dtype else spec.dtype).itemsize
 
     sizes = [n for t in global_table(spec).values() if (n := nbytes(t)) >= SMALL_COPY_BYTES]
-    assert kernel_copies.mostly_mid_sized(sizes) is kernels
+    assert elementwise_copies.mostly_mid_sized(sizes) is kernels
     assert (batch_from(sizes, SMALL_COPY_BYTES, "auto") is not None) is batched
 
 
@@ -154,36 +154,36 @@ def test_plain_copies_run_as_exact_kernels_where_chosen(kernel_worlds: dict, cas
 
 def test_word_views_take_the_widest_word_and_refuse_casts_and_strides() -> None:
     x = torch.zeros(1024, dtype=torch.float32)
-    d, s = kernel_copies.word_views(x, x.clone())
+    d, s = elementwise_copies.word_views(x, x.clone())
     assert d.dtype == torch.int64 and d.numel() == 512
     odd = torch.zeros(3, dtype=torch.bfloat16)
-    d, s = kernel_copies.word_views(odd, odd.clone())
+    d, s = elementwise_copies.word_views(odd, odd.clone())
     assert d.dtype == torch.int16
     base = torch.zeros(17, dtype=torch.bfloat16)
-    d, s = kernel_copies.word_views(base[1:9], base.clone()[1:9])  # 2-byte aligned only
+    d, s = elementwise_copies.word_views(base[1:9], base.clone()[1:9])  # 2-byte aligned only
     assert d.dtype == torch.int16 and d.numel() == 8
-    assert kernel_copies.word_views(x, x.to(torch.bfloat16).float().half()) is None  # a cast
+    assert elementwise_copies.word_views(x, x.to(torch.bfloat16).float().half()) is None  # a cast
     m = torch.zeros(8, 8)
-    assert kernel_copies.word_views(m.t(), m.clone()) is None  # strided
+    assert elementwise_copies.word_views(m.t(), m.clone()) is None  # strided
 
 
 def test_widened_takes_the_widest_word_that_fits() -> None:
     full = torch.zeros(8, 16, dtype=torch.bfloat16)
-    got = kernel_copies.widened(full[:, :8], torch.zeros(8, 8, dtype=torch.bfloat16))
+    got = elementwise_copies.widened(full[:, :8], torch.zeros(8, 8, dtype=torch.bfloat16))
     assert got[0].dtype == torch.complex128 and got[0].shape == (8, 1) and got[0].stride() == (2, 1)
     assert got[0].data_ptr() == full.data_ptr()
     rows8 = torch.zeros(8, 16, dtype=torch.bfloat16)[:, 4:8]  # 8-byte rows: int64
-    assert kernel_copies.widened(rows8, torch.zeros(8, 4, dtype=torch.bfloat16))[0].dtype == torch.int64
+    assert elementwise_copies.widened(rows8, torch.zeros(8, 4, dtype=torch.bfloat16))[0].dtype == torch.int64
     rows12 = torch.zeros(4, 12, dtype=torch.bfloat16)[:, :6]  # 12-byte rows: int32, not int64
-    assert kernel_copies.widened(rows12, torch.zeros(4, 6, dtype=torch.bfloat16))[0].dtype == torch.int32
-    assert kernel_copies.widened(torch.zeros(4, 6, dtype=torch.bfloat16)[:, :3],
+    assert elementwise_copies.widened(rows12, torch.zeros(4, 6, dtype=torch.bfloat16))[0].dtype == torch.int32
+    assert elementwise_copies.widened(torch.zeros(4, 6, dtype=torch.bfloat16)[:, :3],
                                  torch.zeros(4, 3, dtype=torch.bfloat16)) is None  # 6-byte rows
-    assert kernel_copies.widened(torch.zeros(8, 8), torch.zeros(8, 8)) is None  # dense: a memcpy already
-    assert kernel_copies.widened(torch.zeros(8, 8).t(), torch.zeros(8, 8)) is None  # last dim strided
-    assert kernel_copies.widened(torch.zeros(8, 16)[:, :8], torch.zeros(8, 8, dtype=torch.float64)) is None
-    got = kernel_copies.widened(torch.zeros(8, 16, dtype=torch.int64)[:, :8], torch.zeros(8, 8, dtype=torch.int64))
+    assert elementwise_copies.widened(torch.zeros(8, 8), torch.zeros(8, 8)) is None  # dense: a memcpy already
+    assert elementwise_copies.widened(torch.zeros(8, 8).t(), torch.zeros(8, 8)) is None  # last dim strided
+    assert elementwise_copies.widened(torch.zeros(8, 16)[:, :8], torch.zeros(8, 8, dtype=torch.float64)) is None
+    got = elementwise_copies.widened(torch.zeros(8, 16, dtype=torch.int64)[:, :8], torch.zeros(8, 8, dtype=torch.int64))
     assert got[0].dtype == torch.complex128 and got[0].shape == (8, 4)
-    assert kernel_copies.widened(torch.zeros(8, 16, dtype=torch.complex128)[:, :8],
+    assert elementwise_copies.widened(torch.zeros(8, 16, dtype=torch.complex128)[:, :8],
                                  torch.zeros(8, 8, dtype=torch.complex128)) is None  # no wider element
 
 
@@ -198,7 +198,7 @@ def test_widened_copies_move_every_bit_pattern(dtype: torch.dtype) -> None:
     want = full.clone()
     want[:, 256:] = src
     size = dtype.itemsize
-    w = kernel_copies.widened(full.view(dtype)[:, 256 // size:], src.view(dtype))
+    w = elementwise_copies.widened(full.view(dtype)[:, 256 // size:], src.view(dtype))
     assert w is not None and w[0].dtype == torch.complex128
     w[0].copy_(w[1])
     assert torch.equal(full, want)

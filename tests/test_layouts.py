@@ -9,7 +9,7 @@ rank, that each destination tensor differed from the source-derived expectation
 before the refit and equals it exactly after; that non-persistent buffers did not
 move; and that ``verify()`` passes. All cases run in one spawned world per
 transport usable on CPU tensors here (gloo; nixl where ``nixl-cu13`` is installed: a
-push transport converts through staging of the wire dtype); ``test_gpu_layouts.py`` runs
+push transport converts through buffers of the wire dtype); ``test_gpu_layouts.py`` runs
 the same cases on GPUs through every GPU transport.
 """
 

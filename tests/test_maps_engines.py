@@ -35,7 +35,7 @@ from test_maps_hf import _module, _vllm_shard, reference, toy_globals
 import torchrefit as tr
 from torchrefit import settings
 from torchrefit.layout._types import Box
-from torchrefit.layout.vllm import vllm_tp_layout
+from torchrefit.layout.vllm_tp import vllm_tp_layout
 from torchrefit.maps import relocate
 from torchrefit.testing import Mesh, ModelSpec, build_toy, run_world, usable_transports
 

@@ -11,7 +11,7 @@ names, Qwen3 q/k norms and shared experts; identity fallback, config parsing,
 
 In one spawned world of 4 gloo ranks: real refits from toy trainers (GQA, SwiGLU,
 TP2 / TP4 / PP2 / EP2 / expert-TP2 sources) into Hugging Face-named engines, held
-whole on every rank or sharded vLLM-style (``layout.vllm``, TP2 and TP4 with
+whole on every rank or sharded vLLM-style (``layout.vllm_tp``, TP2 and TP4 with
 replicated kv heads): split and fused names, Qwen2 qkv biases, tied embeddings,
 MoE with ``local_experts.K`` and grouped ``weightK`` experts, the router's
 ``expert_bias``. Bad cases (head counts that do not fit, a gate/up that does not
@@ -32,7 +32,7 @@ from torch import nn
 
 import torchrefit as tr
 from torchrefit.layout._types import Box
-from torchrefit.layout.vllm import vllm_tp_layout
+from torchrefit.layout.vllm_tp import vllm_tp_layout
 from torchrefit.testing import Mesh, ModelSpec, build_toy, run_world
 from torchrefit.testing.toy import global_table, global_value
 

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 import torchrefit as tr
-from torchrefit._collectives import all_gather_pickled, all_gather_rosters
 from torchrefit.layout import describe
 from torchrefit.plan.metadata import Gathered, RosterRef, assemble, owners, ref_of, split
 from torchrefit.plan.planner import Planner
 from torchrefit.plan.roster import encode_roster
-from torchrefit.simulate import parse_mesh, preset, simulated_role
+from torchrefit.simulate import parse_mesh, preset, simulated_rosters
 from torchrefit.testing import Mesh, ModelSpec, build_toy, expected_local, run_world
+from torchrefit.transport.collectives import all_gather_pickled, all_gather_rosters
 
 GRID = [
     # (preset, layers, src, dst, world)
@@ -55,8 +55,8 @@ def _dedup_gather(src: list[bytes | None], dst: list[bytes | None]):
 def test_deduplicated_rosters_plan_every_rank_bit_for_bit(case) -> None:
     name, layers, src, dst, world = case
     shape = preset(name).with_overrides(layers=layers)
-    s = simulated_role(shape, parse_mesh(src, world), world)
-    d = simulated_role(shape, parse_mesh(dst, world), world)
+    s = simulated_rosters(shape, parse_mesh(src, world), world)
+    d = simulated_rosters(shape, parse_mesh(dst, world), world)
     full = Planner.from_rosters(_full_gather(s.rosters()), _full_gather(d.rosters()))
     got_src, got_dst, refs = _dedup_gather(s.rosters(), d.rosters())
     assert got_src == s.rosters() and got_dst == d.rosters()
@@ -77,8 +77,8 @@ def test_gathered_bytes_grow_with_distinct_rosters_not_the_world() -> None:
     shape = preset("deepseek-v3").with_overrides(layers=5)
     got = {}
     for world in (64, 256, 1024):
-        s = simulated_role(shape, parse_mesh("pp4ep8", world), world)
-        d = simulated_role(shape, parse_mesh("tp8ep8", world), world)
+        s = simulated_rosters(shape, parse_mesh("pp4ep8", world), world)
+        d = simulated_rosters(shape, parse_mesh("tp8ep8", world), world)
         refs = [(ref_of(a), ref_of(b)) for a, b in zip(s.rosters(), d.rosters())]
         got[world] = Gathered.of([64] * world, refs)
         full = sum(len(b) for b in s.rosters() + d.rosters() if b is not None)

@@ -1,5 +1,5 @@
 """``watch="every"`` at a host cost that does not grow with the model: the native checks
-built in the background (``torchrefit._native_background``).
+built in the background (``torchrefit._native.build``).
 
 A Refitter watching many tensors with no build for its environment starts one build per
 machine and environment, keeps refitting with the Python checks meanwhile, and switches
@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 import torchrefit as tr
-from torchrefit import _native_background as background
-from torchrefit import _native_watch as native
 from torchrefit import settings
+from torchrefit._native import build as background
+from torchrefit._native import watch as native
 from torchrefit.cli import main
 from torchrefit.layout.binding import Binding
 from torchrefit.refitter import _native_build

@@ -1,4 +1,4 @@
-"""The optional C++ form of ``watch="every"``'s per-refit checks (``torchrefit._native_watch``).
+"""The optional C++ form of ``watch="every"``'s per-refit checks (``torchrefit._native.watch``).
 
 Built once per test run into a temporary cache (``conftest.native_cache``; skipped where
 no C++ compiler builds it). Its
@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import torchrefit as tr
-from torchrefit import _native_watch as native
 from torchrefit import settings
+from torchrefit._native import watch as native
 from torchrefit.layout.binding import Binding
 from torchrefit.testing import run_world
 

@@ -10,8 +10,8 @@ Registrations follow the storages: one moved away is deregistered once it is fre
 after many moves each rank holds as many registrations as it has live storages (none
 pinned, none stale at a reused address). WRITE requests are built once per table and
 re-posted. ``verify()`` catches a corrupted destination. Casts (``cast=True``) both ways,
-refit after refit: fp32 -> bf16 converted by each sender into staging of the wire dtype,
-bf16 -> fp32 landing in staging and converted on receipt, exact against the source's
+refit after refit: fp32 -> bf16 converted by each sender into buffers of the wire dtype,
+bf16 -> fp32 landing in buffers of the wire dtype and converted on receipt, exact against the source's
 values cast.
 """
 
@@ -111,7 +111,7 @@ def _case(rank: int, src_mesh: Mesh, dst_mesh: Mesh) -> dict:
 
 def _cast(rank: int, src_dtype: torch.dtype, dst_dtype: torch.dtype) -> dict:
     """TP2 -> TP1 with ``cast=True``: a narrowing cast is converted by the sender into
-    staging of the wire dtype, a widening one lands in staging and is converted on receipt."""
+    buffers of the wire dtype, a widening one lands in a wire buffer and is converted on receipt."""
     src_spec, dst_spec = replace(SPEC, dtype=src_dtype), replace(SPEC, dtype=dst_dtype)
     src_mesh, dst_mesh = Mesh(2, ranks=2), Mesh(1, ranks=2)
     src = build_toy(src_spec, src_mesh, rank, seed=1)

@@ -5,7 +5,7 @@ acknowledgements, with NVSHMEM's host bindings faked over shared memory
 Covers: the pure inbox plan (slots per receiver, offsets, a message from a rank the
 receiver does not expect); 16 of the layout suite's 50 cases, one or two of each
 kind (all 50 passed once, in 150 s on the shared 2-core machine), through the real
-``NvshmemTransport`` code with a staging budget so small that every pair exchanges
+``NvshmemTransport`` code with a message-pool budget so small that every pair exchanges
 several messages per refit (so each put after the second waits for the receiver's
 acknowledgement of the slot it reuses), receivers slowed before each wait so a
 missing wait shows, destinations checked against the toy's global values after two
@@ -32,7 +32,7 @@ PICK = ["dense-(2, 2)->(1, 1)", "dense-(1, 2)->(2, 4)", "moe-(2, 1, 2)->(4, 1, 1
         "noncolloc-tp2dp2(0-3)->tp1dp4(4-7)", "noncolloc-pp2(0-1)->tp4(2-5)-idle",
         "noncolloc-moe-ep2(4-7)->ep4tp1(0-3)"]  # one or two of each kind in the layout suite
 SELECTED = [c for c in CASES if c.id in PICK]
-STAGING = 64 << 10  # messages of at most 4-8 KiB: several per pair and refit
+POOL_BYTES = 64 << 10  # messages of at most 4-8 KiB: several per pair and refit
 
 
 def test_inbox_plan() -> None:
@@ -51,7 +51,7 @@ def _case(case, rank: int) -> dict:
     dst = _build_dst(case, rank)
     expected = _expected(case, rank)
     shm_transport.LOG.clear()
-    r = tr.Refitter(src, dst, transport="shm-nvshmem", staging_bytes=STAGING, **case.kwargs)
+    r = tr.Refitter(src, dst, transport="shm-nvshmem", pool_bytes=POOL_BYTES, **case.kwargs)
     r.refit()
     r.refit()
     wrong = [k for k, v in _state(dst).items() if not torch.equal(v.detach(), expected[k])]

@@ -11,8 +11,8 @@ ready token before anything else and send done after; targets wait for done last
 and the same seen in data (a target whose initiator dawdles returns only after the
 transfer: a pull sender's next step cannot reach the engine, a push receiver reads
 the new weights);
-a push transport converting a dtype through staging of the wire dtype (the sender's
-bf16 staging written, exact); and
+a push transport converting a dtype through buffers of the wire dtype (the sender's
+bf16 buffers written, exact); and
 which transport ``"auto"`` picks, with ``available()``'s reasons, and what it means under
 ``TORCHREFIT_TRANSPORT`` (set alike: that transport; set differently on some ranks, or
 naming one that does not fit: ``TransportError`` on every rank); and that building a
@@ -339,9 +339,7 @@ def test_ipc_host_waits_poll_the_peer_event(wait: str, monkeypatch) -> None:
     event = _Event(5)
     getattr(_bare_ipc("stream", "stream", event), wait)(1, b"token")
     assert event.queries == 0 and queued == [event]
-    from torchrefit.transport.one_sided import (
-        WORD,  # a stream-written word was the wait: nothing more
-    )
+    from torchrefit.transport.one_sided.protocol import WORD
 
     for mode in ("host", "stream"):
         getattr(_bare_ipc(mode, mode, event), wait)(1, WORD)
@@ -353,7 +351,7 @@ def test_ipc_without_stream_words_orders_by_events() -> None:
     """Where the driver cannot write words from a stream (no libcuda here), ipc's
     ``stream_writer`` declines instead of raising, so ``ready()`` and ``post_done``
     fall back to interprocess events; with ``order="event"`` it is never asked."""
-    from torchrefit.transport.mailbox import Mailbox
+    from torchrefit.transport.one_sided.mailbox import Mailbox
 
     box = Mailbox.create(1)
     t = _bare_ipc("host", "host", _Event(1))
@@ -369,7 +367,7 @@ def test_ipc_stream_word_is_stored_at_once_only_on_an_idle_stream(monkeypatch) -
     work pending (not ready) the stream writes it behind that work, never the host; on
     any other answer torch's own query decides (it binds the device's context)."""
     from torchrefit.transport import ipc
-    from torchrefit.transport.mailbox import Mailbox
+    from torchrefit.transport.one_sided.mailbox import Mailbox
 
     box = Mailbox.create(2)
     writes: list[tuple[int, int, int]] = []
@@ -529,7 +527,7 @@ def _stream_word_world(rank: int, world: int) -> dict:
     """Rank 0 holds the source, rank 1 the destination; shm-pull-word orders by words
     the fake stream writes. Each refit, the sender's producer and the receiver's
     reads are late on their streams (queued before ``refit()``, run LATE later)."""
-    from torchrefit.transport.mailbox import Mailbox
+    from torchrefit.transport.one_sided.mailbox import Mailbox
 
     src_mesh, dst_mesh = tr.testing.Mesh(1, ranks=1), tr.testing.Mesh(1, ranks=1, offset=1)
     src, dst = _shared(build_toy(MAILBOX_SPEC, src_mesh, rank, 1)), build_toy(MAILBOX_SPEC, dst_mesh, rank, 2)

@@ -23,7 +23,7 @@ from torchrefit.cli import main
 from torchrefit.plan.planner import Planner
 from torchrefit.plan.shares import ClassBlock, ShareLine, split_pair
 from torchrefit.plan.world_plan import check_agreement
-from torchrefit.simulate import global_tensors, parse_mesh, preset, simulated_role
+from torchrefit.simulate import global_tensors, parse_mesh, preset, simulated_rosters
 from torchrefit.simulate.report import time_rank
 from torchrefit.simulate.traffic import traffic
 
@@ -45,8 +45,8 @@ class _World:
     def __init__(self, case: str) -> None:
         name, layers, src, dst, self.samples = CASES[case]
         shape = preset(name).with_overrides(layers=layers)
-        self.src = simulated_role(shape, parse_mesh(src, WORLD), WORLD)
-        self.dst = simulated_role(shape, parse_mesh(dst, WORLD), WORLD)
+        self.src = simulated_rosters(shape, parse_mesh(src, WORLD), WORLD)
+        self.dst = simulated_rosters(shape, parse_mesh(dst, WORLD), WORLD)
         self.blobs = self.src.rosters(), self.dst.rosters()
         self.planner = Planner.from_rosters(self.blobs[0], self.blobs[1])
         self.planner.validate()
@@ -152,8 +152,8 @@ def test_traffic_is_every_ranks_plan_summed(case) -> None:
     of every rank's own plan, pair by pair, at a world small enough to plan every rank."""
     name, layers, src, dst, world = case
     shape = preset(name).with_overrides(layers=layers)
-    s = simulated_role(shape, parse_mesh(src, world), world)
-    d = simulated_role(shape, parse_mesh(dst, world), world)
+    s = simulated_rosters(shape, parse_mesh(src, world), world)
+    d = simulated_rosters(shape, parse_mesh(dst, world), world)
     planner = Planner.from_rosters(s.rosters(), d.rosters())
     planner.validate()
     plans = {r: planner.plan_rank(r, world, s.layout(r), d.layout(r)) for r in range(world)}
@@ -166,7 +166,7 @@ def test_traffic_is_every_ranks_plan_summed(case) -> None:
 def test_traffic_over_overlapping_source_boxes() -> None:
     """Source ranks whose boxes overlap (one holds the whole tensor, two its halves,
     one its columns): regions are cut into cells of every holder combination, and
-    share lines and traffic still find them (RoleIndex.held_by's overlapping path)."""
+    share lines and traffic still find them (Holdings.held_by's overlapping path)."""
     from torchrefit.layout._types import Box, ModelLayout, Piece, TensorLayout
     from torchrefit.plan.roster import encode_roster
 
@@ -211,7 +211,7 @@ def test_replicas_share_the_sending(case: str) -> None:
 def test_llama_70b_busiest_sender_within_1_1x_the_mean(src: str, dst: str) -> None:
     """The whole 80-layer model: here the layout is even, so the mean is reachable."""
     shape = preset("llama-70b")
-    s, d = simulated_role(shape, parse_mesh(src, WORLD), WORLD), simulated_role(
+    s, d = simulated_rosters(shape, parse_mesh(src, WORLD), WORLD), simulated_rosters(
         shape, parse_mesh(dst, WORLD), WORLD)
     planner = Planner.from_rosters(s.rosters(), d.rosters())
     planner.validate()

@@ -23,7 +23,7 @@ from torchrefit.layout import megatron
 from torchrefit.layout._types import Box, ModelLayout, Piece, TensorLayout
 from torchrefit.plan.planner import Planner
 from torchrefit.plan.world_plan import plan_world
-from torchrefit.simulate import parse_mesh, preset, simulated_role
+from torchrefit.simulate import parse_mesh, preset, simulated_rosters
 from torchrefit.testing import Mesh, ModelSpec, build_toy
 
 #: name: (preset, overrides, src mesh, dst mesh, world)
@@ -76,8 +76,8 @@ def _digest(plans) -> str:
 def _simulated(case: str) -> str:
     name, over, src, dst, world = SIMULATED[case]
     shape = preset(name).with_overrides(**over)
-    s = simulated_role(shape, parse_mesh(src, world), world)
-    d = simulated_role(shape, parse_mesh(dst, world), world)
+    s = simulated_rosters(shape, parse_mesh(src, world), world)
+    d = simulated_rosters(shape, parse_mesh(dst, world), world)
     planner = Planner.from_rosters(s.rosters(), d.rosters())
     planner.validate()
     return _digest({r: planner.plan_rank(r, world, s.layout(r), d.layout(r))

@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from torchrefit._format import format_bytes
+from torchrefit._util.format import format_bytes
 from torchrefit.errors import PlanError
 from torchrefit.layout import megatron, shard_pieces
 from torchrefit.layout._types import Box

@@ -40,7 +40,7 @@ def test_readme_api_table_is_all() -> None:
 
 
 def test_vllm_layout_and_maps_from_the_top() -> None:
-    from torchrefit.layout.vllm import vllm_tp_layout
+    from torchrefit.layout.vllm_tp import vllm_tp_layout
 
     assert tr.vllm_tp_layout is vllm_tp_layout
     assert callable(tr.maps.megatron_to_hf) and tr.maps.Identity().cache_key()

@@ -5,7 +5,7 @@ is still copied), recompiling when a tensor's storage moves between refits
 (``param.data = ...`` on either side), ``swap_model_weights`` caching its plan per
 model pair, ``verify()`` catching a corrupted destination on every rank, the
 report's byte counts, ``cuda_graph=True`` being accepted on CPU (no-op), and a refit over a
-sub-group (group ranks translated to global ranks) within a small staging budget, and
+sub-group (group ranks translated to global ranks) within a small message-pool budget, and
 small local copies of mixed dtypes (fp32 norms, bf16 rest) grouped one dtype pair per
 ``_foreach_copy_``.
 """
@@ -144,7 +144,7 @@ def test_swap_model_weights_caches_and_verify_catches_corruption() -> None:
 
 def _subgroup_and_budget(rank: int, world: int) -> dict:
     """Ranks 1-3 of a 4-rank world refit over their own sub-group (rank 0 stays out), with a
-    staging budget small enough to force many rounds of packed, non-contiguous messages."""
+    message-pool budget small enough to force many rounds of packed, non-contiguous messages."""
     import torch.distributed as dist
 
     group = dist.new_group([1, 2, 3])
@@ -155,19 +155,31 @@ def _subgroup_and_budget(rank: int, world: int) -> dict:
     src = build_toy(spec, Mesh(1, ranks=1), g, 1)  # group rank 0 (world rank 1) holds the source
     dst = build_toy(spec, Mesh(2, ranks=2, offset=1), g, 2)  # TP2 on group ranks 1-2
     budget = 64 << 10
-    r = tr.Refitter(src, dst, group=group, staging_bytes=budget)
-    report = r.refit()
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:  # group rank 2: the deprecated name
+        warnings.simplefilter("always")
+        budgets = {"staging_bytes": budget} if g == 2 else {"pool_bytes": budget}
+        r = tr.Refitter(src, dst, group=group, **budgets)
+        report = r.refit()
+        old_field = report.staging_bytes
+    deprecated = sorted({str(w.message).split(":")[0] for w in caught if w.category is DeprecationWarning})
     ok = dst is None or _equal(dst, expected_local(spec, Mesh(2, ranks=2, offset=1), g, 1))
     r.verify()
-    return {"ok": ok, "rounds": report.rounds, "staging": report.staging_bytes, "budget": budget,
-            "sent": report.bytes_sent, "received": report.bytes_received}
+    return {"ok": ok, "rounds": report.rounds, "pools": report.pool_bytes, "budget": budget,
+            "sent": report.bytes_sent, "received": report.bytes_received, "old_field": old_field,
+            "deprecated": deprecated}
 
 
-def test_subgroup_ranks_and_staging_budget() -> None:
+def test_subgroup_ranks_and_pool_budget() -> None:
     results = run_world(_subgroup_and_budget, 4, timeout=120)
     assert results[0] == {}
     for got in results[1:]:
         assert got["ok"]
-        assert got["staging"] <= got["budget"], got
+        assert got["pools"] <= got["budget"] and got["old_field"] == got["pools"], got
+    # the old argument and report field still work, and say they are deprecated
+    assert results[3]["deprecated"] == ["RefitReport.staging_bytes is deprecated",
+                                        "Refitter(staging_bytes=) is deprecated"], results[3]
+    assert results[1]["deprecated"] == ["RefitReport.staging_bytes is deprecated"], results[1]
     assert results[1]["sent"] > 2 * results[1]["budget"] and results[1]["rounds"] > 4, results[1]
     assert results[1]["sent"] == results[2]["received"] + results[3]["received"]

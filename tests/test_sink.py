@@ -45,12 +45,12 @@ from torchrefit.testing import (
 )
 from torchrefit.testing.toy import global_table, global_value
 from torchrefit.transport.base import transport_class
-from torchrefit.transport.one_sided import OneSidedTransport
+from torchrefit.transport.one_sided.protocol import OneSidedTransport
 
 SPEC = ModelSpec(layers=2, bias=False)  # Llama-shaped: no linear biases
 TRAINER = Mesh(tp=2, ranks=2)
 BUCKET = 12 * 1024  # several buckets for the toy's ~70 KB
-STAGING = 8 * 1024  # the Refitter's staging_bytes: each bucket alone stays under it
+POOL_BYTES = 8 * 1024  # the Refitter's pool_bytes: each bucket alone stays under it
 SHARDED = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
@@ -117,16 +117,16 @@ def _recorders(rank: int) -> dict:
     recorder = Recorder(BUCKET)
     engine = nn.Module() if rank >= 2 else None  # stands for the engine: holds the version
     sink = tr.load_weights_sink(recorder, _wanted(rank), bucket_bytes=BUCKET) if rank >= 2 else None
-    r = tr.Refitter(src, engine, dst_layout=sink, skip=["extra.*"], staging_bytes=STAGING)
-    out: dict = {"staging": []}
+    r = tr.Refitter(src, engine, dst_layout=sink, skip=["extra.*"], pool_bytes=POOL_BYTES)
+    out: dict = {"pools": []}
     _refits(r, src, recorder, rank, (1, 2), out)
     out["over_budget"] = recorder.over_budget
     out["version"] = tr.weight_version(engine) if engine is not None else r.version
     out["buffer"] = sink.buffer.numel() if sink is not None else 0
-    # staging memory the bucket programs hold, counted by storage: one shared pair
+    # message-pool memory the bucket programs hold, counted by storage: one shared pair
     pools = {p.untyped_storage().data_ptr(): p.numel() for prog in r._phase_programs
              for p in (prog.compiled.rounds.pools if prog.compiled.rounds else ()) if p.numel()}
-    out["staging_held"] = sum(pools.values())
+    out["pools_held"] = sum(pools.values())
     with pytest.raises(tr.VerificationError, match="load_weights sink"):
         r.verify()
     if isinstance(r._transport, OneSidedTransport):  # fewer tables kept than buckets
@@ -139,7 +139,7 @@ def _recorders(rank: int) -> dict:
 
 
 def _refits(r: tr.Refitter, src, recorder: Recorder, rank: int, seeds: tuple[int, ...], out: dict) -> None:
-    """Refit once per seed into ``out``: staging, load_weights calls, tables opened (a
+    """Refit once per seed into ``out``: message pools, load_weights calls, tables opened (a
     one-sided transport's ``attach``) and, on the sinks, whether each name came once
     with its value."""
     attached = _count_attaches(r._transport)
@@ -149,7 +149,7 @@ def _refits(r: tr.Refitter, src, recorder: Recorder, rank: int, seeds: tuple[int
         recorder.got.clear()
         calls, attaches = recorder.calls, attached[0]
         report = r.refit()
-        out["staging"].append(report.staging_bytes)
+        out["pools"].append(report.pool_bytes)
         out[f"attached{seed}"] = attached[0] - attaches
         out[f"calls{seed}"] = recorder.calls - calls
         if rank >= 2:
@@ -238,7 +238,7 @@ def _fp8(rank: int) -> dict:
     recorder = Recorder(FP8_BUCKET)
     sink = tr.load_weights_sink(recorder, _fp8_wanted(), bucket_bytes=FP8_BUCKET) if rank >= 2 else None
     r = tr.Refitter(src, nn.Module() if rank >= 2 else None, dst_layout=sink, fp8_block=FP8_BLOCK,
-                    staging_bytes=STAGING)
+                    pool_bytes=POOL_BYTES)
     out: dict = {"wrong": [], "apart": []}
     for seed in (1, 2):
         if src is not None:
@@ -311,16 +311,16 @@ def test_one_sided_tables_kept_per_bucket(results) -> None:
         assert got["once3"] and got["once4"] and got["values3"] == got["values4"] == [], got
 
 
-def test_buckets_share_one_staging(results) -> None:
-    """Staging stays under staging_bytes however many buckets a sink refit runs: the
+def test_buckets_share_one_pair_of_pools(results) -> None:
+    """The message pools stay under pool_bytes however many buckets a sink refit runs: the
     bucket programs share one pair of pools (one pair each would hold ~buckets x). A
     one-sided transport (nixl) writes into the sink's buffer and stages nothing."""
     staged = transport_class(results[0]["transport"]).protocol == "rounds"
     for rank, r in enumerate(results):
         got = r["recorders"]
-        assert (0 < got["staging_held"] if staged else got["staging_held"] == 0), (rank, got["staging_held"])
-        assert got["staging_held"] <= STAGING, (rank, got["staging_held"])
-        assert got["staging"][:2] == [got["staging_held"]] * 2, (rank, got["staging"])
+        assert (0 < got["pools_held"] if staged else got["pools_held"] == 0), (rank, got["pools_held"])
+        assert got["pools_held"] <= POOL_BYTES, (rank, got["pools_held"])
+        assert got["pools"][:2] == [got["pools_held"]] * 2, (rank, got["pools"])
 
 
 def test_transformers_model_loads_through_the_sink(results) -> None:

@@ -163,7 +163,7 @@ def test_stage_waits_for_a_commit_reading_staging() -> None:
 def _failed_stage(rank: int, world: int, fail_at: str) -> dict:
     src, dst, smesh, _ = _models(rank, collocated=False)
     # a small message budget: the stage takes several rounds
-    r = tr.Refitter(src, dst, staging_bytes=16384, timeout=4)
+    r = tr.Refitter(src, dst, pool_bytes=16384, timeout=4)
     out: dict = {}
     r.stage()  # version 1 staged, not committed
     rounds = len(r._stage_program.compiled.rounds.rounds)

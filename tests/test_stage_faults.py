@@ -50,7 +50,7 @@ def _bits(model) -> dict[str, bytes]:
 
 
 def _refitter(conn, src, dst, staging: str) -> tr.Refitter:
-    r = tr.Refitter(src, dst, group=conn, staging=staging, staging_bytes=MESSAGE_BYTES,
+    r = tr.Refitter(src, dst, group=conn, staging=staging, pool_bytes=MESSAGE_BYTES,
                     timeout=CONNECT_TIMEOUT)
     r.timeout = r._transport.timeout = TIMEOUT  # short for the stages only: start-up is slow here
     return r

@@ -1,4 +1,4 @@
-"""Rows two strided regions share (``_strides``), as NIXL's descriptors cut them
+"""Rows two strided regions share (``_util.strides``), as NIXL's descriptors cut them
 (``transport.nixl.contiguous_runs``): the runs, expanded element by element, are every
 element's address on both sides in row-major order (the oracle: index arithmetic over
 every index), and each run is as long as the dims dense on both sides allow."""

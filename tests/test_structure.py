@@ -5,12 +5,15 @@ imports, and checks that
 
 * module-level imports form no cycle (a cycle means a module runs half-initialized);
 * no module of a lower layer imports one of a higher layer, at any depth of the
-  code (function-level imports included): errors and small helpers, then
-  ``layout`` (describing what ranks hold), ``maps`` and ``transforms`` (what regions
-  mean and how values change: name maps, FP8), ``plan`` (pure planning, including how
-  transfers are cut into messages), ``transport`` and ``_collectives`` (moving bytes,
-  metadata gathers; the protocol interfaces the executor drives), ``execute``
-  (compiled programs, which drive a transport); the entry points (``refitter``,
+  code (function-level imports included): ``errors``, ``settings``, the private
+  helpers of ``_util/`` and the native checks of ``_native/``, then ``layout``
+  (describing what ranks hold), ``maps`` and ``transforms`` (what regions mean and how
+  values change: name maps, FP8), ``plan`` (pure planning, including how transfers are
+  cut into messages), ``transport`` (moving bytes, the metadata gathers of
+  ``transport.collectives``, the protocol interfaces the executor drives, the
+  one-sided protocol in ``transport/one_sided/``), ``execute`` (compiled programs,
+  which drive a transport, and the device kernels of ``execute/kernels/``); the entry
+  points (``refitter``, ``stage_commit``, ``connect``, ``swap``, ``engines``,
   ``verify``, ``cli``, ``bench``, ``simulate``, ``testing``, the package itself) sit
   above all of them, and none of the layers imports them.
 
@@ -27,9 +30,9 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "src" / "torchrefit"
 
 #: lower numbers may be imported by higher ones, never the other way round
-LAYERS = {"errors": 0, "_format": 0, "_gc_pause": 0, "_identity": 0, "_caller_state": 0, "_cuda_driver": 0, "_strides": 0, "_cache_dir": 0, "_native_watch": 0, "_weak_models": 0, "settings": 0, "layout": 1, "maps": 2, "transforms": 2, "plan": 3,
-          "transport": 4, "_collectives": 4, "execute": 5}
-TOP = 9  # refitter, verify, cli, bench, simulate, testing, the package __init__, __main__
+LAYERS = {"errors": 0, "settings": 0, "_util": 0, "_native": 0, "layout": 1, "maps": 2, "transforms": 2,
+          "plan": 3, "transport": 4, "execute": 5}
+TOP = 9  # refitter, stage_commit, connect, swap, engines, verify, cli, bench, simulate, testing, ...
 
 #: edges that break the order today, and why they are tolerated (none may be added)
 KNOWN_BACKWARD: set[tuple[str, str]] = set()

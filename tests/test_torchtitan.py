@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 
 import torchrefit as tr
-from torchrefit.layout.vllm import vllm_tp_layout
+from torchrefit.layout.vllm_tp import vllm_tp_layout
 from torchrefit.testing import run_world
 
 transformers = pytest.importorskip("transformers")

@@ -10,7 +10,7 @@ blocks and stacked leading dims.
 
 In one spawned world of 4 ranks per transport usable on CPU here (gloo; nixl where
 ``nixl-cu13`` is installed: a push transport, whose senders quantize nothing, so every
-FP8 tensor is quantized on receipt, and which casts through staging of the wire dtype):
+FP8 tensor is quantized on receipt, and which casts through buffers of the wire dtype):
 * cast: a Megatron-style TP2 fp32 trainer into a bf16 engine with ``cast=True``:
   values equal the fp32 -> bf16 oracle, and the bytes each rank reports received
   are 2 per element (bf16 on the wire), half of the same refit's fp32 engine;
@@ -43,7 +43,7 @@ from test_maps_hf import _module, reference, toy_globals
 import torchrefit as tr
 from torchrefit import settings
 from torchrefit.layout._types import Box, ModelLayout, Piece, TensorLayout
-from torchrefit.layout.vllm import vllm_tp_layout
+from torchrefit.layout.vllm_tp import vllm_tp_layout
 from torchrefit.plan.world_plan import plan_world
 from torchrefit.testing import (
     Mesh,
@@ -130,7 +130,7 @@ def test_fp8_layouts_that_cut_blocks_or_misplace_scales(w_rows, s_rows, grid, ma
 
 
 def test_fp8_block_aligned_shards_are_quantized_by_the_sender() -> None:
-    """Whole blocks of one source piece: the sender quantizes into staging and sends FP8
+    """Whole blocks of one source piece: the sender quantizes into FP8 buffers and sends FP8
     values (1 byte an element) and float32 scales; a local piece is quantized straight
     from the source; nothing is quantized on receipt."""
     plans = _plan_fp8([(0, 8), (8, 24)], [(0, 1), (1, 3)])
@@ -334,7 +334,7 @@ def _refit(case: Case, rank: int, src, dst, name_map, want, kwargs) -> dict:
     report = r.refit()
     verified = _verified(r)  # collective: every rank
     if dst is None:
-        return {"verified": verified, "fp8_staging": report.fp8_staging_bytes}
+        return {"verified": verified, "fp8_buffers": report.fp8_buffer_bytes}
     got = {n: p.detach() for n, p in params.items()}
     wrong = [n for n, t in want.items() if not torch.equal(_bits(got[n]), _bits(t))]
     fp8 = sorted(n for n, t in got.items() if t.dtype == FP8)
@@ -349,7 +349,7 @@ def _refit(case: Case, rank: int, src, dst, name_map, want, kwargs) -> dict:
             "receiver": report.fp8_on_receiver, "n": len(want),
             "split": {n: got[n].numel() for n in fp8},  # elements (= FP8 bytes) per tensor
             "wire": wire, "verified": verified,
-            "fp8_staging": report.fp8_staging_bytes, "shadow": report.fp8_shadow_bytes}
+            "fp8_buffers": report.fp8_buffer_bytes, "shadow": report.fp8_shadow_bytes}
 
 
 def _corrupted_and_caught(r: tr.Refitter, got, fp8: list[str], on_receipt: str) -> str:
@@ -434,8 +434,8 @@ def test_transform_case(case: Case, results) -> None:
             # the report counts the fp32 shadows the exchange fills for those tensors
             assert got["shadow"] == 4 * on_receipt, (got["shadow"], on_receipt)
         if any(n == e for r in results if "wire" in r[case.id] for n, e in r[case.id]["wire"].values()):
-            # FP8 on the wire: some sender held FP8 staging, and the report says so
-            assert any(r[case.id].get("fp8_staging", 0) > 0 for r in results), case.id
+            # FP8 on the wire: some sender held FP8 buffers, and the report says so
+            assert any(r[case.id].get("fp8_buffers", 0) > 0 for r in results), case.id
         if case.kind == "fp8-vllm":
             assert any(n.endswith("w13_weight") for n in got["fp8"])
             assert any(n.endswith("qkv_proj.weight") for n in got["fp8"])

@@ -1,4 +1,4 @@
-"""``verify()``'s fused checksum (``verify.segments``, ``verify.kernel``, ``verify.fused``).
+"""``verify()``'s fused checksum (``verify.segments``, ``execute.kernels.region_checksums``, ``verify.fused``).
 
 Pure, in process: the runs of a strided view and the segments cut from them cover every
 word of the view exactly once, at its address, with its row (oracle: the addresses

@@ -110,7 +110,7 @@ def _world(rank: int, world: int) -> dict:
     dst = build_toy(SPEC, Mesh(4, ranks=4), rank, 2)
     real = _drop_last_chunk(rounds)
     try:
-        r = tr.Refitter(src, dst, staging_bytes=64 << 10)
+        r = tr.Refitter(src, dst, pool_bytes=64 << 10)
         r.refit()
     finally:
         rounds.cut_messages = real

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 import torchrefit as tr
 from torchrefit.errors import LayoutError
-from torchrefit.layout.vllm import vllm_tp_specs
-from torchrefit.maps.vllm import is_engine_state
+from torchrefit.layout.vllm_tp import vllm_tp_specs
+from torchrefit.maps.hf_vllm import is_engine_state
 
 SCALES = ["model.layers.0.self_attn.attn._k_scale", "model.layers.0.self_attn.attn._v_scale",
           "model.layers.0.self_attn.attn._q_scale", "model.layers.0.self_attn.attn._prob_scale",

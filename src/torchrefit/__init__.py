@@ -16,7 +16,6 @@ import logging as _logging
 
 from . import maps
 from . import settings as settings  # tr.settings: every tunable, documented there
-from ._stage import CommitReport, StageHandle, StageReport
 from .connect import Connection, connect
 from .errors import (
     ConnectError,
@@ -28,8 +27,9 @@ from .errors import (
 )
 from .layout import Box, Explicit, Piece, TensorSpec, shard_pieces
 from .layout.sink import load_weights_sink
-from .layout.vllm import vllm_tp_layout
+from .layout.vllm_tp import vllm_tp_layout
 from .refitter import RefitReport, Refitter
+from .stage_commit import CommitReport, StageHandle, StageReport
 from .swap import clear_caches, swap_model_weights
 from .transport import Transport, register_transport, transport_names
 from .versions import weight_version

@@ -7,7 +7,7 @@ whole refit and plans its own part, and one more small gather makes sure all
 ranks agree before any byte moves (a rank that failed makes every rank raise).
 ``refit()`` is collective too: the first call compiles the plan against the
 local tensors, later calls only replay it. ``stage()`` (collective) and ``commit()``
-(local) split a refit so that an engine stalls only for a local copy (``_stage``,
+(local) split a refit so that an engine stalls only for a local copy (``stage_commit``,
 docs/staging.md).
 """
 
@@ -17,6 +17,7 @@ import logging
 import numbers
 import socket
 import traceback
+import warnings
 from dataclasses import astuple, dataclass, replace
 from time import perf_counter
 
@@ -24,17 +25,15 @@ import torch
 import torch.distributed as dist
 
 from . import settings
-from ._caller_state import caller_state, outside_inference, set_aside
-from ._collectives import all_gather_pickled, all_gather_rosters, collective, collective_device
-from ._gc_pause import gc_paused
-from ._native_background import BUILD_MIN_TENSORS, BackgroundBuild, start_background_build
-from ._stage import CommitReport, StageHandle, Stager, StageReport
-from ._weak_models import weak
+from ._native.build import BUILD_MIN_TENSORS, BackgroundBuild, start_background_build
+from ._util.caller_state import caller_state, outside_inference, set_aside
+from ._util.gc_pause import gc_paused
+from ._util.weak_models import weak
 from .connect import Connection
 from .errors import LayoutError, PlanError, RefitError, TransportError, VerificationError
 from .execute.program import Program, RunStats
 from .execute.quantize import fp8_buffers
-from .execute.rounds import Staging
+from .execute.rounds import MessagePools
 from .execute.staged import STAGING, Commit, compile_commit, make_twins, written_boxes
 from .layout import NAMED_LAYOUTS, Described, LayoutArg, describe, layout_kind
 from .layout.binding import Binding
@@ -45,13 +44,20 @@ from .plan.buckets import plan_buckets, split_plan
 from .plan.planner import CastPolicy, Planner
 from .plan.roster import encode_roster
 from .plan.types import RankPlan
+from .stage_commit import CommitReport, StageHandle, Stager, StageReport
 from .transport.base import DEFAULT_TIMEOUT, Transport, get_transport, registered, transport_class
+from .transport.collectives import (
+    all_gather_pickled,
+    all_gather_rosters,
+    collective,
+    collective_device,
+)
 from .transport.gloo import GlooTransport
-from .transport.one_sided import OneSidedTransport
+from .transport.one_sided.protocol import OneSidedTransport
 from .verify import Witness, check
 from .versions import stamp_version
 
-__all__ = ["Refitter", "RefitReport", "DEFAULT_STAGING_BYTES",
+__all__ = ["Refitter", "RefitReport", "DEFAULT_POOL_BYTES",
            "VERIFY_MODES", "WATCH_MODES"]
 
 #: ``Refitter(verify=...)``: never check automatically, after the first refit, after every one
@@ -62,8 +68,8 @@ WATCH_MODES = ("every", "manual")
 
 _log = logging.getLogger(__name__)
 
-#: staging memory a rank may use for packed messages (both pools, sends and receives)
-DEFAULT_STAGING_BYTES = 1 << 30
+#: memory a rank may use for its message pools (packed messages (both pools, sends and receives)
+DEFAULT_POOL_BYTES = 1 << 30
 _MIN_MESSAGE = 4096
 # The longest a rank waits, after a stage lost a peer, for the other live ranks to say
 # they are alive: a dead rank never says so, so the error waits this long whatever the
@@ -88,7 +94,7 @@ class RefitReport:
     rounds: int
     messages_sent: int
     messages_received: int
-    staging_bytes: int
+    pool_bytes: int
     compiled: bool  # this call compiled the plan (the first refit)
     shared_tensors: int = 0  # destination tensors aliasing source storage (share_storage)
     # FP8 value bytes of this rank's destination quantized on the sender (from a local
@@ -96,15 +102,22 @@ class RefitReport:
     # the source's dtype; RankPlan.explain() says which per tensor and region
     fp8_on_receiver: int = 0
     fp8_on_sender: int = 0
-    # memory FP8 holds on this rank besides staging_bytes, allocated once: the sender's
+    # memory FP8 holds on this rank besides pool_bytes, allocated once: the sender's
     # FP8 values and float32 scales that sends carry, and the receiver's shadows (the
     # source's dtype) that the exchange fills before the quantize step
-    fp8_staging_bytes: int = 0
+    fp8_buffer_bytes: int = 0
     fp8_shadow_bytes: int = 0
 
     @property
     def bytes_remote(self) -> int:
         return self.bytes_sent + self.bytes_received
+
+    @property
+    def staging_bytes(self) -> int:
+        """Deprecated: :attr:`pool_bytes` (the message pools' bytes)."""
+        warnings.warn("RefitReport.staging_bytes is deprecated: use pool_bytes", DeprecationWarning,
+                      stacklevel=2)
+        return self.pool_bytes
 
 
 @dataclass(frozen=True)
@@ -114,7 +127,7 @@ class _RankInfo:
     error: tuple[str, str] | None  # (error class, message): see _failure
     src: bytes | None
     dst: bytes | None
-    staging_bytes: int
+    pool_bytes: int
     device: str  # "cuda", "cpu", or "" where the rank holds no model
     unavailable: dict[str, str]  # transport name -> why it cannot run on this rank
     host: str  # the machine, for transports that only work within one (ipc)
@@ -151,7 +164,8 @@ class Refitter:
         cast: ``"buffers"`` (default) converts persistent buffers whose dtype differs,
             ``True`` converts any tensor, ``False`` none.
         skip: glob patterns of destination tensors that may have no source.
-        staging_bytes: bound on this rank's staging memory for packed messages.
+        pool_bytes: bound on this rank's message pools (the packed messages of
+            two-sided transports). ``staging_bytes=``: its old name, deprecated.
         cuda_graph: on CUDA (the default), capture the local copies in a CUDA graph
             once and replay it on every refit: one launch, less host time, two
             parallel branches for large copies; re-captured if a tensor's storage
@@ -185,7 +199,7 @@ class Refitter:
             strides), and follows a replaced, moved or re-viewed tensor (see :meth:`rebind`);
             both checks are one C++ call each where the native checks are built for this
             environment (``torchrefit native build``; a rank watching
-            ``_native_background.BUILD_MIN_TENSORS`` tensors or more starts that build in
+            ``_native.build.BUILD_MIN_TENSORS`` tensors or more starts that build in
             the background by itself, once per machine and environment, and switches to
             it at the first refit after it landed), else two C-level passes each
             (a 2-core CPU: ~65 ns per tensor for the first check, ~280 ns for the second).
@@ -221,15 +235,17 @@ class Refitter:
         cast: CastPolicy = "buffers",
         fp8_block: tuple[int, int] = (128, 128),
         skip: tuple[str, ...] | list[str] = (),
-        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        pool_bytes: int = DEFAULT_POOL_BYTES,
         cuda_graph: bool = True,
         share_storage: bool = False,
         verify: str = "never",
         watch: str = "every",
         timeout: float | None = DEFAULT_TIMEOUT,
         staging: str = "device",
+        staging_bytes: int | None = None,
     ) -> None:
         t0 = perf_counter()
+        pool_bytes = _pool_bytes(pool_bytes, staging_bytes)
         if staging not in STAGING:  # every rank has the same arguments: all raise, none hangs
             raise ValueError(f"staging must be one of {STAGING}, not {staging!r}")
         self.staging = staging
@@ -238,7 +254,7 @@ class Refitter:
         src_rank_offset, dst_rank_offset = self._join(group, src_rank_offset, dst_rank_offset)
         self.timeout = _timeout(timeout, group)
         self._start_state(dst_model, verify, watch)
-        infos = self._describe_and_gather(src_model, dst_model, src_layout, dst_layout, staging_bytes)
+        infos = self._describe_and_gather(src_model, dst_model, src_layout, dst_layout, pool_bytes)
         _check_offsets(infos, src_rank_offset, dst_rank_offset)
         self.transport_name = _choose_transport(transport, infos, str(dist.get_backend(self.group)))
         self._transport_cls = type(transport) if isinstance(transport, Transport) else transport_class(
@@ -281,8 +297,8 @@ class Refitter:
         self._program: Program | None = None
         self._phase_programs: list[Program] | None = None  # with a load_weights sink
         self._verifier: Program | None = None  # FP8 destinations: compared through the plan
-        self._fp8_buffers: tuple[dict, dict] | None = None  # FP8 shadows and staging
-        self._fp8_held_bytes = (0, 0)  # their bytes (staging, shadows), summed when they are made
+        self._fp8_buffers: tuple[dict, dict] | None = None  # FP8 shadows and send buffers
+        self._fp8_held_bytes = (0, 0)  # their bytes (send buffers, shadows), summed when they are made
         self._witness: Witness | None = None
         self._gloo: Transport | None = None  # the FP8 verify's transport where the refit's cannot compare
         if verify not in VERIFY_MODES:
@@ -293,7 +309,7 @@ class Refitter:
         self.watch = watch
         self._unbound: LayoutError | None = None  # what the last rebind() raised, if it did
         self._held_device: torch.device | None = None  # where this rank's described tensors live
-        self._pools = Staging()  # packed-message pools of the refit's and the stage's programs
+        self._pools = MessagePools()  # message pools of the refit's and the stage's programs
         self._stager: Stager | None = None  # stage() and commit(): made by the first stage
         self._stage_program: Program | None = None  # the plan compiled into the twins
         self._twins: dict[str, torch.Tensor] | None = None  # allocated once, kept across rebinds
@@ -302,7 +318,7 @@ class Refitter:
         self._staged_version = 0  # the newest version a stage() was asked for
 
     def _describe_and_gather(self, src_model, dst_model, src_layout: LayoutArg, dst_layout: LayoutArg,
-                             staging_bytes: int) -> list[_RankInfo]:
+                             pool_bytes: int) -> list[_RankInfo]:
         """Step 3 (collective): describe and bind this rank's models, gather every rank's
         rosters and facts, and raise every rank's layout errors on every rank."""
         with shared_walks():  # describing and binding each model walk its modules once
@@ -314,17 +330,17 @@ class Refitter:
             self._src, self._dst = src, dst
             self._bindings = _bindings(src_model, src, dst_model, dst)
         self._native_build = _native_build(self.watch, self._bindings)
-        infos = self._gather_infos(src, dst, error, staging_bytes)
+        infos = self._gather_infos(src, dst, error, pool_bytes)
         _raise_layout_errors(infos)
         return infos
 
     def _prepare_transport(self, transport: str | Transport, infos: list[_RankInfo], max_peers: int) -> None:
         """Last step (collective): build the transport, size messages to the smallest
-        staging budget, and let the transport prepare for the plan."""
+        message-pool budget, and let the transport prepare for the plan."""
         self._transport = self._make_transport(transport)
         if self._phases is not None and isinstance(self._transport, OneSidedTransport):
             self._transport.keep_tables(len(self._phases) + 2)  # each bucket's, a verify's, a spare
-        budget = min(i.staging_bytes for i in infos)
+        budget = min(i.pool_bytes for i in infos)
         self.message_limit = max(_MIN_MESSAGE, budget // (2 * max(1, max_peers)))
         self._transport.prepare(self.plan, self.message_limit)  # collective
 
@@ -337,7 +353,7 @@ class Refitter:
             return None, None, _failure(e)
 
     def _gather_infos(self, src: Described | None, dst: Described | None, error: tuple[str, str] | None,
-                      staging_bytes: int) -> list[_RankInfo]:
+                      pool_bytes: int) -> list[_RankInfo]:
         held = self._held_device
         device = "" if held is None else ("cuda" if held.type == "cuda" else "cpu")
         try:
@@ -347,7 +363,7 @@ class Refitter:
             enc_src = enc_dst = None
             error = error or _failure(e)
         unavailable = {cls.name: ok.reason for cls in registered() if not (ok := cls.available())}
-        info = _RankInfo(error, None, None, int(staging_bytes), device, unavailable,
+        info = _RankInfo(error, None, None, int(pool_bytes), device, unavailable,
                          socket.gethostname(), self._kinds,
                          dst.bucket_bytes if isinstance(dst, SinkDescribed) else None,
                          _auto_setting())
@@ -473,7 +489,7 @@ class Refitter:
         report = RefitReport(
             version, perf_counter() - t0, self.plan.bytes_local, self.plan.bytes_sent,
             self.plan.bytes_received, self.transport_name, stats.rounds, stats.messages_sent,
-            stats.messages_received, stats.staging_bytes, compiled,
+            stats.messages_received, stats.pool_bytes, compiled,
             sum(len(p.shared) for p in self._phase_programs or [self._program]),
             *reversed(self.plan.fp8_bytes), *self._fp8_held_bytes,
         )
@@ -559,7 +575,7 @@ class Refitter:
         return StageReport(version, perf_counter() - t0, self.plan.bytes_local, self.plan.bytes_sent,
                            self.plan.bytes_received, self.transport_name, stats.rounds,
                            stats.messages_sent, stats.messages_received, self.staging, twins,
-                           stats.staging_bytes, compiled)
+                           stats.pool_bytes, compiled)
 
     def _stage_lost(self, version: int, cause: TransportError) -> TransportError:
         """A stage cut short by a peer that died, stopped or left it (``cause``, on this
@@ -718,7 +734,7 @@ class Refitter:
         """One phase per bucket, in the agreed order; a sink rank hands each bucket to
         ``load_weights`` before the next phase overwrites its buffer. ``check``: each
         phase's storage check (``Program.run``)."""
-        rounds = sent = received = staging = 0
+        rounds = sent = received = pools = 0
         scales = {t.scale for t in self._planner.fp8.values()}
         for (names, _), program in zip(self._phases, self._phase_programs):
             stats = program.run(check)
@@ -729,8 +745,8 @@ class Refitter:
                                    or n in scales])
             rounds, sent, received = (rounds + stats.rounds, sent + stats.messages_sent,
                                       received + stats.messages_received)
-            staging = max(staging, stats.staging_bytes)  # the buckets share one staging
-        return RunStats(rounds, sent, received, staging)
+            pools = max(pools, stats.pool_bytes)  # the buckets share one pair of pools
+        return RunStats(rounds, sent, received, pools)
 
     def _next_version(self, version: int | None) -> int:
         """``version``, or one more than the newest refitted, committed or staged (the same
@@ -749,37 +765,37 @@ class Refitter:
     @gc_paused
     def _compile(self, compare: bool) -> Program:
         if self._phases is not None:  # one program per bucket; the whole plan's stays unused
-            # one pair of staging pools for all buckets (they run one after another);
+            # one pair of message pools for all buckets (they run one after another);
             # a bucket that grew the pools leaves earlier ones holding smaller pools:
             # compile those again so that only the shared pair stays alive
-            staging = Staging()
-            programs = [self._compile_plan(plan, compare, staging) for _, plan in self._phases]
-            self._phase_programs = [p if p.staging_current else self._compile_plan(plan, compare, staging)
+            shared = MessagePools()
+            programs = [self._compile_plan(plan, compare, shared) for _, plan in self._phases]
+            self._phase_programs = [p if p.pools_current else self._compile_plan(plan, compare, shared)
                                     for p, (_, plan) in zip(programs, self._phases)]
             return self._phase_programs[0]
         return self._compile_plan(self.plan, compare, None if compare else self._pools)
 
-    def _compile_plan(self, plan: RankPlan, compare: bool, staging: Staging | None = None,
+    def _compile_plan(self, plan: RankPlan, compare: bool, pools: MessagePools | None = None,
                       twins: dict[str, torch.Tensor] | None = None) -> Program:
         src = self._src.tensors if self._src else {}
         dst = self._dst.tensors if self._dst else {}
-        shadows, fp8_staging = self._fp8(src, dst)
+        shadows, fp8_sent = self._fp8(src, dst)
         return Program(
             plan,
-            {**src, **fp8_staging},
+            {**src, **fp8_sent},
             {**dst, **shadows, **(twins or {})},
             self._verify_transport() if compare else self._transport, self.message_limit, compare=compare,
             # graphs of copies into pinned host twins are not captured
             cuda_graph=self.cuda_graph and not compare and (twins is None or self.staging == "device"),
             # a sink's tensors are views of one reused buffer: they must not alias sources
             share_storage=self.share_storage and self._phases is None and twins is None,
-            staging=staging,
+            pools=pools,
             fp8_block=self._planner.fp8_block,
             device=self._device() if twins is not None else None,
         )
 
     def _fp8(self, src, dst) -> tuple[dict, dict]:
-        """The FP8 shadows and sender staging, made once: verify compares against the
+        """The FP8 shadows and the sender's FP8 buffers, made once: verify compares against the
         shadows the last refit filled."""
         if self._fp8_buffers is None:
             self._fp8_buffers = fp8_buffers(self.plan, src, dst)
@@ -857,7 +873,7 @@ class Refitter:
 
     @set_aside
     def close(self) -> None:
-        """Release compiled programs and staging memory. Not collective, except with
+        """Release compiled programs, message pools and stage twins. Not collective, except with
         ``transport="nvshmem"``: NVSHMEM frees its symmetric inbox collectively, so
         every rank of the group calls ``close()`` then."""
         if self._stager is not None:
@@ -878,7 +894,7 @@ class Refitter:
 
 def _native_build(watch: str, bindings: dict[str, Binding]) -> BackgroundBuild | None:
     """The background build of the native checks this rank waits for, if it watches
-    enough tensors to gain from them and they are not built (``_native_background``)."""
+    enough tensors to gain from them and they are not built (``_native.build``)."""
     if watch != "every" or sum(map(len, bindings.values())) < BUILD_MIN_TENSORS:
         return None
     return start_background_build()
@@ -1054,3 +1070,17 @@ def _misfit(cls: type[Transport], infos: list[_RankInfo], backend: str) -> str |
         return (f"needs a process group with a {cls.backend} backend; the refit group's is {backend!r} "
                 f"(create it with backend='cpu:gloo,cuda:nccl')")
     return None
+
+
+def _pool_bytes(pool_bytes: int, staging_bytes: int | None) -> int:
+    """``pool_bytes=``, or its deprecated old name ``staging_bytes=`` ("staging" now names
+    only stage/commit's twins)."""
+    if staging_bytes is None:
+        return pool_bytes
+    warnings.warn("Refitter(staging_bytes=) is deprecated: use pool_bytes= (the message pools' "
+                  "bound; staging= and StageReport.staging_bytes are stage/commit's twins)",
+                  DeprecationWarning, stacklevel=3)
+    if pool_bytes != DEFAULT_POOL_BYTES and pool_bytes != staging_bytes:
+        raise ValueError(f"pool_bytes={pool_bytes} and its deprecated name staging_bytes={staging_bytes} "
+                         "disagree: pass pool_bytes= only")
+    return staging_bytes

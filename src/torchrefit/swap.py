@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ._weak_models import alive, identity, weak
+from ._util.weak_models import alive, identity, weak
 from .connect import Connection
 from .maps import Identity, NameMap
 from .refitter import RefitReport, Refitter
@@ -116,7 +116,7 @@ def _freeze(value) -> object:
 
 def clear_caches() -> None:
     """Drop every cached Refitter of :func:`swap_model_weights` (and with it its plan,
-    programs and staging memory). Not collective, but call it on every rank, since ranks
+    programs and message pools). Not collective, but call it on every rank, since ranks
     must hit or miss the cache together."""
     for entry in list(_CACHE.values()):
         entry.refitter.close()

@@ -20,10 +20,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..execute.kernels import fp8_blocks
 from ..plan.types import itemsize
 from ..testing import build_toy, run_world
 from ..testing.toy import global_table
-from ..transforms import fp8_kernel
 from ..transport.base import transport_class
 from .config import VARIANTS, BenchConfig
 from .hf_models import build_hf_destination
@@ -190,18 +190,18 @@ def _time_refitter(tr, src, dst, cfg: BenchConfig, variant: str, device: torch.d
     row = _measure(first, lambda: made["r"].refit(), cfg, device, local_only)
     refitter, report = made["r"], made["report"]
     refitter.verify()
-    # which path this rank's local copies took (execute.batched's and kernel_copies' rules)
+    # which path this rank's local copies took (execute.batched's and elementwise_copies' rules)
     local = refitter._program.local if refitter._program is not None else None
     row.update({"large_local_copies": len(local.big) if local else 0,
                 "large_local_copies_as_kernels": sum(w is not None for w in local.words) if local else 0,
                 "batched_local_copies": len(local.batch.dst) if local and local.batch else 0})
     row.update({"impl": "torchrefit", "variant": variant, "transport": refitter.transport_name,
                 "watch": refitter.watch, "settings": dataclasses.asdict(tr.settings.current()),
-                "staging_bytes": report.staging_bytes, "bytes_local": report.bytes_local,
+                "pool_bytes": report.pool_bytes, "bytes_local": report.bytes_local,
                 "bytes_sent": report.bytes_sent, "bytes_received": report.bytes_received,
                 "shared_tensors": report.shared_tensors, "plan_seconds": refitter.plan_seconds,
                 "fp8_on_sender": report.fp8_on_sender, "fp8_on_receiver": report.fp8_on_receiver,
-                "fp8_kernel": fp8_kernel.variant() if cfg.fp8 else None,
+                "fp8_kernel": fp8_blocks.variant() if cfg.fp8 else None,
                 # source bytes FP8 steps read (the local copies' are in bytes_local)
                 "bytes_quantize_read": sum(q.region.numel * itemsize(q.src_dtype)
                                            for q in refitter.plan.quantize if not q.received)})
@@ -236,7 +236,7 @@ def _time_staged(tr, src, dst, cfg: BenchConfig, device: torch.device) -> dict:
     row.update({"impl": "torchrefit", "variant": f"stage ({cfg.staging})", "transport": r.transport_name,
                 "watch": r.watch, "staging": cfg.staging, "stage_times": stage_times,
                 "commit_times": commit_times, "commit_bytes": committed[-1].bytes_committed,
-                "staged_bytes": committed[-1].staging_bytes, "staging_bytes": 0,
+                "staged_bytes": committed[-1].staging_bytes, "pool_bytes": 0,
                 "bytes_local": r.plan.bytes_local,
                 "bytes_sent": r.plan.bytes_sent, "bytes_received": r.plan.bytes_received,
                 "plan_seconds": r.plan_seconds})
@@ -276,7 +276,7 @@ def _aggregate(cfg: BenchConfig, per_rank: list[dict]) -> list[dict]:
         if "bytes_local" in row0:  # every remote byte counted once, where it is sent
             row["bytes_local"] = sum(r["bytes_local"] for r in ranks)
             row["bytes_remote"] = sum(r["bytes_sent"] for r in ranks)
-            row["staging_bytes"] = max(r["staging_bytes"] for r in ranks)
+            row["pool_bytes"] = max(r["pool_bytes"] for r in ranks)
             row["per_rank_bytes"] = [(r["bytes_local"], r["bytes_sent"], r["bytes_received"]) for r in ranks]
         rows.append(row)
     base = _shape_fields(cfg, per_rank, bandwidth)

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from .._format import format_bytes
+from .._util.format import format_bytes
 from ..refitter import WATCH_MODES
 from .plan import SHAPE_FLAGS
 

@@ -1,5 +1,5 @@
 """``torchrefit native build|status``: the optional C++ form of ``watch="every"``'s
-per-refit checks (``torchrefit._native_watch``), built once per environment."""
+per-refit checks (``torchrefit._native.watch``), built once per environment."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ def add_parser(sub) -> None:
 
 
 def _run(args) -> int:
-    from torchrefit import _native_watch as native
-    from torchrefit._native_background import failure_marker, run_background_build
+    from torchrefit._native import watch as native
+    from torchrefit._native.build import failure_marker, run_background_build
 
     if args.action == "build" and args.background:
         return run_background_build()

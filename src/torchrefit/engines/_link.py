@@ -23,9 +23,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._collectives import all_gather_pickled
 from ..connect import Connection, connect
 from ..errors import ConnectError, PlanError, RefitError, TransportError
+from ..transport.collectives import all_gather_pickled
 
 __all__ = ["Terms", "join", "agree", "agree_status", "failure"]
 

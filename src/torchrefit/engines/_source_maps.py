@@ -31,9 +31,9 @@ import torch
 
 from ..errors import PlanError
 from ..maps.base import Compose, NameMap, table_rule
+from ..maps.hf_vllm import VLLM_FROM_HF, HfToVllm
 from ..maps.megatron_hf import MegatronToHF
 from ..maps.torchtitan import TorchtitanToHF
-from ..maps.vllm import VLLM_FROM_HF, HfToVllm
 
 __all__ = ["SOURCE_MAPS", "describe_source", "source_map_from", "compose", "route_maps",
            "vllm_part", "sink_tensors"]

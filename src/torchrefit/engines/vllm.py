@@ -67,9 +67,9 @@ from ..errors import PlanError, RefitError
 from ..layout import describe
 from ..layout._described import named_refit_tensors
 from ..layout.sink import load_weights_sink
-from ..layout.vllm import vllm_tp_specs
+from ..layout.vllm_tp import vllm_tp_specs
 from ..maps.base import NameMap
-from ..maps.vllm import hf_to_vllm, is_engine_state
+from ..maps.hf_vllm import hf_to_vllm, is_engine_state
 from ..refitter import Refitter
 from ._link import Terms, agree, agree_status, failure, join
 from ._source_maps import (

@@ -2,13 +2,13 @@
 
 A MoE model is thousands of 1-20 MB expert tensors. Copied one by one, every copy pays
 its start and its drain, as a memcpy graph node even on parallel branches and (less) as
-an elementwise kernel each (``execute.kernel_copies``). Here every such copy is cut into
-4 KB tiles and one launch of ``execute.copy_kernel`` moves all of them, one block per
+an elementwise kernel each (``execute.kernels.elementwise_copies``). Here every such copy is cut into
+4 KB tiles and one launch of ``execute.kernels.copy_runs`` moves all of them, one block per
 tile, so the device sees one copy of all their bytes; inside a CUDA graph it is one node.
 
 Which copies (:func:`batch_from`, ``settings.batched_copy``): ``auto`` (default)
 batches every :func:`batchable` large copy of a program made of many mid-sized copies
-(``kernel_copies.mostly_mid_sized`` with at least ``BATCH_MIN_COPIES`` of them: the MoE
+(``elementwise_copies.mostly_mid_sized`` with at least ``BATCH_MIN_COPIES`` of them: the MoE
 case, and a small dense model's) and nothing elsewhere, where large copies are memcpy
 nodes at the floor already; ``all`` batches every batchable copy; ``none`` none.
 
@@ -18,7 +18,7 @@ Strided copies (a TP half into ``full[:, :half]``, or out of it) are batched in
 its rows at both sides' pitches, which the device cuts into tiles (the host plans and
 uploads one row per copy, not one per 4 KB row, which would make building the table a
 large part of a first refit). Their other path is an elementwise kernel on widened
-views (``kernel_copies.widened``).
+views (``elementwise_copies.widened``).
 
 :func:`compile_batch` uploads the table and loads the kernel; where the kernel cannot be
 built (no NVRTC) the copies take the per-copy path. Called by
@@ -34,9 +34,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import settings
-from .._strides import dense_rows, row_offsets
-from . import kernel_copies
-from .copy_kernel import VECTOR, ByteRuns, CopyKernel, TileTable, copy_kernel, plan_tiles
+from .._util.strides import dense_rows, row_offsets
+from .kernels import elementwise_copies
+from .kernels.copy_runs import VECTOR, ByteRuns, CopyKernel, TileTable, copy_kernel, plan_tiles
 
 __all__ = ["Batch", "batchable", "batch_from", "batch_mode", "strided_runs", "byte_runs", "plan_tiles",
            "compile_batch", "kernel_available", "ALIGN", "BATCH_MIN_COPIES",
@@ -48,7 +48,7 @@ ALIGN = VECTOR
 #: least this long: a shorter row leaves most of its 4 KB tile's block idle
 MIN_RUN_BYTES = 2048
 #: a program of at least this many large copies, mostly mid-sized, is batched (auto):
-#: fewer than ``kernel_copies.KERNEL_MIN_COPIES``, which asks for one kernel per copy: one
+#: fewer than ``elementwise_copies.KERNEL_MIN_COPIES``, which asks for one kernel per copy: one
 #: launch pays for itself with fewer copies than a kernel per copy does (a 0.5 B dense
 #: model's ~100 copies, most of their bytes below 24 MiB, run faster batched); dense
 #: models whose copies are not mid-sized (a gpt-4b or llama-8b shape) stay memcpy nodes
@@ -125,7 +125,7 @@ def batch_from(sizes: Sequence[int], small: int, mode: str | None = None) -> int
     mode = batch_mode() if mode is None else mode
     if mode == "all":
         return 0
-    if mode == "auto" and kernel_copies.mostly_mid_sized(sizes, BATCH_MIN_COPIES):
+    if mode == "auto" and elementwise_copies.mostly_mid_sized(sizes, BATCH_MIN_COPIES):
         return small
     return None
 
@@ -154,7 +154,7 @@ class Batch:
 
 def kernel_available(device: torch.device) -> bool:
     """Whether batched copies can run on ``device``: CUDA, and the kernel compiled and
-    loaded there (NVRTC found; see ``execute.copy_kernel``)."""
+    loaded there (NVRTC found; see ``execute.kernels.copy_runs``)."""
     return device.type == "cuda" and copy_kernel(device) is not None
 
 

@@ -6,7 +6,7 @@ experts; ``settings.batched_copy`` decides, see ``execute.batched``), every plai
 aligned large copy runs in one batched kernel launch on a stream of its own; large
 copies otherwise run one by one on parallel side streams (graph branches), as memcpy
 or, where the batched kernel cannot be built, as elementwise kernels
-(``execute.kernel_copies``; ``settings.sm_copy_below`` sets a size);
+(``execute.kernels.elementwise_copies``; ``settings.sm_copy_below`` sets a size);
 small ones in one ``torch._foreach_copy_`` per (destination dtype, source dtype,
 dense) group on another stream; with ``cuda_graph`` the whole set, fork and join
 included, is captured once and replayed with one launch. Strided large copies cut
@@ -26,9 +26,8 @@ from typing import NamedTuple
 import torch
 
 from .. import settings
-from .._caller_state import caller_inference
+from .._util.caller_state import caller_inference
 from ..settings import MAX_BRANCHES
-from . import kernel_copies
 from .batched import (
     Batch,
     batch_from,
@@ -38,7 +37,8 @@ from .batched import (
     kernel_available,
     strided_runs,
 )
-from .copy_kernel import ByteRuns
+from .kernels import elementwise_copies
+from .kernels.copy_runs import ByteRuns
 from .runs import merge_local
 from .streams import SideStreams
 
@@ -92,7 +92,7 @@ class LocalCopies:
     big: tuple[Copy, ...]
     branch_of: tuple[int, ...]
     small: tuple[CopyGroup, ...]
-    #: per large copy, its integer views where it runs as a kernel (``kernel_copies``), else None
+    #: per large copy, its integer views where it runs as a kernel (``execute.kernels.elementwise_copies``), else None
     words: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]
     batch: Batch | None = None
     graph: torch.cuda.CUDAGraph | None = None
@@ -123,7 +123,7 @@ class LocalCopies:
                     if self.words[i] is None:
                         self.big[i].dst.copy_(self.big[i].src)
                     else:
-                        kernel_copies.run(self.words[i])
+                        elementwise_copies.run(self.words[i])
         with side.placed(_SMALL_LANE):
             for g in self.small:
                 torch._foreach_copy_(g.dst, g.src)
@@ -194,9 +194,9 @@ def compile_copies(copies: Iterable[Copy], side: SideStreams, cuda_graph: bool,
     else:
         big.extend(c for c, _ in strided)
     groups = tuple(CopyGroup(*(tuple(x) for x in zip(*g))) for g in small.values())
-    big = [Copy(*w, c.name) if (w := kernel_copies.widened(c.dst, c.src)) else c for c in big]
-    below = kernel_copies.sm_copy_below(sizes)
-    words = tuple(kernel_copies.word_views(c.dst, c.src) if c.dst.nbytes < below else None for c in big)
+    big = [Copy(*w, c.name) if (w := elementwise_copies.widened(c.dst, c.src)) else c for c in big]
+    below = elementwise_copies.sm_copy_below(sizes)
+    words = tuple(elementwise_copies.word_views(c.dst, c.src) if c.dst.nbytes < below else None for c in big)
     compiled = LocalCopies(tuple(planned), tuple(big),
                            tuple(balance_by_bytes([c.dst.nbytes for c in big], branches())), groups, words,
                            compile_batch(batch, side.device, runs))

@@ -9,7 +9,7 @@ table once per target generation (``transport.attach``; regions of a pull
 transport are then copied like local copies, captured in a CUDA graph).
 
 :meth:`OneSidedProgram.run` is the cross-process ordering of every one-sided
-transport, written once (see ``transport.one_sided`` for the primitives):
+transport, written once (see ``transport.one_sided.protocol`` for the primitives):
 the initiator never touches the target's memory before the target's ready token
 (a pull receiver never reads before the sender's producer finished; a push
 sender never overwrites a destination its engine still reads), and the target's
@@ -31,7 +31,7 @@ import torch
 from ..errors import TransportError
 from ..layout._types import Box, dtype_from_name
 from ..plan.types import LocalCopy, Transfer
-from ..transport.one_sided import OneSidedTransport
+from ..transport.one_sided.protocol import OneSidedTransport
 from .local import LANES, Copy, LocalCopies, compile_copies, differing
 from .streams import SideStreams
 from .views import Views
@@ -96,8 +96,8 @@ class OneSided:
     messages_sent: int
     messages_received: int
     delegation: Delegation | None = None
-    #: push only, where a transfer converts its dtype: the sender's copies into staging
-    #: of the wire dtype before its writes, the receiver's out of staging after them
+    #: push only, where a transfer converts its dtype: the sender's copies into buffers
+    #: of the wire dtype before its writes, the receiver's out of them after them
     before: tuple[Copy, ...] = ()
     after: tuple[Copy, ...] = ()
 
@@ -114,15 +114,15 @@ def compile_one_sided(views: Views, transport: OneSidedTransport, local: Sequenc
     regions: dict[int, list[tuple[int, Box]]] = defaultdict(list)
     own_reads: dict[int, list[torch.Tensor]] = defaultdict(list)  # delegate: its sources for a member
     # by receiver, then plan order: the order a delegate reading for several receivers expects
-    staged: dict[tuple[str, str], torch.Tensor] = {}  # push receiver: ("stage", i) -> its staging
+    staged: dict[tuple[str, str], torch.Tensor] = {}  # push receiver: ("stage", i) -> its wire buffer
     after: list[Copy] = []
     for t in sorted(theirs, key=lambda t: t.peer):
         who = copier(t.peer)
         if who == me:
             own_reads[t.peer].append(views.view(their_side, t.key, t.local_box))
-        elif not pull and t.wire_dtype != t.local_dtype:  # lands in staging, converted after
+        elif not pull and t.wire_dtype != t.local_dtype:  # lands in a wire buffer, converted after
             dst = views.view("dst", t.key, t.local_box)
-            stage = _staging(dst, t.wire_dtype)
+            stage = _wire_buffer(dst, t.wire_dtype)
             staged[key := ("stage", str(len(staged)))] = stage
             after.append(Copy(dst, stage, f"{t.name}{t.region} from rank {t.peer}"))
             regions[who].append((keys.setdefault(key, len(keys)), Box((0,) * stage.dim(), tuple(stage.shape))))
@@ -137,7 +137,7 @@ def compile_one_sided(views: Views, transport: OneSidedTransport, local: Sequenc
     mine = [(t, views.view(my_side, t.key, t.local_box), f"{t.name}{t.region} {'from' if pull else 'to'} rank "
              f"{t.peer}") for t in mine]
     before: list[Copy] = []
-    if not pull:  # a push sender converts into staging of the wire dtype, and writes that
+    if not pull:  # a push sender converts into a buffer of the wire dtype, and writes that
         mine = [(t, _staged_send(view, t.wire_dtype, name, before) if t.wire_dtype != t.local_dtype else view, name)
                 for t, view, name in mine]
     members = transport.copies_for(me, compare) if pull else ()
@@ -148,14 +148,14 @@ def compile_one_sided(views: Views, transport: OneSidedTransport, local: Sequenc
                     delegation, tuple(before), tuple(after))
 
 
-def _staging(like: torch.Tensor, dtype: str) -> torch.Tensor:
+def _wire_buffer(like: torch.Tensor, dtype: str) -> torch.Tensor:
     """A contiguous buffer shaped like ``like`` in ``dtype``, on its device."""
     return torch.empty(like.shape, dtype=dtype_from_name(dtype), device=like.device)
 
 
 def _staged_send(view: torch.Tensor, wire: str, name: str, before: list[Copy]) -> torch.Tensor:
-    """Staging of the wire dtype a push sender writes from; its conversion appended to ``before``."""
-    stage = _staging(view, wire)
+    """A buffer of the wire dtype a push sender writes from; its conversion appended to ``before``."""
+    stage = _wire_buffer(view, wire)
     before.append(Copy(stage, view, name))
     return stage
 
@@ -217,7 +217,7 @@ class OneSidedProgram:
         self.cuda_graph = cuda_graph
         self._pulls: tuple[tuple, LocalCopies] | None = None  # (peer generations, copies)
         self._pulled_for: Reached | None = None  # the reach _pulls was last looked up for
-        # push, where transfers convert: copies into and out of staging, on the caller's stream
+        # push, where transfers convert: copies into and out of wire buffers, on the caller's stream
         converts = SideStreams(device, LANES) if compiled.before or compiled.after else None
         self._converts = converts
         self._before = compile_copies(compiled.before, converts, cuda_graph, merge=False) if compiled.before else None
@@ -289,7 +289,7 @@ class OneSidedProgram:
         for target in self.compiled.targets:
             self.transport.wait_done(target.peer, self.transport.recv_done(target.peer))
         self.transport.settle()
-        if self._after is not None:  # the writes landed: out of staging, before later work
+        if self._after is not None:  # the writes landed: out of the wire buffers, before later work
             self._after.run_on_caller(self._converts)
 
     def _attach(self, pair: Initiated) -> tuple[int, int, tuple]:

@@ -28,19 +28,19 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .._caller_state import outside_inference
-from .._gc_pause import gc_paused
-from .._native_watch import views_check
+from .._native.watch import views_check
+from .._util.caller_state import outside_inference
+from .._util.gc_pause import gc_paused
 from ..errors import LayoutError
 from ..layout._types import Box
 from ..layout.binding import Meta, check_same_meta, meta_of
 from ..plan.types import LocalCopy, RankPlan
 from ..transport.base import RoundsTransport, Transport
-from ..transport.one_sided import OneSidedTransport
+from ..transport.one_sided.protocol import OneSidedTransport
 from .local import LANES, Copy, LocalCopies, compile_copies, differing
 from .one_sided_program import OneSidedProgram, compile_one_sided
 from .quantize import Quantizes, compile_quantize
-from .rounds import Rounds, Staging, compile_rounds, run_rounds, unpack_round
+from .rounds import MessagePools, Rounds, compile_rounds, run_rounds, unpack_round
 from .streams import SideStreams
 from .views import Views
 
@@ -52,7 +52,7 @@ class RunStats:
     rounds: int
     messages_sent: int
     messages_received: int
-    staging_bytes: int
+    pool_bytes: int
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class Compiled:
     refs: tuple[torch.Tensor, ...]  # detached aliases of ``watched`` as compiled
     quantize: Quantizes
     metas: tuple[tuple[str, str, Meta], ...]  # side, key, what the tensor was
-    native: object | None = None  # ``_native_watch.views_check`` of watched and refs, where built
+    native: object | None = None  # ``_native.watch.views_check`` of watched and refs, where built
 
     @functools.cached_property
     def exchanges(self) -> bool:
@@ -82,7 +82,7 @@ class Compiled:
         """The same every run: made once (a refit's tail is host time its caller waits for)."""
         if self.rounds is not None:
             r = self.rounds
-            return RunStats(len(r.rounds), r.messages_sent, r.messages_received, r.staging_bytes)
+            return RunStats(len(r.rounds), r.messages_sent, r.messages_received, r.pool_bytes)
         if self.one_sided is not None:
             c = self.one_sided.compiled
             return RunStats(0, c.messages_sent, c.messages_received, 0)
@@ -129,7 +129,7 @@ class Program:
         compare: bool = False,
         cuda_graph: bool = False,
         share_storage: bool = False,
-        staging: Staging | None = None,
+        pools: MessagePools | None = None,
         fp8_block: tuple[int, int] = (128, 128),
         device: torch.device | None = None,
     ) -> None:
@@ -139,10 +139,10 @@ class Program:
         self.transport = transport
         self._one_sided = isinstance(transport, OneSidedTransport)  # may take turns (run)
         self.message_limit = message_limit
-        self.compare = compare  # verify mode: receive into staging and compare, never write
+        self.compare = compare  # verify mode: receive into the pools and compare, never write
         self.cuda_graph = cuda_graph
         self.share_storage = share_storage and not compare
-        self.staging = staging  # pools shared with programs run one after another, or None
+        self.pools = pools  # message pools shared with programs run one after another, or None
         self.fp8_block = fp8_block
         # given where destination tensors are staged in host memory: the rank's device
         self.device = device if device is not None else _device_of(plan, src_tensors, dst_tensors)
@@ -175,7 +175,7 @@ class Program:
                     self.device, self.cuda_graph)
         elif remote or isinstance(self.transport, RoundsTransport):
             rounds = compile_rounds(views, self.transport, self.message_limit, self.compare, self.device,
-                                    self.staging)
+                                    self.pools)
         # verify quantizes with the torch reference: a witness independent of the kernel
         quantize = compile_quantize(self.plan.quantize, views, self.fp8_block, kernel=not self.compare)
         used = views.used()  # after aliasing, which moves destination storage
@@ -195,10 +195,10 @@ class Program:
         return self.compiled.shared
 
     @property
-    def staging_current(self) -> bool:
-        """False when the shared staging grew after this program took its pools."""
+    def pools_current(self) -> bool:
+        """False when the shared message pools grew after this program took its pools."""
         r = self.compiled.rounds
-        return self.staging is None or r is None or r.pools is self.staging.pools or not r.rounds
+        return self.pools is None or r is None or r.pools is self.pools.pools or not r.rounds
 
     # -------------------------------------------------------------------- running
     def storage_moved(self) -> bool:
@@ -208,7 +208,7 @@ class Program:
         (``param.data = param.data.t()``: other strides, a narrower shape): the compiled
         views (and a CUDA graph's addresses) still read and write the bytes where and as
         the tensor held them, so a refit through them would be silently wrong."""
-        # One C++ call where ``torchrefit native build`` built it (``_native_watch``; any
+        # One C++ call where ``torchrefit native build`` built it (``_native.watch``; any
         # answer but "unchanged" comes here too), else two C-level passes (map), on every
         # refit: the data pointers (a storage resized in place keeps its identity, not its
         # address), then is_set_to against an alias taken when compiling (same storage,
@@ -252,7 +252,7 @@ class Program:
         was = _grad_off()
         try:
             # FP8 from the source first: the side streams and the exchange wait for the
-            # caller's stream, so they see the staging the sends carry
+            # caller's stream, so they see the FP8 buffers the sends carry
             c.quantize.before.run()
             how, lanes = run_streams(bool(c.exchanges), bool(c.local), c.local.graph is not None)
             if how == "replay":

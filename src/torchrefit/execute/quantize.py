@@ -2,19 +2,19 @@
 
 The plan says which regions of FP8 destinations this rank quantizes (see
 ``plan.types.Quantize``); this module allocates what they need once per refitter
-(:func:`fp8_buffers`: shadows that the exchange fills in the source's dtype, staging
+(:func:`fp8_buffers`: shadows that the exchange fills in the source's dtype, buffers
 that sends carry as FP8 and scales), compiles the steps into views
 (:func:`compile_quantize`) and runs them: ``before`` the exchange from the source
-(into the destination or into staging), ``after`` it from the shadows. On CUDA with
+(into the destination or into FP8 buffers), ``after`` it from the shadows. On CUDA with
 Triton every block of a phase goes through one kernel launch per source dtype
-(``transforms.fp8_kernel``); elsewhere, and for per-tensor scales, the torch
+(``execute.kernels.fp8_blocks``); elsewhere, and for per-tensor scales, the torch
 reference of ``transforms.fp8`` runs per step.
 
 Who calls what: ``Refitter`` calls :func:`fp8_buffers` once and hands the buffers to
 every ``Program`` it compiles (the refit's and verify's share them: verify compares
 against the shadows the last refit filled); ``Program`` compiles the steps and calls
 ``before`` / ``after`` on the caller's stream around its exchange, so the side
-streams and the exchange, which wait for that stream, see the staging filled, and the
+streams and the exchange, which wait for that stream, see the FP8 buffers filled, and the
 caller sees the FP8 values written. Verify runs ``mismatches`` with the torch
 reference only (a witness independent of the kernel).
 """
@@ -28,8 +28,8 @@ import torch
 
 from ..layout._types import dtype_from_name
 from ..plan.types import Quantize, RankPlan
-from ..transforms import fp8_kernel
 from ..transforms.fp8 import quantize_blocks, quantize_tensor
+from .kernels import fp8_blocks
 from .views import Views
 
 __all__ = ["Step", "Quantizes", "fp8_buffers", "compile_quantize"]
@@ -37,12 +37,12 @@ __all__ = ["Step", "Quantizes", "fp8_buffers", "compile_quantize"]
 
 def fp8_buffers(plan: RankPlan, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]
                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """``(shadows, staging)`` of this rank's plan: the destination-side shadow of each
+    """``(shadows, sent)`` of this rank's plan: the destination-side shadow of each
     FP8 tensor some piece of which is quantized on receipt (the source's dtype, the
     destination tensor's shape), and the source-side FP8 values and float32 scales of
     each region quantized before sending."""
     shadows: dict[str, torch.Tensor] = {}
-    staging: dict[str, torch.Tensor] = {}
+    sent: dict[str, torch.Tensor] = {}
     for q in plan.quantize:
         if q.received and q.src_key not in shadows:
             like = dst[q.dst_key]
@@ -50,9 +50,9 @@ def fp8_buffers(plan: RankPlan, src: Mapping[str, torch.Tensor], dst: Mapping[st
                                              device=like.device)
         elif q.staged:
             device = src[q.src_key].device
-            staging[q.dst_key] = torch.empty(q.dst_box.size, dtype=torch.float8_e4m3fn, device=device)
-            staging[q.scale_key] = torch.empty(q.scale_box.size, dtype=torch.float32, device=device)
-    return shadows, staging
+            sent[q.dst_key] = torch.empty(q.dst_box.size, dtype=torch.float8_e4m3fn, device=device)
+            sent[q.scale_key] = torch.empty(q.scale_box.size, dtype=torch.float32, device=device)
+    return shadows, sent
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,7 +65,7 @@ class Step:
     per_tensor: bool
     block: tuple[int, int]
     name: str
-    staged: bool  # into staging that sends carry (verify refills it, compares nothing)
+    staged: bool  # into FP8 buffers that sends carry (verify refills it, compares nothing)
 
     def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
         """FP8 values and scales by the torch reference of ``transforms.fp8``."""
@@ -91,12 +91,12 @@ class Phase:
     stepped with the torch reference."""
 
     steps: tuple[Step, ...]
-    tables: tuple[fp8_kernel.BlockTable, ...]
+    tables: tuple[fp8_blocks.BlockTable, ...]
     rest: tuple[Step, ...]
 
     def run(self) -> None:
         for t in self.tables:
-            fp8_kernel.launch(t)
+            fp8_blocks.launch(t)
         for s in self.rest:
             s.run()
 
@@ -104,7 +104,7 @@ class Phase:
 @dataclass(frozen=True)
 class Quantizes:
     """This rank's compiled steps: ``before`` the exchange (from the source, into the
-    destination or staging) and ``after`` it (from the shadows)."""
+    destination or FP8 buffers) and ``after`` it (from the shadows)."""
 
     before: Phase
     after: Phase
@@ -113,7 +113,7 @@ class Quantizes:
         return bool(self.before.steps or self.after.steps)
 
     def stage(self) -> None:
-        """Verify: fill the staging the sends carry, with the torch reference."""
+        """Verify: fill the FP8 buffers the sends carry, with the torch reference."""
         for s in self.before.steps:
             if s.staged:
                 s.run()
@@ -147,12 +147,12 @@ def compile_quantize(steps: Sequence[Quantize], views: Views, block: tuple[int, 
 def _phase(steps: list[Step], block: tuple[int, int], kernel: bool) -> Phase:
     fast = [s for s in steps if kernel and _kernel_fits(s)]
     rest = [s for s in steps if not (kernel and _kernel_fits(s))]
-    tables = fp8_kernel.BlockTable.build([(s.src, s.dst, s.scale) for s in fast], block) if fast else []
+    tables = fp8_blocks.BlockTable.build([(s.src, s.dst, s.scale) for s in fast], block) if fast else []
     return Phase(tuple(steps), tuple(tables), tuple(rest))
 
 
 def _kernel_fits(s: Step) -> bool:
-    return (not s.per_tensor and s.src.is_cuda and fp8_kernel.available()
+    return (not s.per_tensor and s.src.is_cuda and fp8_blocks.available()
             and s.src.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and s.src.stride(-1) == 1 and s.dst.stride(-1) == 1 and s.scale.dtype == torch.float32
             and s.dst.dim() >= 2)

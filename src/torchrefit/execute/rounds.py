@@ -2,7 +2,7 @@
 
 Compiling cuts each peer's regions into messages (``plan.messages.cut_messages``; both
 ends cut the same ordered transfers, so message m of a pair goes in round m),
-lays staged messages out in two staging pools (even and odd rounds, so round m+1
+lays staged messages out in two message pools (even and odd rounds, so round m+1
 packs while round m is in flight) and sends a message zero-copy where it is one
 contiguous region on the wire device in the wire dtype. Running replays: pack,
 start, finish, unpack, on the caller's stream, which the NCCL process group
@@ -24,13 +24,13 @@ from ..plan.types import Transfer
 from ..transport.base import RoundsTransport, host_wait_current
 from .views import Views
 
-__all__ = ["Round", "Rounds", "Staging", "compile_rounds", "run_rounds"]
+__all__ = ["Round", "Rounds", "MessagePools", "compile_rounds", "run_rounds"]
 
 
 @dataclass(frozen=True)
 class Round:
     """One round: the buffers exchanged with each peer and the device copies that pack
-    sends into staging before and unpack receives after."""
+    sends into the pools before and unpack receives after."""
 
     sends: tuple[tuple[int, torch.Tensor], ...]
     recvs: tuple[tuple[int, torch.Tensor], ...]
@@ -45,15 +45,15 @@ class Round:
 class Rounds:
     rounds: tuple[Round, ...]
     pools: tuple[torch.Tensor, ...]
-    staging_bytes: int
+    pool_bytes: int
     messages_sent: int
     messages_received: int
 
 
-class Staging:
-    """The two staging pools (even and odd rounds), shared by programs that run one
+class MessagePools:
+    """The two message pools (even and odd rounds), shared by programs that run one
     after another: a refit into a ``load_weights`` sink runs one program per bucket,
-    and each having its own pools would multiply the staging memory by the number
+    and each having its own pools would multiply the pools' memory by the number
     of buckets. Sharing is safe because a program's rounds finish (host-staged: the
     host waits for the stream before the next message goes) before the next starts.
 
@@ -102,8 +102,8 @@ def host_synchronized(host_staged: bool, device: torch.device) -> bool:
 
 
 def compile_rounds(views: Views, transport: RoundsTransport | None, limit: int, compare: bool,
-                   device: torch.device, staging: Staging | None = None) -> Rounds:
-    """Cut, place and lay out the plan's messages; pools from ``staging`` when given
+                   device: torch.device, shared: MessagePools | None = None) -> Rounds:
+    """Cut, place and lay out the plan's messages; pools from ``shared`` when given
     (shared with other programs), else this program's own."""
     plan = views.plan
     sends, recvs = _by_peer(plan.sends), _by_peer(plan.recvs)
@@ -117,7 +117,7 @@ def compile_rounds(views: Views, transport: RoundsTransport | None, limit: int, 
     transfers = {"send": sends, "recv": recvs}
     placed = [_place(m, msgs, transfers, views, wire, compare) for m in range(n)]
     sizes = [max((_used(p) for m, p in enumerate(placed) if m % 2 == parity), default=0) for parity in (0, 1)]
-    pools = staging.take(sizes, wire, pinned) if staging is not None else _pools(sizes, wire, pinned)
+    pools = shared.take(sizes, wire, pinned) if shared is not None else _pools(sizes, wire, pinned)
     rounds = tuple(_build_round(p, pools[m % 2], views) for m, p in enumerate(placed))
     return Rounds(rounds, pools, sum(p.numel() for p in pools),
                   sum(len(m) for m in msgs["send"].values()), sum(len(m) for m in msgs["recv"].values()))

@@ -29,7 +29,7 @@ from functools import lru_cache
 
 import torch
 
-from .._cuda_driver import driver_function
+from .._util.cuda_driver import driver_function
 
 __all__ = ["Span", "merge_runs", "merge_local", "allocation_of", "byte_view"]
 

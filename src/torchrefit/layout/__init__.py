@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from .._caller_state import caller_state
+from .._util.caller_state import caller_state
 from ..errors import LayoutError
 from ._described import Described, named_refit_tensors
 from ._types import Box, ModelLayout, Piece, TensorLayout

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .._identity import identity
+from .._util.identity import identity
 from ._types import ModelLayout
 from .walk import named_modules
 

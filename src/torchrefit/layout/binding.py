@@ -30,8 +30,8 @@ from collections.abc import Mapping, MutableMapping
 import torch
 from torch import nn
 
-from .._identity import identity
-from .._native_watch import holders_check
+from .._native.watch import holders_check
+from .._util.identity import identity
 from ..errors import LayoutError
 from .walk import named_modules
 
@@ -112,7 +112,7 @@ class Binding:
         return self._native is not None
 
     def _native_check(self):
-        """The same check as one C++ call where it was built (``_native_watch``), over
+        """The same check as one C++ call where it was built (``_native.watch``), over
         the tensors held now: plain dicts holding the described tensors themselves
         only; None otherwise or without it."""
         if self._get is not dict.get or self._any_local:

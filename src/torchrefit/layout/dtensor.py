@@ -33,7 +33,7 @@ from itertools import chain, repeat
 import torch
 from torch import nn
 
-from .._identity import identity
+from .._util.identity import identity
 from ..errors import LayoutError
 from ._described import Described, chunk_key, named_refit_tensors, unwrap_chunks
 from ._types import ModelLayout, TensorLayout, dtype_name

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._caller_state import caller_state
+from .._util.caller_state import caller_state
 from ..errors import LayoutError
 from ._described import Described
 from ._types import ModelLayout, TensorLayout, dtype_name
@@ -138,7 +138,7 @@ def load_weights_sink(
     ``tr.shard_pieces``); ``dtype`` is the default dtype, ``device`` where the buffer
     lives (default: the current CUDA device, else CPU). Names are the destination's
     (after ``name_map``). The sink's extra memory is one buffer of at most
-    ``bucket_bytes``; message staging stays bounded by the Refitter's ``staging_bytes``.
+    ``bucket_bytes``; the message pools stay bounded by the Refitter's ``pool_bytes``.
     """
     return LoadWeightsSink(load_weights, names_and_shapes, bucket_bytes=bucket_bytes,
                            dtype=dtype, device=device)

@@ -59,7 +59,7 @@ def _walk(root: nn.Module) -> list[tuple[str, nn.Module]]:
     tree holding a module that walks its own way (its class or the module itself
     overrides ``named_modules``) gets torch's walk of the whole tree."""
     out: list[tuple[str, nn.Module]] = []
-    # the modules themselves, as torch's walk keeps them (not id(): see _identity)
+    # the modules themselves, as torch's walk keeps them (not id(): see _util.identity)
     seen: set[nn.Module] = set()
     plain: set[type] = set()  # classes that walk as nn.Module does
     stack: list[tuple[str, nn.Module]] = [("", root)]

@@ -16,6 +16,7 @@ that imports :mod:`.base` (and the maps it builds on), never this package.
 """
 
 from .base import Compose, Identity, NameMap, Rename, Segment, relocate
+from .hf_vllm import VLLM_FROM_HF, HfToVllm, hf_to_vllm, megatron_to_vllm
 from .megatron_hf import (
                           HF_FROM_MEGATRON,
                           HfToMegatron,
@@ -24,7 +25,6 @@ from .megatron_hf import (
                           megatron_to_hf,
 )
 from .torchtitan import HF_FROM_TORCHTITAN, TorchtitanToHF, torchtitan_to_hf, torchtitan_to_vllm
-from .vllm import VLLM_FROM_HF, HfToVllm, hf_to_vllm, megatron_to_vllm
 
 __all__ = [
     "Segment", "NameMap", "Identity", "Rename", "Compose", "relocate",

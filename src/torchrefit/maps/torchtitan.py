@@ -49,8 +49,8 @@ from typing import Any
 from ..errors import PlanError
 from ..layout._types import Box
 from .base import Compose, NameMap, Segment, held_name, shape_of
+from .hf_vllm import HfToVllm
 from .megatron_hf import _field
-from .vllm import HfToVllm
 
 __all__ = ["TorchtitanToHF", "torchtitan_to_hf", "torchtitan_to_vllm", "HF_FROM_TORCHTITAN"]
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .._gc_pause import gc_paused
-from .._identity import identity
+from .._util.gc_pause import gc_paused
+from .._util.identity import identity
 from ..errors import PlanError
 from ..layout._types import Box
 from .roster import decode_roster
 
-__all__ = ["TensorInfo", "RoleIndex"]
+__all__ = ["TensorInfo", "Holdings"]
 
 
 @dataclass(slots=True)
@@ -46,8 +46,8 @@ class TensorInfo:
         return self._disjoint
 
 
-class RoleIndex:
-    """All ranks' holdings of one role, keyed by global tensor name."""
+class Holdings:
+    """All ranks' holdings of one role (source or destination), keyed by global tensor name."""
 
     @gc_paused
     def __init__(self, role: str, rosters: Sequence[bytes | None]) -> None:

@@ -5,7 +5,7 @@ roster (world x 20 KB for DeepSeek-V3, 316 MB per rank at 16k ranks) moves the
 same bytes thousands of times. Instead every rank contributes a small
 :class:`RosterRef` per role (a digest and a length) to one gather; the lowest
 rank holding each distinct roster then sends it once (one broadcast per such
-*owner*, see :func:`torchrefit._collectives.all_gather_rosters`), and every rank
+*owner*, see :func:`torchrefit.transport.collectives.all_gather_rosters`), and every rank
 rebuilds the full per-rank table with :func:`assemble`: replicas share one
 ``bytes`` object, so the planner's index (which groups equal rosters into
 classes) sees exactly what a full gather would have given it.

@@ -23,7 +23,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .._gc_pause import gc_paused
+from .._util.gc_pause import gc_paused
 from ..errors import PlanError
 from ..layout._types import Box, ModelLayout, TensorLayout, dtype_from_name
 from ..maps import Identity, NameMap, Segment, relocate
@@ -36,9 +36,9 @@ from ..transforms.fp8 import (
     scale_cells,
     whole_blocks,
 )
-from .holdings import RoleIndex, TensorInfo
+from .holdings import Holdings, TensorInfo
 from .shares import ClassBlock, ShareLine
-from .types import LocalCopy, Quantize, RankPlan, Transfer, itemsize, shadow_key, staging_keys
+from .types import LocalCopy, Quantize, RankPlan, Transfer, fp8_send_keys, itemsize, shadow_key
 
 __all__ = ["Region", "RegionId", "Planner", "CastPolicy"]
 
@@ -100,8 +100,8 @@ class Planner:
 
     def __init__(
         self,
-        src: RoleIndex,
-        dst: RoleIndex,
+        src: Holdings,
+        dst: Holdings,
         name_map: NameMap | None = None,
         *,
         cast: CastPolicy = "buffers",
@@ -158,7 +158,7 @@ class Planner:
     ) -> Planner:
         """The planner over every rank's gathered roster bytes (None: the rank holds no
         such model), as each rank builds it after the gather."""
-        return cls(RoleIndex("source", src), RoleIndex("destination", dst), name_map,
+        return cls(Holdings("source", src), Holdings("destination", dst), name_map,
                    cast=cast, skip=skip, sides=sides, fp8_block=fp8_block,
                    sender_transforms=sender_transforms)
 
@@ -477,7 +477,7 @@ class Planner:
         """The share line of a holder set (see :mod:`.shares`), built on first use.
 
         Only the source tensors some of whose boxes the set holds can hold its regions
-        (:meth:`RoleIndex.held_by`): work in proportion to what the set holds.
+        (:meth:`Holdings.held_by`): work in proportion to what the set holds.
         """
         line = self._share_lines.get(holders)
         if line is not None:
@@ -634,12 +634,12 @@ class Planner:
 
     def _send_quantized(self, peer: int, name: str, part: Box, key: str, src_box: Box,
                         src_dtype: str, target: Target, sends, staged) -> None:
-        """Send ``part`` as FP8 and scales, quantized once into staging buffers (several
+        """Send ``part`` as FP8 and scales, quantized once into FP8 buffers (several
         receivers of the same part share them)."""
         cells = self._cells(target, part)
         step = staged.get((name, part))
         if step is None:
-            values, scales = staging_keys(name, part)
+            values, scales = fp8_send_keys(name, part)
             step = staged[(name, part)] = Quantize(
                 name, part, key, src_box, values, Box.whole(part.size), scales,
                 Box.whole(cells.size), src_dtype, target.per_tensor, received=False, staged=True)

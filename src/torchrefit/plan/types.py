@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .._format import format_bytes as _fmt
+from .._util.format import format_bytes as _fmt
 from ..layout._types import Box, dtype_from_name
 
-__all__ = ["Transfer", "LocalCopy", "Quantize", "RankPlan", "itemsize", "shadow_key", "staging_keys"]
+__all__ = ["Transfer", "LocalCopy", "Quantize", "RankPlan", "itemsize", "shadow_key", "fp8_send_keys"]
 
 _ITEMSIZE: dict[str, int] = {}
 
@@ -73,7 +73,7 @@ class Quantize:
 
     ``received`` False: before the exchange, from this rank's source (the region is
     whole blocks of one source piece): into the destination itself where the source is
-    local, or into staging buffers (``staged``; keys from :func:`staging_keys`) that the
+    local, or into FP8 buffers (``staged``; keys from :func:`fp8_send_keys`) that the
     sends then carry as FP8 and scales. ``received`` True: after the exchange, a whole
     destination piece from the shadow (:func:`shadow_key`) the exchange filled in the
     source's dtype (some block of it spans source pieces, or the transport is one-sided).
@@ -104,7 +104,7 @@ def shadow_key(key: str) -> str:
     return f"{key} (shadow)"
 
 
-def staging_keys(name: str, region: Box) -> tuple[str, str]:
+def fp8_send_keys(name: str, region: Box) -> tuple[str, str]:
     """Source-side keys of the FP8 values and scales a sender quantizes ``region`` of
     destination ``name`` into before sending them."""
     return f"{name}{region} (fp8)", f"{name}{region} (scale)"

@@ -90,7 +90,7 @@ def _assert_placed(rank: int, what: str, held: dict[str, TensorLayout], name: st
                    key: str, local_box: Box, strict: bool) -> None:
     """``local_box`` of local tensor ``key`` is where ``held`` places ``region`` of
     global ``name``. ``strict``: ``key`` must hold ``name`` (a destination); else keys
-    that hold another name or none (FP8 staging) are left unchecked."""
+    that hold another name or none (FP8 buffers) are left unchecked."""
     t = held.get(key.removesuffix(SHADOW))
     if t is None or t.name != name:
         assert not strict, (f"rank {rank}: {what} of {name} {region} into {key!r}, which holds "

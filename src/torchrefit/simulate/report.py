@@ -25,7 +25,7 @@ from ..plan.planner import Planner
 from ..plan.types import RankPlan, itemsize
 from .meshes import Mesh
 from .predict import Hardware, Prediction, predict
-from .roles import SimulatedRole, simulated_role
+from .rosters import SimulatedRosters, simulated_rosters
 from .shapes import ModelShape, global_tensors
 from .traffic import Traffic, traffic
 
@@ -130,8 +130,8 @@ class Simulation:
 
     report: PlanReport
     traffic: Traffic
-    src: SimulatedRole
-    dst: SimulatedRole
+    src: SimulatedRosters
+    dst: SimulatedRosters
 
     def plan(self, rank: int) -> RankPlan:
         """Rank ``rank``'s plan, planned as that rank would plan it."""
@@ -146,7 +146,7 @@ def simulate(shape: ModelShape, src: Mesh, dst: Mesh, world: int, *, model: str 
     ``samples`` ranks (both ends, evenly spaced, the busiest) plus ``ranks``; predict
     the refit's time on ``hardware`` (default :class:`Hardware`: 8-GPU H100/H200 nodes)."""
     t0, c0 = time.perf_counter(), time.process_time()
-    s, d = simulated_role(shape, src, world), simulated_role(shape, dst, world)
+    s, d = simulated_rosters(shape, src, world), simulated_rosters(shape, dst, world)
     src_blobs, dst_blobs = s.rosters(), d.rosters()
     planner = Planner.from_rosters(src_blobs, dst_blobs)
     planner.validate()
@@ -211,8 +211,8 @@ def _fresh(blobs: Sequence[bytes | None]) -> list[bytes | None]:
     return out
 
 
-def _alloc_peak(src_blobs, dst_blobs, rank: int, world: int, s: SimulatedRole,
-                d: SimulatedRole) -> int:
+def _alloc_peak(src_blobs, dst_blobs, rank: int, world: int, s: SimulatedRosters,
+                d: SimulatedRosters) -> int:
     """Peak bytes the planner allocates for one rank (tracemalloc: a separate, slower run)."""
     src_copy, dst_copy = _fresh(src_blobs), _fresh(dst_blobs)
     tracemalloc.start()
@@ -225,8 +225,8 @@ def _alloc_peak(src_blobs, dst_blobs, rank: int, world: int, s: SimulatedRole,
         tracemalloc.stop()
 
 
-def _sample(moves: Traffic, world: int, samples: int, extra: Sequence[int], s: SimulatedRole,
-            d: SimulatedRole) -> list[int]:
+def _sample(moves: Traffic, world: int, samples: int, extra: Sequence[int], s: SimulatedRosters,
+            d: SimulatedRosters) -> list[int]:
     """Ranks to time: both ends, evenly spaced ones, the busiest sender and receiver."""
     active = [r for r in range(world) if s.class_of[r] is not None or d.class_of[r] is not None]
     picked = {active[0], active[-1]} if samples > 1 else set()
@@ -242,7 +242,7 @@ def _sample(moves: Traffic, world: int, samples: int, extra: Sequence[int], s: S
     return sorted(picked)
 
 
-def _metadata(s: SimulatedRole, d: SimulatedRole, world: int,
+def _metadata(s: SimulatedRosters, d: SimulatedRosters, world: int,
               hardware: Hardware) -> tuple[int, Gathered, int, int]:
     """(largest roster bytes one rank contributes, what every rank gathers, what it would
     gather were every rank's roster sent, the same rank's layouts pickled as objects:
@@ -263,7 +263,7 @@ def _metadata(s: SimulatedRole, d: SimulatedRole, world: int,
 
 def _record(rank: int, hardware: Hardware) -> tuple:
     """What a Refitter on ``rank`` sends besides its digests (``refitter._RankInfo`` as a
-    tuple: no error, no rosters, the default staging budget, CUDA, NCCL and Gloo, its
+    tuple: no error, no rosters, the default message-pool budget, CUDA, NCCL and Gloo, its
     host name, how its layouts were found)."""
     return (None, None, None, 1 << 30, "cuda", True, True,
             f"gpu-node-{hardware.node(rank):05d}.cluster.local", ("megatron", "megatron"))

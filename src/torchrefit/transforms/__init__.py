@@ -1,5 +1,5 @@
 """Transforms applied to what a refit moves: FP8 quantization of destinations (``fp8``,
-its CUDA kernel ``fp8_kernel``).
+its CUDA kernel ``execute.kernels.fp8_blocks``).
 
 Dtype casts need no module of their own: the planner puts the narrower dtype on the
 wire and the executor's pack (sender) or unpack (receiver) copies convert.

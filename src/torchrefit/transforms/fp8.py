@@ -18,7 +18,7 @@ any byte moves) and decides per destination piece where it is quantized
 it (the wire carries FP8 and scales), else on the receiver from a shadow in the
 source's dtype. ``execute.quantize`` runs the plan's ``Quantize`` steps with
 :func:`quantize_blocks` / :func:`quantize_tensor` (on CPU, and as verify's witness) or
-the Triton kernel of ``fp8_kernel`` (on CUDA), which computes the same bits.
+the Triton kernel of ``execute.kernels.fp8_blocks`` (on CUDA), which computes the same bits.
 
 Bit-identical to quantizing the whole global tensor: every piece a rank holds must
 start and end on block boundaries (or the tensor's end), and every step quantizes
@@ -77,7 +77,7 @@ def scale_cells(box: Box, block: tuple[int, int]) -> Box:
 
 def check_targets(targets: Mapping[str, Target], dst, block: tuple[int, int]) -> list[str]:
     """Problems with FP8 targets over every destination rank (``dst``: the planner's
-    destination ``RoleIndex``): grid shape, block-aligned pieces, scale pieces that
+    destination ``Holdings``): grid shape, block-aligned pieces, scale pieces that
     follow the weight's, whole tensors for per-tensor scales."""
     problems = []
     for name, t in sorted(targets.items()):

@@ -20,7 +20,7 @@ from .ipc import IpcTransport
 from .nccl import NcclTransport
 from .nixl import NixlTransport
 from .nvshmem import NvshmemTransport
-from .one_sided import OneSidedTransport
+from .one_sided.protocol import OneSidedTransport
 
 __all__ = ["Availability", "Transport", "RoundsTransport", "OneSidedTransport", "get_transport",
            "register_transport", "registered", "transport_names", "GlooTransport", "IpcTransport",

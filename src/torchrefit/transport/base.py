@@ -7,7 +7,7 @@ speaks one of two protocols, and the executor compiles one program per protocol
 * :class:`RoundsTransport`, message rounds (``nccl``, ``gloo``, ``nvshmem``): per
   round a list of (peer, uint8 tensor) to send and one to receive into; the
   executor packs, unpacks and orders streams, the transport posts and completes.
-* ``transport.one_sided.OneSidedTransport`` (``ipc``, ``nixl``): one
+* ``transport.one_sided.protocol.OneSidedTransport`` (``ipc``, ``nixl``): one
   side reads or writes memory its peer registered, with completion signalled
   separately.
 """

@@ -11,7 +11,7 @@ captures them in a CUDA graph.
 
 Ordering (``order``):
 
-* ``"word"`` (default): the control words of the mailbox (``transport.mailbox``, a
+* ``"word"`` (default): the control words of the mailbox (``transport.one_sided.mailbox``, a
   page of host shared memory) are registered with CUDA, and each side's *stream*
   writes its word: the sender's after everything queued before ``refit()`` (its
   producer, the optimizer step), the receiver's after its copies. The peer's host
@@ -44,12 +44,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .._cuda_driver import driver_function
+from .._util.cuda_driver import driver_function
 from ..errors import TransportError
 from ..layout._types import dtype_from_name, dtype_name
 from .base import Availability, register_transport, require_cuda
-from .mailbox import Mailbox
-from .one_sided import WORD, OneSidedTransport, Table
+from .one_sided.mailbox import Mailbox
+from .one_sided.protocol import WORD, OneSidedTransport, Table
 
 __all__ = ["IpcTransport", "Segment", "Exported", "StreamWords", "export_segments"]
 
@@ -154,10 +154,10 @@ def _extent(t: torch.Tensor) -> int:
 class IpcTransport(OneSidedTransport):
     name = "ipc"
     pull = True
-    mailbox = True  # one host: headers and done tokens as shared-memory words (transport.mailbox)
+    mailbox = True  # one host: headers and done tokens as shared-memory words (transport.one_sided.mailbox)
     turns = True  # ranks copying on one shared GPU take turns (transport.turns)
     delegate = True  # ... or, where they can, the first copies for all (transport.delegates)
-    preference = 30  # no staging and no packing: copies at the device's copy bandwidth
+    preference = 30  # no message pools and no packing: copies at the device's copy bandwidth
     needs_cuda = True
     one_host = True
 

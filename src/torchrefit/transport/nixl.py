@@ -45,11 +45,11 @@ import torch
 import torch.distributed as dist
 
 from .. import settings
-from .._strides import dense_rows, row_offsets
+from .._util.strides import dense_rows, row_offsets
 from ..errors import TransportError
 from ..layout._types import dtype_from_name, dtype_name
 from .base import Availability, host_wait_current, register_transport
-from .one_sided import OneSidedTransport, Table
+from .one_sided.protocol import OneSidedTransport, Table
 
 __all__ = ["NixlTransport", "RemoteRegion", "contiguous_runs"]
 

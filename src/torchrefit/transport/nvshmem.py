@@ -1,4 +1,4 @@
-"""NVSHMEM transport: message rounds as stream-ordered puts into symmetric staging.
+"""NVSHMEM transport: message rounds as stream-ordered puts into symmetric inboxes.
 
 Optional extra ``nvshmem4py-cu13`` (imports as ``nvshmem``). One PE per rank of the
 refit group (PE = group rank), bootstrapped once per process from a unique id that
@@ -11,8 +11,8 @@ there: the transport speaks the message-rounds protocol and the rounds program
 planned once per Refitter in :meth:`NvshmemTransport.prepare` (collective, every
 rank, after planning): each receiver's inbox holds one slot per sender it hears
 from, twice (message parity), each slot the largest message any rank sends, so its
-size is bounded by the Refitter's ``staging_bytes`` (the rounds' message limit is
-``staging_bytes / (2 * peers)``), or by one row of the widest tensor where a row is
+size is bounded by the Refitter's ``pool_bytes`` (the rounds' message limit is
+``pool_bytes / (2 * peers)``), or by one row of the widest tensor where a row is
 larger.
 
 Every step is queued on the caller's stream; nothing waits on the host:
@@ -46,7 +46,6 @@ import torch
 import torch.distributed as dist
 
 from .. import settings
-from .._collectives import all_gather_pickled, collective
 from ..errors import TransportError
 from ..plan.messages import ALIGN, cut_messages
 from ..plan.types import RankPlan
@@ -59,6 +58,7 @@ from .base import (
     require_backend,
     require_cuda,
 )
+from .collectives import all_gather_pickled, collective
 
 __all__ = ["NvshmemTransport", "Inbox", "plan_inbox", "largest_message"]
 

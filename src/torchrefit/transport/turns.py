@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .mailbox import Mailbox
+from .one_sided.mailbox import Mailbox
 
 __all__ = ["Turn", "device_key", "chain_of", "shared_devices"]
 

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from .._collectives import collective, collective_device
 from ..errors import VerificationError
+from ..transport.collectives import collective, collective_device
 from .checksum import MOD
 from .witness import Witness
 

@@ -1,4 +1,4 @@
-"""The witness's sums in a few kernel launches (``verify.kernel``), tables built once.
+"""The witness's sums in a few kernel launches (``execute.kernels.region_checksums``), tables built once.
 
 ``Witness.sums`` on CUDA (or under Triton's interpreter) goes through :class:`FusedSums`:
 every term that is a strided view of a model tensor is read in place; a term that needs
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..execute.kernels.region_checksums import NARROW, launch
 from .checksum import MOD
-from .kernel import NARROW, launch
 from .segments import FIELDS, Region, aligned, as_int32, col_weights, row_weights, segment_rows
 
 __all__ = ["FusedSums", "Item", "SCRATCH_BYTES", "TARGET_WORDS"]

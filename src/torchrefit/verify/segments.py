@@ -22,16 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..execute.kernels.region_checksums import FIELDS, VECTOR
 from .checksum import MOD, coordinate_weights
 
 __all__ = ["Region", "FIELDS", "VECTOR", "runs", "segment_rows", "row_weights", "col_weights"]
 
-#: int64 fields per segment: address, row stride, rows, row-weight index,
-#: column-weight index, first word, end word, output slot
-FIELDS = 8
-#: words of a 16-byte vector access: a segment whose address, row stride and word range
-#: are multiples of it (in bytes: 16) is "aligned" and read with vector loads
-VECTOR = {2: 8, 1: 16}
 
 
 @dataclass(frozen=True, slots=True)

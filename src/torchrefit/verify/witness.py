@@ -25,14 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..execute.kernels.region_checksums import available as kernel_available
 from ..layout._types import Box, ModelLayout, dtype_from_name
 from ..maps import relocate
-from ..plan.holdings import RoleIndex, TensorInfo
+from ..plan.holdings import Holdings, TensorInfo
 from ..plan.planner import Planner
 from .checksum import MOD, region_sum
 from .fp8_units import Unit, plan_units, quantize_unit
 from .fused import FusedSums, Item
-from .kernel import available as kernel_available
 
 __all__ = ["Witness", "Term", "cells"]
 
@@ -52,7 +52,7 @@ class Term:
     dtype: str  # the destination's dtype (what the source is cast to)
 
 
-def cells(info: TensorInfo, index: RoleIndex) -> list[tuple[Box, tuple[int, ...]]]:
+def cells(info: TensorInfo, index: Holdings) -> list[tuple[Box, tuple[int, ...]]]:
     """Boxes that partition what a role holds of one tensor, each with the ranks holding
     all of it, in offset order: the held boxes where they do not overlap, else the grid
     their boundaries cut."""

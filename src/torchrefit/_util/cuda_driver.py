@@ -1,6 +1,6 @@
 """CUDA driver calls torch does not expose, through ctypes (no compiled extension).
 
-Used by ``transport.ipc`` (stream-written mailbox words), ``execute.copy_kernel`` (loading
+Used by ``transport.ipc`` (stream-written mailbox words), ``execute.kernels.copy_runs`` (loading
 and launching the batched copy kernel) and ``execute.runs`` (allocation ranges).
 """
 

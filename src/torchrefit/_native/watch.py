@@ -9,9 +9,9 @@ refit's time next to its copies. Here the same two answers come from one call ea
 loop over handles taken when compiling.
 
 It is optional: ``torchrefit native build`` (or :func:`build`; a Refitter watching many
-tensors starts one in the background, ``_native_background``) compiles it once per
+tensors starts one in the background, ``_native.build``) compiles it once per
 environment, with the C++ compiler and torch's headers, into the cache directory
-(``_cache_dir``'s root, ``.../torchrefit/native``), filed under a hash of the
+(``_util.cache_dir``'s root, ``.../torchrefit/native``), filed under a hash of the
 source, torch's and Python's versions; :func:`module` imports it when it is there and
 returns None otherwise or with ``settings.native_watch`` off. Without it the Python
 checks run, with the same answers.
@@ -49,8 +49,8 @@ from types import ModuleType
 
 import torch
 
-from . import settings
-from ._cache_dir import cache_dir
+from .. import settings
+from .._util.cache_dir import cache_dir
 
 __all__ = ["COLLAPSE_MIN", "SOURCE", "build", "built_path", "module",
            "views_check", "holders_check"]

@@ -15,8 +15,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import TransportError
-from .plan.metadata import Gathered, RosterRef, assemble, owners, read_record, record, ref_of, split
+from ..errors import TransportError
+from ..plan.metadata import (
+    Gathered,
+    RosterRef,
+    assemble,
+    owners,
+    read_record,
+    record,
+    ref_of,
+    split,
+)
 
 __all__ = ["all_gather_pickled", "all_gather_rosters", "collective_device", "collective"]
 

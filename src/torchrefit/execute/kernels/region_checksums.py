@@ -19,9 +19,14 @@ from functools import lru_cache
 
 import torch
 
-from .segments import FIELDS, VECTOR
+__all__ = ["available", "launch", "TILES", "FIELDS", "VECTOR"]
 
-__all__ = ["available", "launch", "TILES"]
+#: int64 fields per segment: address, row stride, rows, row-weight index,
+#: column-weight index, first word, end word, output slot
+FIELDS = 8
+#: words of a 16-byte vector access: a segment whose address, row stride and word range
+#: are multiples of it (in bytes: 16) is "aligned" and read with vector loads
+VECTOR = {2: 8, 1: 16}
 
 #: (rows, words) of one program's tile: wide rows, and narrow ones (last dim below 128 words)
 TILES = {"wide": (1, 2048), "narrow": (64, 64)}

@@ -1,4 +1,4 @@
-"""Building ``watch="every"``'s native checks (``_native_watch``) in the background.
+"""Building ``watch="every"``'s native checks (``_native.watch``) in the background.
 
 The Python checks cost a few hundred nanoseconds per tensor and check: a MoE trainer's
 thousands of tensors then spend milliseconds of host time per refit before the first
@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import _native_watch as native
-from ._cache_dir import cache_dir
+from .._util.cache_dir import cache_dir
+from . import watch as native
 
 __all__ = ["BUILD_MIN_TENSORS", "BackgroundBuild", "start_background_build", "failure_marker"]
 
@@ -67,7 +67,7 @@ class BackgroundBuild:
     _gave_up: bool = field(default=False)
 
     def ready(self) -> bool:
-        """True once the build is importable (``_native_watch.module()`` returns it);
+        """True once the build is importable (``_native.watch.module()`` returns it);
         False while it runs, and for good once it failed. Cheap enough for every refit."""
         if self._gave_up:
             return False

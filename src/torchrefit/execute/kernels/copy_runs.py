@@ -18,7 +18,7 @@ rows (one per copy) stay cached (finding the run by a binary search over the run
 block instead was slower still: twelve dependent loads).
 
 Compiled with NVRTC (the CUDA runtime compiler torch's CUDA wheels ship, loaded through
-ctypes) for the device's own architecture, once per machine (``execute.kernel_cache``
+ctypes) for the device's own architecture, once per machine (``execute.kernels.image_cache``
 keeps the image on disk for later processes), and loaded and launched through the driver
 (``cuModuleLoadData``, ``cuLaunchKernel``): no compiled extension, no Triton, and a
 launch on a capturing stream is captured into the program's CUDA graph like any other.
@@ -39,9 +39,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import settings
-from .._cuda_driver import driver_function
-from . import kernel_cache
+from ... import settings
+from ..._util.cuda_driver import driver_function
+from . import image_cache
 
 __all__ = ["ByteRuns", "VECTOR", "THREADS", "UNROLL", "TILE_BYTES", "MAX_TILES", "TileTable", "CopyKernel", "copy_kernel",
            "plan_runs", "plan_owners", "plan_tiles", "SOURCE"]
@@ -231,7 +231,7 @@ class CopyKernel:
     threads: int
     unroll: int
     compile_s: float  # compiling (or reading the cached image) and loading it
-    cached: bool = False  # the image came from ``execute.kernel_cache``
+    cached: bool = False  # the image came from ``execute.kernels.image_cache``
 
     @property
     def tile_bytes(self) -> int:
@@ -285,7 +285,7 @@ def _compiled(index: int, threads: int, unroll: int) -> CopyKernel | None:
     arch, defines = f"sm_{major}{minor}", (f"-DTHREADS={threads}", f"-DUNROLL={unroll}")
     key = "\n".join([SOURCE, arch, *defines, torch.version.cuda or ""])
     try:
-        image, hit = kernel_cache.cached("copy_tiles", key, lambda: _nvrtc_cubin(SOURCE, arch, defines))
+        image, hit = image_cache.cached("copy_tiles", key, lambda: _nvrtc_cubin(SOURCE, arch, defines))
         with torch.cuda.device(index):
             torch.cuda.current_stream(index)  # the device's primary context is current
             try:
@@ -293,7 +293,7 @@ def _compiled(index: int, threads: int, unroll: int) -> CopyKernel | None:
             except RuntimeError:
                 if not hit:
                     raise
-                kernel_cache.forget("copy_tiles", key)  # a cached image the driver refuses: compile
+                image_cache.forget("copy_tiles", key)  # a cached image the driver refuses: compile
                 image, hit = _nvrtc_cubin(SOURCE, arch, defines), False
                 module = _load(image)
             copy, expand = (_function(module, name) for name in (b"copy_tiles", b"expand_tiles"))

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import settings
+from ... import settings
 
 __all__ = ["MID_COPY_BYTES", "KERNEL_MIN_COPIES", "ALL", "sm_copy_below", "mostly_mid_sized",
            "word_views", "widened", "run"]

@@ -19,11 +19,11 @@ from ..plan.roster import encode_roster
 from .meshes import Coords, Mesh
 from .shapes import GlobalTensor, ModelShape, TensorIndex, global_tensors, held_tensors
 
-__all__ = ["SimulatedRole", "simulated_role", "layout_of"]
+__all__ = ["SimulatedRosters", "simulated_rosters", "layout_of"]
 
 
 @dataclass
-class SimulatedRole:
+class SimulatedRosters:
     """One role (source or destination) of a simulated world.
 
     ``class_of[rank]`` indexes ``classes`` (None: the rank holds no such model);
@@ -63,7 +63,7 @@ class SimulatedRole:
         return [None if c is None else self.roster(c) for c in self.class_of]
 
 
-def simulated_role(shape: ModelShape, mesh: Mesh, world: int) -> SimulatedRole:
+def simulated_rosters(shape: ModelShape, mesh: Mesh, world: int) -> SimulatedRosters:
     """Group the mesh's ranks by what they hold (cheap: no layouts built yet)."""
     if mesh.end > world:
         raise ValueError(f"{mesh.describe()} does not fit a world of {world} ranks")
@@ -83,7 +83,7 @@ def simulated_role(shape: ModelShape, mesh: Mesh, world: int) -> SimulatedRole:
             cid = index[c] = len(classes)
             classes.append(c)
         class_of.append(cid)
-    return SimulatedRole(shape, mesh, world, classes, class_of)
+    return SimulatedRosters(shape, mesh, world, classes, class_of)
 
 
 def _check_fits(shape: ModelShape, mesh: Mesh) -> None:

@@ -76,7 +76,9 @@ def variant() -> str:
 
 @lru_cache(maxsize=1)
 def _kernel():
-    from ._fp8_triton import quantize_blocks_kernel  # Triton is optional: imported on first use
+    from ._fp8_blocks_triton import (
+        quantize_blocks_kernel,  # Triton is optional: imported on first use
+    )
     return quantize_blocks_kernel
 
 

@@ -23,7 +23,7 @@ them, nothing is popped.
 
 **Inference mode.** A tensor made inside ``torch.inference_mode()`` is an inference
 tensor: it can be written in place only inside inference mode. A Refitter built or
-first refitted inside it (an engine's worker methods run there) kept such staging
+first refitted inside it (an engine's worker methods run there) kept such buffers
 buffers, and its next refit outside raised ("Inplace update to inference tensor
 outside InferenceMode"). So what builds tensors torchrefit keeps (construction,
 compiling, attaching a peer's table, ``verify``) runs outside inference mode

@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from .._cache_dir import cache_dir
+from ..._util.cache_dir import cache_dir
 
 __all__ = ["cache_dir", "cached", "forget"]
 

@@ -10,7 +10,7 @@ The order of one refit is written once, in ``execute.one_sided_program``; a tran
 supplies the primitives it calls, and this base class the small control messages
 (over the group's Gloo backend; for a one-host transport with ``mailbox``, after a
 pair's first exchange only when they carry a new table or token, otherwise as words
-in host shared memory, ``transport.mailbox``):
+in host shared memory, ``transport.one_sided.mailbox``):
 
 1. target: ``ready()`` -> token, once everything queued on its current stream is
    ordered before the peer's access (the sender's producer for pull; for push, the
@@ -43,16 +43,16 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from .. import settings
-from .._caller_state import outside_inference
-from .._collectives import all_gather_pickled
-from ..errors import TransportError
-from ..layout._types import Box
-from .base import Transport, Waits, require_backend
-from .delegates import delegates_of
-from .delegates import enabled as delegates_enabled
+from ... import settings
+from ..._util.caller_state import outside_inference
+from ...errors import TransportError
+from ...layout._types import Box
+from ..base import Transport, Waits, require_backend
+from ..collectives import all_gather_pickled
+from ..delegates import delegates_of
+from ..delegates import enabled as delegates_enabled
+from ..turns import Turn, chain_of, device_key
 from .mailbox import Mailbox, done_word, header_word
-from .turns import Turn, chain_of, device_key
 
 __all__ = ["OneSidedTransport", "Table", "WORD"]
 
@@ -84,7 +84,7 @@ class OneSidedTransport(Transport):
     #: True: receivers read senders' memory (ipc); False: senders write receivers' memory
     pull: ClassVar[bool]
     #: one host: headers and done tokens with nothing new go through host shared memory
-    #: (``transport.mailbox``) instead of Gloo, unless ``settings.mailbox`` is off
+    #: (``transport.one_sided.mailbox``) instead of Gloo, unless ``settings.mailbox`` is off
     mailbox: ClassVar[bool] = False
     #: ranks copying on one shared GPU take turns (``transport.turns``); needs ``mailbox``
     turns: ClassVar[bool] = False

@@ -1,6 +1,6 @@
 """Where torchrefit keeps what it compiled, for later processes on the machine: compiled
-kernel images (``execute.kernel_cache``) in this directory, the optional native watch
-check (``_native_watch``) next to it.
+kernel images (``execute.kernels.image_cache``) in this directory, the optional native watch
+check (``_native.watch``) next to it.
 
 ``settings.kernel_cache`` (environment: ``TORCHREFIT_KERNEL_CACHE``; a directory, ``0``
 turns the cache off), else
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from . import settings
+from .. import settings
 
 __all__ = ["cache_dir"]
 

@@ -49,7 +49,7 @@ class StageReport:
     """What one ``stage()`` did on this rank: the bytes it moved into staging (``bytes_*``
     as in :class:`~torchrefit.RefitReport`), ``staging`` (``"device"`` or ``"host"``) and
     ``staging_bytes``, the twins' bytes on this rank (allocated once, by the first stage).
-    ``message_staging_bytes`` is the packed-message pools' (shared with ``refit()``)."""
+    ``pool_bytes`` is the message pools' (shared with ``refit()``)."""
 
     version: int
     seconds: float
@@ -62,7 +62,7 @@ class StageReport:
     messages_received: int
     staging: str
     staging_bytes: int
-    message_staging_bytes: int
+    pool_bytes: int
     compiled: bool  # this stage compiled its program (the first stage, or after a rebind)
 
 

@@ -1,5 +1,5 @@
-"""The Triton kernel behind ``transforms.fp8_kernel`` (imported only when it first
-runs: Triton is optional). ``fp8_kernel``'s docstring says what it computes and why
+"""The Triton kernel behind ``execute.kernels.fp8_blocks`` (imported only when it first
+runs: Triton is optional). ``execute.kernels.fp8_blocks``'s docstring says what it computes and why
 the arithmetic is bit-identical to ``transforms.fp8.quantize_blocks``."""
 
 import triton
