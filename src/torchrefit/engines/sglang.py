@@ -12,7 +12,7 @@ which calls a scheduler method on every TP rank. This module is both sides:
   refit with the same name map, ``skip``, ``cast`` and staging, and plans once: each
   tensor of its live model is written in place (:func:`decide_routes`); SGLang's
   Qwen2 / Llama hold ``qkv_proj`` and ``gate_up_proj`` fused per TP shard as vLLM does,
-  so the layout is :func:`~torchrefit.layout.vllm.vllm_tp_specs` and the name map
+  so the layout is :func:`~torchrefit.layout.vllm_tp.vllm_tp_specs` and the name map
   :func:`~torchrefit.maps.hf_to_vllm` (composed after the trainer's own). A tensor
   that cannot be written in place (a quantized linear's, or one SGLang CPU repacked
   for AMX) fails the init, named, on every rank;
@@ -46,9 +46,9 @@ from torch import nn
 from ..errors import PlanError, RefitError
 from ..layout import describe
 from ..layout._described import named_refit_tensors
-from ..layout.vllm import vllm_tp_specs
+from ..layout.vllm_tp import vllm_tp_specs
 from ..maps.base import NameMap
-from ..maps.vllm import hf_to_vllm, is_engine_state
+from ..maps.hf_vllm import hf_to_vllm, is_engine_state
 from ..refitter import Refitter
 from ._link import Terms, agree, agree_status, failure, join
 from ._source_maps import compose, describe_source, source_map_from, vllm_part
