@@ -124,7 +124,8 @@ def main() -> None:
     if args.tp > 1:
         os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND",
                               "|".join(str(r % (os.cpu_count() or 1)) for r in range(args.tp)))
-    engine = start_engine(cfg, tp=args.tp)
+    engine = start_engine(cfg, tp=args.tp,  # the 0.5B shape's weights need more
+                          mem_fraction_static=0.2 if args.model == "dense" else 0.3)
     port = _free_port(8)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     model = hf_model(cfg, seed=0)

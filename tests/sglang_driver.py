@@ -50,14 +50,19 @@ SCENARIOS = {
 }
 
 
-def start_engine(cfg: dict, tp: int = 1):
-    """An in-process ``sglang.Engine`` of ``cfg`` on CPU (float32, dummy weights)."""
+def start_engine(cfg: dict, tp: int = 1, mem_fraction_static: float = 0.2):
+    """An in-process ``sglang.Engine`` of ``cfg`` on CPU (float32, dummy weights);
+    ``mem_fraction_static``: of the machine's memory, for weights and KV cache. SGLang
+    CPU counts as the weights' whatever the machine's free memory lost while it loaded
+    them (other jobs' allocations too), so the share is ample; ``max_total_tokens``
+    keeps the KV cache small."""
     import sglang
 
     return sglang.Engine(model_path=model_dir(cfg), load_format="dummy", device="cpu",
                          skip_tokenizer_init=True, disable_cuda_graph=True,
                          disable_overlap_schedule=True, dtype="float32", tp_size=tp,
-                         mem_fraction_static=0.05, max_total_tokens=4096, log_level=os.environ.get("TORCHREFIT_SGLANG_LOG", "error"),
+                         mem_fraction_static=mem_fraction_static, max_total_tokens=4096,
+                         log_level=os.environ.get("TORCHREFIT_SGLANG_LOG", "error"),
                          random_seed=0)
 
 

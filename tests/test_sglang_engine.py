@@ -18,7 +18,8 @@ killed mid-stage.
 
 The engine's environment (the test setup, not the product): SGLang imports
 ``sgl_kernel``, whose builds are CUDA-only, at start-up, so ``tests/sglang_cpu_stub``
-(an import-only stand-in whose every function raises) goes on its ``PYTHONPATH``;
+(an import-only stand-in whose every function raises) goes on its ``PYTHONPATH`` where
+no real ``sgl_kernel`` is installed;
 ``SGLANG_USE_CPU_ENGINE=1`` selects SGLang's CPU path.
 """
 
@@ -59,7 +60,8 @@ def run(scenario: str, tmp_path_factory) -> dict:
     if scenario in _RESULTS:
         return _RESULTS[scenario]
     out = tmp_path_factory.mktemp("sglang") / f"{scenario}.json"
-    paths = [str(HERE.parent / "src"), str(STUB), os.environ.get("PYTHONPATH", "")]
+    stub = [] if importlib.util.find_spec("sgl_kernel") else [str(STUB)]  # never shadow a real one
+    paths = [str(HERE.parent / "src"), *stub, os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=os.pathsep.join(paths))
     proc = subprocess.run([sys.executable, str(DRIVER), scenario, str(out)], env=env,
                           capture_output=True, text=True, timeout=900)
