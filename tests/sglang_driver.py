@@ -157,6 +157,7 @@ def trainer(rank: int, world: int, scenario: str, port: int, dist_port: int, eng
     if scenario == "qwen2":
         _engine_error(out, init, model, engine, rank, expect_error)
         _staged(out, init(serve_while_staging=True), model, engine, rank)
+        _through_load_weights(out, init, model, engine, rank, world)
     if "titan" in sc:
         _torchtitan_trainer(out, sc, cfg, engine, rank, world, init)
     if sc.get("megatron") and importlib.util.find_spec("megatron") is not None:
@@ -224,6 +225,30 @@ def _staged(out, sender, model, engine, rank) -> None:
         seen["committed"] = judge(engine, staged)
         out["cases"][f"staged_{k}"] = seen
         serving = staged
+    sender.shutdown()
+
+
+#: SGLang tensors the ``load_weights`` case sends through the model's ``load_weights``
+LOAD_WEIGHTS = ("*.mlp.down_proj.weight", "lm_head.weight", "model.embed_tokens.weight")
+
+
+def _through_load_weights(out, init, model, engine, rank, world) -> None:
+    """Two versions with :data:`LOAD_WEIGHTS` forced through SGLang's ``load_weights``
+    (the rest written in place), each after a step, so the forced tensors change too;
+    and a pattern that names nothing, refused at init."""
+    def expect_error():
+        try:
+            init(load_weights=("*no_such_tensor*",)).shutdown()
+            return {"raised": None}
+        except Exception as e:
+            return {"raised": type(e).__name__, "message": str(e)}
+
+    out["cases"]["lw-unmatched_pattern"] = expect_error()
+    sender = init(load_weights=LOAD_WEIGHTS)
+    if rank == 0:
+        out["lw_routes"] = {k: [r.way, r.why] for k, r in sender.routes.items()}
+    step(model, 11)
+    _versions(out, "lw-", sender, model, engine, rank, world, lambda m: _full(m))
     sender.shutdown()
 
 

@@ -11,7 +11,8 @@ what was sent. SGLang's dummy weights and a skipped update fail it.
 
 Covered: Qwen2 at engine TP1 from one whole Hugging Face trainer (init errors: a name
 map, a shape and a dtype that differ; an exception inside the engine's update; updates
-staged while the engine serves); Llama at engine TP2 (each TP worker receives its own
+staged while the engine serves; the MLP's ``down_proj``, ``lm_head`` and the embeddings
+forced through the model's ``load_weights``); Llama at engine TP2 (each TP worker receives its own
 shard of the fused ``qkv_proj`` / ``gate_up_proj``) from two trainer ranks: Hugging Face
 under FSDP2, megatron-core tensor parallel, torchtitan under FSDP2, then a trainer rank
 killed mid-stage.
@@ -130,6 +131,28 @@ def _whole_bytes() -> int:
     per layer and the final one, hidden size 128, float32)."""
     layers, hidden = 2, 128
     return (2 * layers + 1) * hidden * 4
+
+
+def test_forced_tensors_go_through_load_weights(tmp_path_factory):
+    """Tensors routed through SGLang's ``load_weights`` (forced here: on this CPU every
+    tensor could be written in place) are received whole, Hugging Face-named, and loaded
+    by the model inside the same session: two versions equal the oracle."""
+    r = run("qwen2", tmp_path_factory)
+    routes, cases = r["lw_routes"], r["cases"]
+    loaded = sorted(n for n, (way, _) in routes.items() if way == "load_weights")
+    assert loaded == ["lm_head.weight", "model.embed_tokens.weight",
+                      "model.layers.0.mlp.down_proj.weight",
+                      "model.layers.1.mlp.down_proj.weight"], routes
+    assert all("load_weights pattern" in routes[n][1] for n in loaded), routes
+    assert routes["model.layers.0.mlp.gate_up_proj.weight"][0] == "direct", routes
+    for k in (1, 2):
+        case = cases[f"lw-version_{k}"]
+        assert_matches_oracle(case)
+        assert case["weight_version"] == f"lw-v{k}", case
+    assert_fails_oracle(cases["lw-skipped_update"])
+    unmatched = cases["lw-unmatched_pattern"]
+    assert unmatched["raised"] == "RefitError", unmatched  # the engine's planning, told
+    assert "*no_such_tensor*" in unmatched["message"], unmatched
 
 
 def test_init_errors_name_the_difference(tmp_path_factory):

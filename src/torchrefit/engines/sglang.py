@@ -15,7 +15,11 @@ which calls a scheduler method on every TP rank. This module is both sides:
   so the layout is :func:`~torchrefit.layout.vllm_tp.vllm_tp_specs` and the name map
   :func:`~torchrefit.maps.hf_to_vllm` (composed after the trainer's own). A tensor
   that cannot be written in place (a quantized linear's, or one SGLang CPU repacked
-  for AMX) fails the init, named, on every rank;
+  for AMX), or one the trainer names in ``SGLangInitInfo.load_weights``, goes through
+  the model's own ``load_weights`` instead: the worker receives the whole Hugging Face
+  tensors it is made from (a :func:`~torchrefit.layout.sink.load_weights_sink`; every
+  trainer rank still sends only its shards) and hands them to ``load_weights`` inside
+  the same weight-update session;
 * trainer side: :func:`init_sender` on every trainer rank (rank 0 holds the client:
   the ``sglang.Engine``) returns a :class:`SGLangSender`; ``send_weights`` wraps each
   update as SGLang requires (``begin_weight_update``, the transfer and the scheduler's
@@ -37,6 +41,7 @@ import logging
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -46,19 +51,29 @@ from torch import nn
 from ..errors import PlanError, RefitError
 from ..layout import describe
 from ..layout._described import named_refit_tensors
+from ..layout.sink import load_weights_sink
 from ..layout.vllm_tp import vllm_tp_specs
 from ..maps.base import NameMap
 from ..maps.hf_vllm import hf_to_vllm, is_engine_state
 from ..refitter import Refitter
 from ._link import Terms, agree, agree_status, failure, join
-from ._source_maps import compose, describe_source, source_map_from, vllm_part
+from ._source_maps import (
+    compose,
+    describe_source,
+    route_maps,
+    sink_tensors,
+    source_map_from,
+    vllm_part,
+)
 
-__all__ = ["DIRECT", "Route", "decide_routes", "register", "EngineClient",
+__all__ = ["DIRECT", "LOAD_WEIGHTS", "Route", "decide_routes", "register", "EngineClient",
            "SGLangInitInfo", "SGLangSender", "init_sender"]
 
 _log = logging.getLogger(__name__)
 
-DIRECT = "direct"
+#: how an update reaches a tensor: written in place, or through the model's ``load_weights``
+DIRECT, LOAD_WEIGHTS = "direct", "load_weights"
+_DEFAULT_BUCKET_BYTES = 1 << 30
 _DEFAULT_TIMEOUT = 300.0
 _SCHEDULER = "sglang.srt.managers.scheduler"
 _METHODS = ("torchrefit_init", "torchrefit_update", "torchrefit_stage", "torchrefit_commit",
@@ -134,7 +149,10 @@ class SGLangInitInfo:
     (CPU, or CUDA staged through the host) or ``"nccl"``. ``timeout``: seconds any rank
     waits for a peer. ``serve_while_staging``: updates are staged while the engine
     serves and installed by :meth:`SGLangSender.commit_weights` (each worker holds a
-    staging twin of its shards).
+    staging twin of its shards). ``load_weights``: ``fnmatch`` patterns of SGLang tensor
+    names (``"*lm_head*"``) sent through the model's ``load_weights`` even where they could
+    be written in place (tensors that cannot be go there anyway); every pattern must match
+    a tensor. ``bucket_bytes``: the engine's buffer for tensors bound for ``load_weights``.
     """
 
     master_address: str
@@ -146,6 +164,8 @@ class SGLangInitInfo:
     group_backend: str = "gloo"
     timeout: float = _DEFAULT_TIMEOUT
     serve_while_staging: bool = False
+    load_weights: tuple[str, ...] = ()
+    bucket_bytes: int = _DEFAULT_BUCKET_BYTES
 
 
 @dataclass(frozen=True)
@@ -162,6 +182,8 @@ class SGLangWorkerInfo:
     group_backend: str = "gloo"
     timeout: float = _DEFAULT_TIMEOUT
     staged: bool = False
+    load_weights: list[str] = field(default_factory=list)
+    bucket_bytes: int = _DEFAULT_BUCKET_BYTES
 
 
 # ------------------------------------------------------------------------ routes
@@ -173,9 +195,11 @@ class Route:
     why: str
 
 
-def decide_routes(model: nn.Module) -> dict[str, Route]:
+def decide_routes(model: nn.Module, load_weights: tuple[str, ...] = ()) -> dict[str, Route]:
     """Per tensor of a live SGLang model (its names; engine state left out): in place
-    where the parameter is what the kernels read; otherwise the reason it is not."""
+    where the parameter is what the kernels read; through ``load_weights`` where SGLang
+    keeps a repacked or post-processed copy, or where a ``load_weights`` pattern names
+    it; ``"emptied"`` (refused) where SGLang emptied it."""
     modules = dict(model.named_modules())
     routes = {}
     for name, t in named_refit_tensors(model):
@@ -183,28 +207,42 @@ def decide_routes(model: nn.Module) -> dict[str, Route]:
             continue
         parent, _, _ = name.rpartition(".")
         routes[name] = _route(modules.get(parent, model), t)
+        forced = next((p for p in load_weights if fnmatchcase(name, p)), None)
+        if forced is not None and routes[name].way == DIRECT:
+            routes[name] = Route(LOAD_WEIGHTS, f"asked for (load_weights pattern {forced!r})")
     return routes
 
 
 def _route(module: nn.Module, t: torch.Tensor) -> Route:
-    if getattr(module, "use_intel_amx_backend", False):
-        return Route("amx_packed", "SGLang CPU's AMX kernel reads a repacked copy of it")
-    method = getattr(module, "quant_method", None)
-    if method is not None and not type(method).__name__.startswith("Unquantized"):
-        return Route("quantized", f"{type(method).__name__} post-processes it")
     if t.numel() == 0:
         return Route("emptied", "SGLang emptied it: a kernel reads another copy")
+    if getattr(module, "use_intel_amx_backend", False):
+        return Route(LOAD_WEIGHTS, "SGLang CPU's AMX kernel reads a repacked copy of it")
+    method = getattr(module, "quant_method", None)
+    if method is not None and not type(method).__name__.startswith("Unquantized"):
+        return Route(LOAD_WEIGHTS, f"{type(method).__name__} post-processes it")
     return Route(DIRECT, "the live weight")
 
 
-def _not_in_place(routes: dict[str, Route]) -> PlanError | None:
-    bad = [(n, r) for n, r in routes.items() if r.way != DIRECT]
-    if not bad:
-        return None
-    shown = "; ".join(f"{n}: {r.why}" for n, r in bad[:3])
-    return PlanError(f"{len(bad)} tensor(s) of the SGLang model cannot be written in place "
-                     f"({shown}): torchrefit's SGLang backend refits unquantized weights held "
-                     "as plain parameters", tensor=bad[0][0], rule="in place")
+def _unroutable(routes: dict[str, Route], patterns: list[str], staged: bool) -> PlanError | None:
+    """Why this plan cannot run: a tensor neither way takes, a pattern that names no
+    tensor, or ``load_weights`` tensors in a staged link."""
+    bad = [(n, r) for n, r in routes.items() if r.way not in (DIRECT, LOAD_WEIGHTS)]
+    if bad:
+        shown = "; ".join(f"{n}: {r.why}" for n, r in bad[:3])
+        return PlanError(f"{len(bad)} tensor(s) of the SGLang model can be neither written in "
+                         f"place nor loaded ({shown})", tensor=bad[0][0], rule="in place")
+    unused = [p for p in patterns if not any(fnmatchcase(n, p) for n in routes)]
+    if unused:
+        return PlanError(f"SGLangInitInfo.load_weights pattern(s) {unused} match no tensor of "
+                         f"the SGLang model (its names: {sorted(routes)[:3]}...)",
+                         rule="load_weights")
+    loaded = [n for n, r in routes.items() if r.way == LOAD_WEIGHTS]
+    if loaded and staged:
+        return PlanError(f"{len(loaded)} tensor(s) go through load_weights ({loaded[0]}: "
+                         f"{routes[loaded[0]].why}): serve_while_staging stages in-place "
+                         "tensors only", tensor=loaded[0], rule="serve_while_staging")
+    return None
 
 
 # ------------------------------------------------------------------- engine side
@@ -218,7 +256,9 @@ class _Receiver:
         runner = scheduler.tp_worker.model_runner
         self.model = runner.model
         self.staged = info.staged
-        self.refitter: Refitter | None = None
+        self.refitter: Refitter | None = None  # the tensors written in place
+        self.loader: Refitter | None = None  # the tensors bound for load_weights
+        self._load_error: tuple[str, str] | None = None
         self._stager: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
         self.conn, self._store = join(
@@ -238,26 +278,65 @@ class _Receiver:
             key = repr(name_map.cache_key())
         except PlanError as e:  # told to every rank by the agreement below
             name_map, key = None, f"unusable: {e}"
-        routes = decide_routes(self.model)
-        agree(self.conn, Terms(key, tuple(info.skip), info.cast, info.staged),
-              {k: (r.way, r.why) for k, r in routes.items()})
-        error, specs = None, None
+        routes = decide_routes(self.model, tuple(info.load_weights))
+        seen = agree(self.conn, Terms(key, tuple(info.skip), info.cast, info.staged),
+                     {k: (r.way, r.why) for k, r in routes.items()})
+        source = {}  # every trainer rank's global tensors: what load_weights is fed from
+        for role, _, _, extra in seen:
+            if role == "trainer":
+                source.update(extra)
+        ways = {way for role, _, _, extra in seen if role == "engine"
+                for way, _ in extra.values()}
+        error, live, specs, wanted = None, {}, None, []
         try:
-            problem = _not_in_place(routes)
+            problem = _unroutable(routes, info.load_weights, info.staged)
             if problem is not None:
                 raise problem
             heads = vllm_part(name_map)
-            live = {n: t for n, t in named_refit_tensors(self.model) if n in routes}
-            specs = vllm_tp_specs(live, tp_rank, tp_size, num_heads=heads.num_heads,
+            every = {n: t for n, t in named_refit_tensors(self.model) if n in routes}
+            specs = vllm_tp_specs(every, tp_rank, tp_size, num_heads=heads.num_heads,
                                   num_kv_heads=heads.num_kv_heads)
+            live = {n: t for n, t in every.items() if routes[n].way == DIRECT}
+            wanted = sink_tensors(name_map, {
+                n: specs[n].global_shape if n in specs else tuple(every[n].shape)
+                for n in every if routes[n].way == LOAD_WEIGHTS}, source)
+            specs = {n: specs[n] for n in live if n in specs}
         except Exception as e:
             error = failure(e, f"engine rank {self.conn.rank} planning")
         agree_status(self.conn, error, "planning the SGLang refit", applied=False)
-        self.refitter = Refitter(None, live, dst_layout=specs, name_map=name_map,
-                                 group=self.conn, skip=tuple(info.skip), cast=info.cast,
-                                 timeout=info.timeout)
-        _log.info("torchrefit: SGLang TP rank %d: %d tensors written in place", tp_rank,
-                  len(live))
+        self._build(info, name_map, ways, live, specs, wanted)
+        _log.info("torchrefit: SGLang TP rank %d: %d tensors written in place, %d Hugging "
+                  "Face tensors through load_weights", tp_rank, len(live), len(wanted))
+        for name, route in routes.items():
+            if route.way != DIRECT:
+                _log.info("torchrefit: %s through load_weights: %s", name, route.why)
+
+    def _build(self, info: SGLangWorkerInfo, name_map, ways, live, specs, wanted) -> None:
+        """One Refitter per route any engine rank takes, in the trainer's order."""
+        kw = dict(group=self.conn, skip=tuple(info.skip), cast=info.cast, timeout=info.timeout)
+        maps = route_maps(name_map)
+        if DIRECT in ways:
+            self.refitter = Refitter(None, live or None, dst_layout=specs if live else None,
+                                     name_map=maps[DIRECT], **kw)
+        if LOAD_WEIGHTS in ways:
+            device = next(iter(live.values())).device if live else None
+            sink = load_weights_sink(
+                self._load_bucket, [(n, shape, getattr(torch, dt)) for n, shape, dt in wanted],
+                bucket_bytes=info.bucket_bytes, device=device) if wanted else None
+            self.loader = Refitter(None, self.model if wanted else None, dst_layout=sink,
+                                   name_map=maps[LOAD_WEIGHTS], **kw)
+
+    def _load_bucket(self, pairs) -> None:
+        """The sink's ``load_weights``: one bucket into SGLang's weight loaders (which copy
+        into the live parameters). An exception is kept and told to every rank when the
+        update ends, not raised mid-exchange (the trainer's ranks would wait for this one)."""
+        if self._load_error is not None:
+            return
+        try:
+            self.model.load_weights(pairs)
+        except Exception as e:
+            self._load_error = failure(e, f"engine rank {self.conn.rank}: SGLang's load_weights "
+                                          f"({', '.join(n for n, _ in pairs[:3])}...)")
 
     def update(self, scheduler, update: int) -> None:
         """Receive one update into the live shards, inside SGLang's open weight-update
@@ -269,11 +348,14 @@ class _Receiver:
             error = failure(e, f"engine rank {self.conn.rank} opening the update")
         agree_status(self.conn, error, f"SGLang weight update {update} (opening)",
                      applied=False)
+        self._load_error = None
         try:
-            self.refitter.refit()
+            for refitter in (self.refitter, self.loader):
+                if refitter is not None:
+                    refitter.refit()
         except Exception as e:
             error = failure(e, f"engine rank {self.conn.rank} receiving")
-        agree_status(self.conn, error, f"SGLang weight update {update}")
+        agree_status(self.conn, error or self._load_error, f"SGLang weight update {update}")
         _flush(scheduler)
 
     def stage(self, update: int) -> None:
@@ -401,7 +483,8 @@ def init_sender(info: SGLangInitInfo, model: nn.Module, engine=None) -> SGLangSe
     if client is not None:
         worker = SGLangWorkerInfo(info.master_address, info.master_port, world,
                                   describe_source(name_map), list(info.skip), info.cast,
-                                  info.group_backend, info.timeout, info.serve_while_staging)
+                                  info.group_backend, info.timeout, info.serve_while_staging,
+                                  list(info.load_weights), info.bucket_bytes)
         pending = sender._rpc.submit(client.rpc, "torchrefit_init",
                                      info=json.dumps(asdict(worker)))
     try:
@@ -427,7 +510,8 @@ class SGLangSender:
         self.routes: dict[str, Route] = {}
         self.reports: list = []
         self._conn = self._store = None
-        self._refitter: Refitter | None = None
+        self._refitter: Refitter | None = None  # the in-place route's (staging: the only one)
+        self._refitters: list[Refitter] = []  # one per route the engine takes
         self._updates = 0
         self._stage_failed: BaseException | None = None
         self._rpc = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrefit-sglang")
@@ -443,9 +527,13 @@ class SGLangSender:
                       for _, t in describe(model).layout})
         engines = [extra for role, _, _, extra in seen if role == "engine"]
         self.routes = {k: Route(*v) for k, v in engines[0].items()}
+        ways = {way for extra in engines for way, _ in extra.values()}
         agree_status(self._conn, None, "planning the SGLang refit", applied=False)
-        self._refitter = Refitter(model, None, name_map=name_map, group=self._conn,
-                                  skip=tuple(info.skip), cast=info.cast, timeout=info.timeout)
+        kw = dict(group=self._conn, skip=tuple(info.skip), cast=info.cast, timeout=info.timeout)
+        maps = route_maps(name_map)
+        self._refitters = [Refitter(model, None, name_map=maps[way], **kw)
+                           for way in (DIRECT, LOAD_WEIGHTS) if way in ways]
+        self._refitter = self._refitters[0]
 
     def send_weights(self, weight_version: str | None = None) -> None:
         """One update, on every trainer rank: rank 0 opens SGLang's weight-update session
@@ -466,7 +554,7 @@ class SGLangSender:
             agree_status(self._conn, None, f"SGLang weight update {self._updates} (opening)",
                          applied=False)
             try:
-                self.reports = [self._refitter.refit()]
+                self.reports = [refitter.refit() for refitter in self._refitters]
             except Exception as e:
                 error = failure(e, f"trainer rank {self.rank} sending")
             agree_status(self._conn, error, f"SGLang weight update {self._updates}")
