@@ -169,23 +169,33 @@ def _current(part: _Part) -> torch.Tensor:
     return part.view if part.view.dtype == part.wire else part.view.to(part.wire)
 
 
-def _changed(cur: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Row-major positions of the elements whose bits differ (int64)."""
+def _diff(cur: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-major positions (int64) of the elements whose bits differ and their current
+    values; ``ref`` is brought up to date where it differs (a dense send overwrites it
+    whole anyway)."""
     it = _INT[cur.element_size()]
     a, b = cur.view(it), ref.view(it)
     if a.is_contiguous() and b.is_contiguous() and cur.element_size() < 8 and a.numel() * a.element_size() % 8 == 0 \
-            and a.storage_offset() * a.element_size() % 8 == 0:
-        # compare 8 bytes at a time, then the elements of the words that differ
+            and a.storage_offset() * a.element_size() % 8 == 0 and b.storage_offset() * b.element_size() % 8 == 0:
+        # compare 8 bytes at a time, then the elements of the words that differ; the
+        # values come from those words, and the reference takes them whole
         wa, wb = a.reshape(-1).view(torch.int64), b.reshape(-1).view(torch.int64)
         words = _differing(wa, wb)
         if not words.numel():
-            return words
+            return words, cur.reshape(-1)[:0]
         per = 8 // cur.element_size()
-        sub = wa.index_select(0, words).view(it).view(-1, per) != wb.index_select(0, words).view(it).view(-1, per)
+        now = wa.index_select(0, words)
+        sub = now.view(it).view(-1, per) != wb.index_select(0, words).view(it).view(-1, per)
         lanes = sub.nonzero()
-        return words.index_select(0, lanes[:, 0]) * per + lanes[:, 1]
-    return _differing(a.reshape(-1), b.reshape(-1)) if a.is_contiguous() and b.is_contiguous() \
-        else (a != b).reshape(-1).nonzero().squeeze(1)
+        wb.index_copy_(0, words, now)
+        return words.index_select(0, lanes[:, 0]) * per + lanes[:, 1], now.view(cur.dtype).view(-1, per)[sub]
+    if a.is_contiguous() and b.is_contiguous():
+        pos = _differing(a.reshape(-1), b.reshape(-1))
+    else:
+        pos = (a != b).reshape(-1).nonzero().squeeze(1)
+    vals = _flat_get(cur, pos)
+    _flat_put(ref, pos, vals)
+    return pos, vals
 
 
 #: on CPU, words compared per pass: the mask stays in cache for the scan that follows
@@ -265,16 +275,14 @@ def _encode(msg: _Message) -> tuple[int, list[int], torch.Tensor]:
         positions, values = [], []
         for part in msg.parts:
             cur, ref = _current(part), _ref_part(msg, part)
-            ref_here = ref if ref.device == cur.device else ref.to(cur.device)
-            pos = _changed(cur, ref_here)
+            here = ref if ref.device == cur.device else ref.to(cur.device)  # a host reference
+            pos, vals = _diff(cur, here)
+            if here is not ref and len(pos):
+                _flat_put(ref, pos.to(ref.device), vals.to(ref.device))
             positions.append(pos)
-            values.append(_flat_get(cur, pos))
+            values.append(vals)
         sparse = sum(sparse_nbytes(p.numel, len(pos), p.wire.itemsize) for p, pos in zip(msg.parts, positions))
         if sparse < msg.nbytes:
-            for part, pos, vals in zip(msg.parts, positions, values):
-                if len(pos):
-                    ref = _ref_part(msg, part)
-                    _flat_put(ref, pos.to(ref.device), vals.to(ref.device))
             device = msg.parts[0].view.device
             return SPARSE, [len(p) for p in positions], _sparse_payload(msg.parts, positions, values, device)
     return DENSE, [0] * len(msg.parts), _fill(msg)
