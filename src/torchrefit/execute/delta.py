@@ -217,6 +217,23 @@ def _diff(cur: torch.Tensor, ref: torch.Tensor, scratch: _Scratch, slot: int = 0
     return pos, vals
 
 
+def _found(mask: torch.Tensor, out) -> torch.Tensor:
+    """Ascending indices of ``mask``'s true elements. Where it is long, first the runs of
+    8 that hold any (the mask read as int64 words), then, where few runs hold any, the
+    elements of those runs: a scan of an eighth of the elements plus the runs, against a
+    scan of all of them (6x faster at 0.1% of words differing, slower past ~3%)."""
+    if mask.numel() % 8 or mask.numel() < 1 << 15:
+        return torch.nonzero(mask, out=out("words")).view(-1)
+    runs = mask.view(torch.uint8).view(torch.int64)
+    hit = torch.nonzero(runs, out=out("runs")).view(-1)
+    if hit.numel() > runs.numel() // 16:  # runs hit often: refining them costs more than the plain scan
+        return torch.nonzero(mask, out=out("words")).view(-1)
+    inside = torch.index_select(runs, 0, hit, out=out("inside")).view(torch.bool)
+    lanes = torch.nonzero(inside, out=out("lanes8")).view(-1)
+    idx = torch.index_select(hit, 0, torch.bitwise_right_shift(lanes, 3, out=out("words")), out=out("words2"))
+    return idx.bitwise_left_shift_(3).bitwise_or_(lanes.bitwise_and_(7))
+
+
 def _word_aligned(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.numel() * t.element_size() % 8 == 0 and t.storage_offset() * t.element_size() % 8 == 0
 
@@ -230,8 +247,7 @@ def _diff_words(wa: torch.Tensor, wb: torch.Tensor, dtype: torch.dtype, size: in
 
     def out(name: str, dtype=torch.int64) -> torch.Tensor:
         return scratch.out((name, slot), dtype, dev)
-    mask = torch.ne(wa, wb, out=scratch.mask(wa.numel(), dev))
-    words = torch.nonzero(mask, out=out("words")).view(-1)
+    words = _found(torch.ne(wa, wb, out=scratch.mask(wa.numel(), dev)), out)
     if not words.numel():
         return words, torch.empty(0, dtype=dtype, device=dev)
     now = torch.index_select(wa, 0, words, out=out("now"))
@@ -350,19 +366,22 @@ def _fill(msg: _Message) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- the receiver's side
-def _apply(msg: _Message, counts: list[int], payload: torch.Tensor) -> None:
+def _apply(msg: _Message, counts: list[int], payload: torch.Tensor, scratch: _Scratch | None = None) -> None:
     """Scatter a sparse payload into the message's destination views: one scatter per
-    changed part."""
-    at = 0
+    changed part, positions rebuilt in kept buffers."""
+    scratch = scratch or _Scratch()
+    dev, at = payload.device, 0
     for part, k in zip(msg.parts, counts):
         if not k:
             continue
         nblocks = -(-part.numel // BLOCK)
         c0 = _align(4 * nblocks)
-        per_block = payload[at: at + 4 * nblocks].view(torch.int32)
-        low = payload[at + c0: at + c0 + 2 * k].view(torch.int16).to(torch.int64) & 0xFFFF
-        blocks = torch.repeat_interleave(torch.arange(nblocks, device=payload.device), per_block, output_size=k)
-        pos = (blocks << 16) | low
+        ends = torch.cumsum(payload[at: at + 4 * nblocks].view(torch.int32), 0)
+        idx = torch.arange(k, device=dev, out=scratch.out(("idx",), torch.int64, dev))
+        pos = torch.searchsorted(ends, idx, right=True, out=scratch.out(("blocks",), torch.int64, dev))
+        low = scratch.out(("low",), torch.int64, dev).resize_(k)
+        low.copy_(payload[at + c0: at + c0 + 2 * k].view(torch.int16)).bitwise_and_(0xFFFF)
+        pos.bitwise_left_shift_(16).bitwise_or_(low)
         v0 = at + c0 + _align(2 * k)
         vals = payload[v0: v0 + k * part.wire.itemsize].view(part.wire)
         if part.view.dtype != part.wire:  # converted on receipt, as a full refit's unpack does
@@ -420,7 +439,7 @@ def run_delta(d: DeltaRounds, transport: RoundsTransport) -> DeltaStats:
                 dense += 1
             else:
                 if size:
-                    _apply(msg, counts, _on(got[p], d.device))
+                    _apply(msg, counts, _on(got[p], d.device), d.scratch)
                 sparse += 1
     d.last = DeltaStats(sent, received, sparse, dense)
     return d.last
