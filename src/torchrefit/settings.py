@@ -46,6 +46,12 @@ name                    default     environment override                      wh
                                                                               of them (one graph, no turns); False: they
                                                                               take turns, as FP8-quantizing ranks always
                                                                               do
+``delta_dense_above``   0.1         --                                        a delta message with more than this share of
+                                                                              its elements changed goes dense: sparse costs
+                                                                              more time per changed element (diff, encode,
+                                                                              scatter) than the bytes it saves on a fast
+                                                                              wire; lower it where the wire is as fast as
+                                                                              memory, raise it (to 1) where bytes dominate
 ======================  ==========  ========================================  ============================================
 """
 
