@@ -8,8 +8,9 @@ quantize, so scales and quantized bytes are diffed, never the source's values). 
 1. the sender diffs every message against its reference, bit for bit (integer views: NaN
    payloads, -0.0 and subnormals compare by their bits), and encodes it sparse (per part:
    changed counts per block of 65536 elements, the 16-bit position within the block, the
-   values) or dense (the whole message), whichever is fewer bytes; the reference is
-   brought up to date;
+   values) or dense (the whole message): sparse where it is fewer bytes and at most
+   ``settings.delta_dense_above`` of the message changed (past that, time per changed
+   element outweighs the bytes saved); the reference is brought up to date;
 2. one header round tells each receiver, per message, the encoding and the changed count
    of every part (so both ends know every payload's size);
 3. payload rounds carry message m of every pair in round m; a receiver scatters a sparse
