@@ -369,3 +369,41 @@ def _failed_world(rank: int, world: int) -> dict:
 def test_a_failed_delta_refit_leaves_what_a_failed_full_refit_leaves() -> None:
     for got in run_world(_failed_world, 2, timeout=120):
         assert got["None"] == got["device"] == (["raised", "unusable"], 1), got
+
+
+# ------------------------------------------------------------ the encoding per message
+def _one_message(density: float, parts: int = 2) -> tuple:
+    """A sender's message of ``parts`` bf16 regions whose reference differs from the
+    source at ``density``, and the receiver's copy of the reference."""
+    from torchrefit.execute import delta as d
+    g = torch.Generator().manual_seed(5)
+    n = 1 << 17
+    src = [torch.randn(n, generator=g).to(torch.bfloat16) for _ in range(parts)]
+    ref = torch.cat([s.view(torch.uint8) for s in src])
+    dst = [s.clone() for s in src]
+    for s in src:
+        idx = torch.randperm(n, generator=g)[: int(density * n)]
+        _bits(s)[idx] ^= 1
+    send = d._Message(1, tuple(d._Part(s, torch.bfloat16, i * 2 * n, n) for i, s in enumerate(src)), ref.numel(), ref)
+    recv = d._Message(0, tuple(d._Part(t, torch.bfloat16, i * 2 * n, n) for i, t in enumerate(dst)), ref.numel(), None)
+    return src, dst, send, recv
+
+
+@pytest.mark.parametrize("density, above, want", [(0.05, 0.1, "sparse"), (0.2, 0.1, "dense"), (0.05, 0.02, "dense"),
+                                                  (0.6, 1.0, "dense"), (0.0005, 0.1, "sparse")])
+def test_encoding_chosen_by_density_and_bytes(density: float, above: float, want: str) -> None:
+    """Sparse only where it is fewer bytes and at most ``delta_dense_above`` changed (a
+    sparse message past that costs more time than a dense one); the receiver ends equal
+    either way, and a second encode of the same source finds nothing."""
+    from torchrefit.execute import delta as d
+    src, dst, send, recv = _one_message(density)
+    with tr.settings.overridden(delta_dense_above=above):
+        enc, counts, payload = d._encode(send)
+    assert enc == (d.SPARSE if want == "sparse" else d.DENSE), (enc, counts)
+    if enc == d.SPARSE:
+        assert sum(counts) == sum(int((a != b).sum()) for a, b in zip(map(_bits, src), map(_bits, dst)))
+        d._apply(recv, counts, payload)
+    else:
+        d._unpack(recv, payload)
+    assert _same(dict(enumerate(src)), dict(enumerate(dst))) == []
+    assert d._encode(send)[1] == [0, 0]  # the reference took every change

@@ -61,7 +61,7 @@ def test_configure_validates_and_overridden_restores() -> None:
     with pytest.raises(TypeError, match="no setting named branchs"):
         settings.configure(branchs=2)
     for bad in ({"branches": 0}, {"branches": 9}, {"sm_copy_below": -1}, {"batched_copy": "1"},
-                {"nixl_timeout": 0.0}):
+                {"nixl_timeout": 0.0}, {"delta_dense_above": 1.5}, {"delta_dense_above": -0.1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             settings.configure(**bad)
     assert settings.current() == before

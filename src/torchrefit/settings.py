@@ -49,6 +49,12 @@ name                    default     environment override                      wh
                                                                               of them (one graph, no turns); False: they
                                                                               take turns, as FP8-quantizing ranks always
                                                                               do
+``delta_dense_above``   0.1         --                                        a delta message with more than this share of
+                                                                              its elements changed goes dense: sparse costs
+                                                                              more time per changed element (diff, encode,
+                                                                              scatter) than the bytes it saves on a fast
+                                                                              wire; lower it where the wire is as fast as
+                                                                              memory, raise it (to 1) where bytes dominate
 ======================  ==========  ========================================  ============================================
 """
 
@@ -95,6 +101,8 @@ class Settings:
     delegate_copies: bool = True
     #: the fleet's shared secret where Fleet / join get none ("": none, they raise)
     fleet_secret: str = ""
+    #: a delta message with more than this share of its elements changed is sent dense
+    delta_dense_above: float = 0.1
 
     def __post_init__(self) -> None:
         if not 1 <= self.branches <= MAX_BRANCHES:
@@ -102,6 +110,9 @@ class Settings:
         if self.sm_copy_below is not None and self.sm_copy_below < 0:
             raise ValueError(f"torchrefit settings: sm_copy_below must be bytes >= 0 or None, "
                              f"not {self.sm_copy_below}")
+        if not 0.0 <= self.delta_dense_above <= 1.0:
+            raise ValueError(f"torchrefit settings: delta_dense_above must be a share of elements from 0 to 1, "
+                             f"not {self.delta_dense_above!r}")
         if self.batched_copy not in BATCHED_COPY_MODES:
             raise ValueError(f"torchrefit settings: batched_copy must be one of {', '.join(BATCHED_COPY_MODES)}, "
                              f"not {self.batched_copy!r}")
