@@ -195,7 +195,7 @@ def _versions(out, prefix, sender, model, engine, rank, world, weights, judge_fn
 
 def _engine_error(out, init, model, engine, rank, expect_error) -> None:
     """An exception inside the engine's update (its scheduler method called outside an
-    open weight-update session) reaches the trainer at once; the engine writes nothing
+    open weight-update window) reaches the trainer at once; the engine writes nothing
     and keeps its version; the next update applies in full."""
     sender = init()
     serving = _full(model)

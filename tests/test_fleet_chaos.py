@@ -5,7 +5,7 @@ join under a new name); a fourth replica (TP2) joins at update 20; at the end th
 waits for the restarts to be ready and runs one more update.
 
 Checked, against the toy's oracle (each replica compares its local tensors with plain torch
-cuts of the seed's global values, bit for bit, at every version it installs; the trainer
+cuts of the toy's global values, bit for bit, at every version it installs; the trainer
 checks its own weights against the same oracle before each update; ``verify()`` is not
 used): every version any replica reported is exact; neither trainer rank raises; every
 killed replica that had joined is named as dropped in a report and no live one is ever

@@ -3,7 +3,7 @@
 Each scenario starts one ``sglang.Engine`` in a subprocess (``tests/sglang_driver.py``),
 drives it from a 1- or 2-rank gloo trainer through the backend (``Engine.collective_rpc``
 to the scheduler methods its ``sglang.srt.plugins`` entry point adds, SGLang's own
-begin / end of the weight-update session, ``flush_cache`` and the weight version) and
+begin / end of the weight-update window, ``flush_cache`` and the weight version) and
 records what it saw; the tests here judge it. The oracle is a ``transformers`` model
 holding the trainer's weights: SGLang's greedy tokens and top-5 logprobs must equal its
 own for two successive versions, and the weight version SGLang reports on each request
@@ -136,7 +136,7 @@ def _whole_bytes() -> int:
 def test_forced_tensors_go_through_load_weights(tmp_path_factory):
     """Tensors routed through SGLang's ``load_weights`` (forced here: on this CPU every
     tensor could be written in place) are received whole, Hugging Face-named, and loaded
-    by the model inside the same session: two versions equal the oracle."""
+    by the model inside the same window: two versions equal the oracle."""
     r = run("qwen2", tmp_path_factory)
     routes, cases = r["lw_routes"], r["cases"]
     loaded = sorted(n for n, (way, _) in routes.items() if way == "load_weights")

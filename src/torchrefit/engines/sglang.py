@@ -19,7 +19,7 @@ which calls a scheduler method on every TP rank. This module is both sides:
   the model's own ``load_weights`` instead: the worker receives the whole Hugging Face
   tensors it is made from (a :func:`~torchrefit.layout.sink.load_weights_sink`; every
   trainer rank still sends only its shards) and hands them to ``load_weights`` inside
-  the same weight-update session;
+  the same weight-update window;
 * trainer side: :func:`init_sender` on every trainer rank (rank 0 holds the client:
   the ``sglang.Engine``) returns a :class:`SGLangSender`; ``send_weights`` wraps each
   update as SGLang requires (``begin_weight_update``, the transfer and the scheduler's
@@ -340,7 +340,7 @@ class _Receiver:
 
     def update(self, scheduler, update: int) -> None:
         """Receive one update into the live shards, inside SGLang's open weight-update
-        session; every rank of both jobs then learns whether any failed."""
+        window; every rank of both jobs then learns whether any failed."""
         error = None
         try:
             _session(scheduler)
@@ -382,7 +382,7 @@ class _Receiver:
                      applied=False)
 
     def commit(self, scheduler, update: int) -> None:
-        """Install the staged update (inside SGLang's open weight-update session): wait
+        """Install the staged update (inside SGLang's open weight-update window): wait
         for the stage; if it failed anywhere, install nothing and raise."""
         _session(scheduler)
         pending, self._pending = self._pending, None
@@ -421,7 +421,7 @@ def _flush(scheduler) -> None:
 
 def _session(scheduler) -> None:
     """SGLang 0.5.23+ wants every update between ``begin_weight_update`` and
-    ``end_weight_update``; the in-place writes need no load, so the end of the session
+    ``end_weight_update``; the in-place writes need no load, so the end of the window
     runs the model's post-load steps as after any direct (P2P) write."""
     updater = getattr(scheduler, "weight_updater", None)
     if updater is not None and hasattr(updater, "_session") and updater._session is None:
@@ -433,7 +433,7 @@ def _session(scheduler) -> None:
 class EngineClient:
     """Trainer rank 0's way to the engine: an in-process ``sglang.Engine``'s own calls
     (``collective_rpc`` to the scheduler methods above; begin / end of the weight-update
-    session and the weight version through its tokenizer manager)."""
+    window and the weight version through its tokenizer manager)."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -536,9 +536,9 @@ class SGLangSender:
         self._refitter = self._refitters[0]
 
     def send_weights(self, weight_version: str | None = None) -> None:
-        """One update, on every trainer rank: rank 0 opens SGLang's weight-update session
+        """One update, on every trainer rank: rank 0 opens SGLang's weight-update window
         and has every TP worker receive while every rank sends its shards (each worker
-        then flushes its cache); then closes the session and records ``weight_version``. With
+        then flushes its cache); then closes the window and records ``weight_version``. With
         ``serve_while_staging``: :meth:`stage_weights`, then :meth:`commit_weights`."""
         if self._staged:
             self.stage_weights()
@@ -546,11 +546,11 @@ class SGLangSender:
             return
         self._updates += 1
         self._raise_shared(self._on_client(self.client.begin) if self.client else None,
-                           "opening SGLang's weight-update session")
+                           "opening SGLang's weight-update window")
         pending = (self._rpc.submit(self.client.rpc, "torchrefit_update", update=self._updates)
                    if self.client else None)
         error = None
-        try:  # the engine's checks before any byte moves (its session open, say)
+        try:  # the engine's checks before any byte moves (its window open, say)
             agree_status(self._conn, None, f"SGLang weight update {self._updates} (opening)",
                          applied=False)
             try:
@@ -561,13 +561,13 @@ class SGLangSender:
         except Exception:
             if pending is not None:  # the engine raised the same error: let its RPC return
                 wait([pending], timeout=self._conn.timeout)
-                self._on_client(self.client.end)  # the session closes; no version recorded
+                self._on_client(self.client.end)  # the window closes; no version recorded
             raise
         self._raise_shared(self._finish(pending, weight_version) if self.client else None,
                            "finishing the SGLang weight update")
 
     def _finish(self, pending: Future | None, weight_version: str | None):
-        """Rank 0: the engine's answer, the session's end, the version."""
+        """Rank 0: the engine's answer, the window's end, the version."""
         got = _outcome(pending, self._conn.timeout)  # the update, then the cache flushed
         ended = self._on_client(self.client.end)
         if got or ended or weight_version is None:
@@ -602,7 +602,7 @@ class SGLangSender:
     def commit_weights(self, weight_version: str | None = None) -> None:
         """After :meth:`stage_weights`, every trainer rank: rank 0 has every TP worker
         install its staged shards and flush its cache inside SGLang's weight-update
-        session (the engine's only stall), then records ``weight_version``. Refused
+        window (the engine's only stall), then records ``weight_version``. Refused
         after a :meth:`stage_weights` that failed: the engine keeps its version."""
         if self._stage_failed is not None:
             raise RefitError(f"commit_weights({weight_version!r}): nothing staged to commit, the "

@@ -270,7 +270,7 @@ class Coordinator:
                 continue
             seed, m.seed = m.seed, None
             self._open.pop(seed["word"], None)
-            self._bump(seed["src"], m.name)  # the seed's group is gone: the next one meets anew
+            self._bump(seed["src"], m.name)  # the seeding edge's group is gone: the next one meets anew
             self._forget_task(b, m.name, seed["n"], m.ranks)
             got = done[0]["in"]
             m.version, m.mixed = done[0]["version"], any(d["mixed"] for d in done)
