@@ -1,6 +1,6 @@
 """Inputs that catch FP8 quantizers that are right only on typical weights.
 
-Used by ``tests/test_fp8_gpu.py``, ``tests/test_fp8_kernel_cpu.py`` and the FP8
+Used by ``tests/test_fp8_gpu.py``, ``tests/test_fp8_blocks_interpreted.py`` and the FP8
 benchmark to compare a block quantizer bit for bit with
 ``transforms.fp8.quantize_blocks``.
 """
