@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import PlanError, RefitError
+from ..errors import PlanError, RefitError, TransportError
 from ..layout import describe
 from ..layout._described import named_refit_tensors
 from ..layout.sink import load_weights_sink
@@ -380,6 +380,8 @@ class _Receiver:
         error = None
         try:
             self.refitter.stage()
+        except TransportError:  # a peer lost: every live rank of both jobs raises it itself
+            raise
         except Exception as e:
             error = failure(e, f"engine rank {self.conn.rank} staging")
         agree_status(self.conn, error, f"SGLang weight update {update} (staging)",
@@ -610,6 +612,9 @@ class SGLangSender:
         error = None
         try:
             self.reports = [self._refitter.stage()]
+        except TransportError as e:  # a peer lost: every live rank of both jobs raises it
+            self._stage_failed = e  # itself, within the timeout; the link is unusable
+            raise
         except Exception as e:
             error = failure(e, f"trainer rank {self.rank} sending")
         try:
