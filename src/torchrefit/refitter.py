@@ -75,13 +75,11 @@ _log = logging.getLogger(__name__)
 #: memory a rank may use for its message pools (packed messages (both pools, sends and receives)
 DEFAULT_POOL_BYTES = 1 << 30
 _MIN_MESSAGE = 4096
-# After a stage lost a peer, each live rank waits for the others to say they are alive
-# (a dead rank never says so) until the stage's timeout, counted from its start, has
-# passed, so that the error comes within the timeout; but at least _NAMING_FLOOR (the
-# ranks that saw the failure late) and at most _NAMING_WINDOW. A live rank still blocked
-# past that is named with the dead ones.
+# After a stage lost a peer, each live rank waits for the others to say they are alive (a
+# dead rank never says so): one refit timeout from the first rank's word (a live rank
+# blocked on the dead one gives up within that timeout), at most _NAMING_WINDOW. A live
+# rank still blocked past that is named with the dead ones.
 _NAMING_WINDOW = 30.0
-_NAMING_FLOOR = 2.0
 
 
 @dataclass(frozen=True)
@@ -609,14 +607,14 @@ class Refitter:
                 self._stage_program = self._compile_stage()
             stats, wire = self._run(self._stage_program, check and not compiled, "twins")
         except TransportError as e:  # a peer gone: no agreement to reach
-            raise self._stage_lost(version, e, t0) from e
+            raise self._stage_lost(version, e) from e
         except Exception as e:  # told to every rank below
             error, failure = e, _failure(e)  # its traceback, while it is being handled
         try:
             _agree_stage(failure, self.group, self.timeout)
         except TransportError as e:
             if failure is None:  # every byte here, but a peer gone
-                raise self._stage_lost(version, e, t0) from e
+                raise self._stage_lost(version, e) from e
             # a peer still waits for this rank's unfinished rounds
             self._failed = TransportError(
                 f"stage failed on rank {self.rank} ({failure[1].splitlines()[0]}), then agreeing on "
@@ -632,7 +630,7 @@ class Refitter:
                            stats.messages_sent, stats.messages_received, self.staging, twins,
                            stats.pool_bytes, compiled, *self._wire(wire, self._stage_program))
 
-    def _stage_lost(self, version: int, cause: TransportError, started: float) -> TransportError:
+    def _stage_lost(self, version: int, cause: TransportError) -> TransportError:
         """A stage cut short by a peer that died, stopped or left it (``cause``, on this
         rank): the error every live rank raises, naming the ranks that are gone (through
         a ``tr.connect`` link's store, every live rank marking itself; with a plain group,
@@ -643,9 +641,7 @@ class Refitter:
                "a rank died, stopped or left the stage")
         if self._conn is not None:
             me = str(self._conn)
-            timeout = self.timeout or self._conn.timeout
-            window = min(max(started + timeout - perf_counter(), min(timeout, _NAMING_FLOOR)),
-                         _NAMING_WINDOW)
+            window = min(self.timeout or self._conn.timeout, _NAMING_WINDOW)
             gone = self._conn.absent(f"stage {version}", window)
             if gone is None:
                 gone = [("trainer", 0)]  # it hosts the link's store
