@@ -209,10 +209,10 @@ def trainer(rank: int, world: int, scenario: str, port: int, dist_port: int, eng
     sender.shutdown()
     if sc.get("http"):
         _staged(out, init(serve_while_staging=True), model, engine, rank)
+        _through_load_weights(out, init, model, engine, rank, world)
     if scenario == "qwen2":
         _engine_error(out, init, model, engine, rank, expect_error)
         _staged(out, init(serve_while_staging=True), model, engine, rank)
-        _through_load_weights(out, init, model, engine, rank, world)
     if "titan" in sc:
         _torchtitan_trainer(out, sc, cfg, engine, rank, world, init)
     if sc.get("megatron") and importlib.util.find_spec("megatron") is not None:

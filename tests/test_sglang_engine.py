@@ -138,8 +138,10 @@ def _whole_bytes() -> int:
 def test_forced_tensors_go_through_load_weights(tmp_path_factory):
     """Tensors routed through SGLang's ``load_weights`` (forced here: on this CPU every
     tensor could be written in place) are received whole, Hugging Face-named, and loaded
-    by the model inside the same window: two versions equal the oracle."""
-    r = run("qwen2", tmp_path_factory)
+    by the model inside the same window (at engine TP2, through the HTTP server: each TP
+    worker's ``load_weights`` slices its shard of each whole tensor, assembled from both
+    trainer ranks' shards): two versions equal the oracle."""
+    r = run("qwen2-http-tp2", tmp_path_factory)
     routes, cases = r["lw_routes"], r["cases"]
     loaded = sorted(n for n, (way, _) in routes.items() if way == "load_weights")
     assert loaded == ["lm_head.weight", "model.embed_tokens.weight",
