@@ -1,9 +1,9 @@
 """One real SGLang CPU engine fed by torchrefit's SGLang backend, many cases; run as a script.
 
-``python tests/sglang_driver.py SCENARIO OUT.json`` starts one ``sglang.Engine`` (CPU,
-float32, dummy weights) on a small model config it writes, runs the trainer's ranks
-(rank 0 in this process, holding the ``Engine`` as its client; the others spawned,
-gloo), runs the scenario's cases in order and writes what each saw to OUT.json for
+``python tests/sglang_driver.py SCENARIO OUT.json`` starts one ``sglang.Engine`` or
+``sglang.launch_server`` (CPU, float32, dummy weights) on a small model config it
+writes, runs the trainer's ranks (rank 0 in this process, holding the ``Engine`` or the
+server's URL as its client; the others spawned, gloo), runs the scenario's cases in order and writes what each saw to OUT.json for
 ``tests/test_sglang_engine.py`` to judge. The oracle is a ``transformers`` model holding
 the trainer's weights: SGLang's greedy tokens and top-5 logprobs against its own,
 teacher-forced on SGLang's tokens; the weight version is the one SGLang reports on each
@@ -12,7 +12,10 @@ generated request.
 Scenarios (``SCENARIOS``): ``qwen2`` (Qwen2, engine TP1, one whole Hugging Face
 trainer: init errors, two versions, updates staged while serving, an engine-side
 error), ``llama-tp2`` (Llama, engine TP2, two trainer ranks: Hugging Face FSDP2,
-megatron-core TP2, torchtitan FSDP2, then a trainer rank killed mid-stage).
+megatron-core TP2, torchtitan FSDP2, then a trainer rank killed mid-stage),
+``qwen2-http-tp2`` (Qwen2, engine TP2 as a ``sglang.launch_server`` HTTP server with
+torchrefit's custom weight loader, two trainer ranks, Hugging Face FSDP2: an init error,
+two versions, staged updates, tensors forced through ``load_weights``).
 The test setup puts ``tests/sglang_cpu_stub`` (an import-only ``sgl_kernel``) on
 ``PYTHONPATH``.
 """
@@ -68,7 +71,7 @@ def start_engine(cfg: dict, tp: int = 1, mem_fraction_static: float = 0.2):
                          random_seed=0)
 
 
-def start_server(cfg: dict, tp: int) -> tuple[str, object]:
+def start_server(cfg: dict, tp: int, mem_fraction_static: float = 0.2) -> tuple[str, object]:
     """``python -m sglang.launch_server`` of ``cfg`` (the same settings as
     :func:`start_engine`) with torchrefit's weight loader; its URL and process."""
     import subprocess
@@ -79,7 +82,8 @@ def start_server(cfg: dict, tp: int) -> tuple[str, object]:
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir(cfg),
            "--load-format", "dummy", "--device", "cpu", "--skip-tokenizer-init",
            "--disable-cuda-graph", "--disable-overlap-schedule", "--dtype", "float32",
-           "--tp-size", str(tp), "--mem-fraction-static", "0.2", "--max-total-tokens", "4096",
+           "--tp-size", str(tp), "--mem-fraction-static", str(mem_fraction_static),
+           "--max-total-tokens", "4096",
            "--random-seed", "0", "--host", "127.0.0.1", "--port", str(port),
            "--log-level", os.environ.get("TORCHREFIT_SGLANG_LOG", "error"),
            "--custom-weight-loader", LOADER]

@@ -1,21 +1,24 @@
 """torchrefit inside SGLang (``torchrefit.engines.sglang``), on real SGLang CPU engines.
 
-Each scenario starts one ``sglang.Engine`` in a subprocess (``tests/sglang_driver.py``),
-drives it from a 1- or 2-rank gloo trainer through the backend (``Engine.collective_rpc``
-to the scheduler methods its ``sglang.srt.plugins`` entry point adds, SGLang's own
-begin / end of the weight-update window, ``flush_cache`` and the weight version) and
-records what it saw; the tests here judge it. The oracle is a ``transformers`` model
-holding the trainer's weights: SGLang's greedy tokens and top-5 logprobs must equal its
-own for two successive versions, and the weight version SGLang reports on each request
-what was sent. SGLang's dummy weights and a skipped update fail it.
+Each scenario starts one engine in a subprocess (``tests/sglang_driver.py``): an
+in-process ``sglang.Engine`` reached through ``Engine.collective_rpc`` (the scheduler
+methods the ``sglang.srt.plugins`` entry point adds), or a ``sglang.launch_server`` HTTP
+server reached through ``HTTPClient`` (SGLang's ``/update_weights_from_tensor`` calling
+torchrefit's custom weight loader), each wrapped in SGLang's own begin / end of the
+weight-update window, ``flush_cache`` and the weight version; it drives it from a 1- or
+2-rank gloo trainer and records what it saw; the tests here judge it. The oracle is a
+``transformers`` model holding the trainer's weights: SGLang's greedy tokens and top-5
+logprobs must equal its own for two successive versions, and the weight version SGLang
+reports on each request what was sent. SGLang's dummy weights and a skipped update fail it.
 
 Covered: Qwen2 at engine TP1 from one whole Hugging Face trainer (init errors: a name
 map, a shape and a dtype that differ; an exception inside the engine's update; updates
-staged while the engine serves; the MLP's ``down_proj``, ``lm_head`` and the embeddings
-forced through the model's ``load_weights``); Llama at engine TP2 (each TP worker receives its own
+staged while the engine serves); Llama at engine TP2 (each TP worker receives its own
 shard of the fused ``qkv_proj`` / ``gate_up_proj``) from two trainer ranks: Hugging Face
 under FSDP2, megatron-core tensor parallel, torchtitan under FSDP2, then a trainer rank
-killed mid-stage.
+killed mid-stage; Qwen2 at engine TP2 through the HTTP server from an FSDP2 Hugging Face
+trainer (versions, staged updates, the MLP's ``down_proj``, ``lm_head`` and the embeddings
+forced through the model's ``load_weights``, an init error).
 
 The engine's environment (the test setup, not the product): SGLang imports
 ``sgl_kernel``, whose builds are CUDA-only, at start-up, so ``tests/sglang_cpu_stub``
