@@ -89,7 +89,13 @@ def start_server(cfg: dict, tp: int, mem_fraction_static: float = 0.2) -> tuple[
            "--custom-weight-loader", LOADER]
     server = subprocess.Popen(cmd, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    _wait_healthy(url, server)
+    try:
+        _wait_healthy(url, server)
+    except BaseException:
+        import signal
+
+        os.killpg(server.pid, signal.SIGKILL)
+        raise
     return url, server
 
 
@@ -445,25 +451,27 @@ def main(scenario: str, out_path: str) -> None:
         p.start()
     result: dict = {"engine_start_seconds": started}
     try:
-        trainer(0, sc["trainers"], scenario, port, dist_port, engine=engine, out=result)
-    except Exception:
-        result["error"] = traceback.format_exc()
-    for p in procs:
-        p.join(120)
-        if p.is_alive():
-            p.kill()
-            p.join()
-        result.setdefault("trainer_exit", []).append(p.exitcode)
-    result["seconds"] = time.monotonic() - t0
-    with open(out_path, "w") as f:
-        json.dump(result, f, indent=1)
-    if server is not None:  # the server and its scheduler processes
-        import signal
+        try:
+            trainer(0, sc["trainers"], scenario, port, dist_port, engine=engine, out=result)
+        except Exception:
+            result["error"] = traceback.format_exc()
+        for p in procs:
+            p.join(120)
+            if p.is_alive():
+                p.kill()
+                p.join()
+            result.setdefault("trainer_exit", []).append(p.exitcode)
+        result["seconds"] = time.monotonic() - t0
+        with open(out_path, "w") as f:
+            json.dump(result, f, indent=1)
+    finally:
+        if server is not None:  # the server and its scheduler processes, whatever happened
+            import signal
 
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(60)
-    else:
-        engine.shutdown()
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(60)
+        else:
+            engine.shutdown()
 
 
 if __name__ == "__main__":
