@@ -28,7 +28,7 @@ Models: ``dense`` (the test model, 1.4 MB), ``dense-0.5b`` (a Qwen2-0.5B shape, 
 ``--custom-weight-loader``) instead, and every path goes through its HTTP routes:
 torchrefit through :class:`~torchrefit.engines.sglang_http.HTTPClient`, SGLang's two
 through ``/init_weights_update_group`` + ``/update_weights_from_distributed`` and
-``/update_weights_from_tensor`` (tensors serialized as SGLang's own clients do).
+``/update_weights_from_tensor`` (the tensors' bytes inline in the request, pickled).
 """
 
 from __future__ import annotations
@@ -140,10 +140,14 @@ class _HTTPEngine:
             names=names, dtypes=dtypes, shapes=shapes, group_name=group_name))
 
     def update_weights_from_tensor(self, named):
-        from sglang.srt.utils.common import MultiprocessingSerializer
+        """The tensors' bytes inline (pickled, base64): SGLang's own serializer passes CPU
+        tensors as file descriptors, which only its own child processes may open."""
+        import base64
+        import pickle
 
-        return self._post("/update_weights_from_tensor", dict(serialized_named_tensors=[
-            MultiprocessingSerializer.serialize(named, output_str=True) for _ in range(self.tp)]))
+        payload = base64.b64encode(pickle.dumps(named)).decode()
+        return self._post("/update_weights_from_tensor", dict(
+            serialized_named_tensors=[payload] * self.tp))
 
 
 def main() -> None:
