@@ -23,6 +23,12 @@ worker holds whole, the norms, once per worker); SGLang's paths deliver every te
 whole to every TP worker (``tp`` x the model's bytes; counted). Prints one JSON object.
 
 Models: ``dense`` (the test model, 1.4 MB), ``dense-0.5b`` (a Qwen2-0.5B shape, tied).
+
+``--http``: the engine is a ``sglang.launch_server`` HTTP server (with torchrefit's
+``--custom-weight-loader``) instead, and every path goes through its HTTP routes:
+torchrefit through :class:`~torchrefit.engines.sglang_http.HTTPClient`, SGLang's two
+through ``/init_weights_update_group`` + ``/update_weights_from_distributed`` and
+``/update_weights_from_tensor`` (the tensors' bytes inline in the request, pickled).
 """
 
 from __future__ import annotations
@@ -106,15 +112,54 @@ def _from_tensor(engine, model):
     return update
 
 
+class _HTTPEngine:
+    """The ``sglang.Engine`` calls the paths above make, through the server's routes."""
+
+    def __init__(self, url: str, tp: int) -> None:
+        self.url, self.tp = url, tp
+
+    def _post(self, route: str, body: dict):
+        import requests
+
+        got = requests.post(self.url + route, json=body, timeout=3600).json()
+        return got.get("success", True), got.get("message", "")
+
+    def begin_weight_update(self):
+        return self._post("/begin_weight_update", {})
+
+    def end_weight_update(self):
+        return self._post("/end_weight_update", {})
+
+    def init_weights_update_group(self, address, port, offset, world, group, backend):
+        return self._post("/init_weights_update_group", dict(
+            master_address=address, master_port=port, rank_offset=offset, world_size=world,
+            group_name=group, backend=backend))
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name):
+        return self._post("/update_weights_from_distributed", dict(
+            names=names, dtypes=dtypes, shapes=shapes, group_name=group_name))
+
+    def update_weights_from_tensor(self, named):
+        """The tensors' bytes inline (pickled, base64): SGLang's own serializer passes CPU
+        tensors as file descriptors, which only its own child processes may open."""
+        import base64
+        import pickle
+
+        payload = base64.b64encode(pickle.dumps(named)).decode()
+        return self._post("/update_weights_from_tensor", dict(
+            serialized_named_tensors=[payload] * self.tp))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=("dense", "dense-0.5b"), default="dense")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--http", action="store_true", help="an HTTP server, through its routes")
     args = ap.parse_args()
 
     import torch.distributed as dist
-    from sglang_driver import generate, start_engine
+    from sglang_driver import generate, start_engine, start_server
     from vllm_driver import _free_port, config, hf_model
 
     from torchrefit.engines.sglang import SGLangInitInfo, init_sender
@@ -124,29 +169,40 @@ def main() -> None:
     if args.tp > 1:
         os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND",
                               "|".join(str(r % (os.cpu_count() or 1)) for r in range(args.tp)))
-    engine = start_engine(cfg, tp=args.tp,  # the 0.5B shape's weights need more
-                          mem_fraction_static=0.2 if args.model == "dense" else 0.3)
+    server = None
+    share = 0.2 if args.model == "dense" else 0.3  # the 0.5B shape's weights need more
+    if args.http:
+        engine, server = start_server(cfg, args.tp, share)  # engine: the URL
+    else:
+        engine = start_engine(cfg, tp=args.tp, mem_fraction_static=share)
+    sglang_calls = _HTTPEngine(engine, args.tp) if args.http else engine
     port = _free_port(8)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     model = hf_model(cfg, seed=0)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     sender = init_sender(SGLangInitInfo("127.0.0.1", port + 2), model, engine)
-    results: dict = {"model": args.model, "tp": args.tp, "model_bytes": model_bytes,
-                     "repeats": args.repeats}
+    results: dict = {"model": args.model, "tp": args.tp, "http": args.http,
+                     "model_bytes": model_bytes, "repeats": args.repeats}
     times = _timed(lambda: sender.send_weights(weight_version="bench"), args.repeats)
     tokens = [g[0] for g in generate(engine)]
     results["torchrefit"] = {"median_s": statistics.median(times), "all_s": times,
                              "bytes_sent": sum(r.bytes_sent for r in sender.reports)}
     for name, update in (("update_weights_from_distributed",
-                          _distributed(engine, model, args.tp, port + 4)),
-                         ("update_weights_from_tensor", _from_tensor(engine, model))):
+                          _distributed(sglang_calls, model, args.tp, port + 4)),
+                         ("update_weights_from_tensor", _from_tensor(sglang_calls, model))):
         times = _timed(update, args.repeats)
         results[name] = {"median_s": statistics.median(times), "all_s": times,
                          "bytes_sent": model_bytes * args.tp,  # whole, to every worker
                          "tokens agree": [g[0] for g in generate(engine)] == tokens}
     sender.shutdown()
     print(json.dumps(results, indent=1))
-    engine.shutdown()
+    if server is not None:
+        import signal
+
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(60)
+    else:
+        engine.shutdown()
 
 
 if __name__ == "__main__":

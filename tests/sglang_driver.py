@@ -1,9 +1,9 @@
 """One real SGLang CPU engine fed by torchrefit's SGLang backend, many cases; run as a script.
 
-``python tests/sglang_driver.py SCENARIO OUT.json`` starts one ``sglang.Engine`` (CPU,
-float32, dummy weights) on a small model config it writes, runs the trainer's ranks
-(rank 0 in this process, holding the ``Engine`` as its client; the others spawned,
-gloo), runs the scenario's cases in order and writes what each saw to OUT.json for
+``python tests/sglang_driver.py SCENARIO OUT.json`` starts one ``sglang.Engine`` or
+``sglang.launch_server`` (CPU, float32, dummy weights) on a small model config it
+writes, runs the trainer's ranks (rank 0 in this process, holding the ``Engine`` or the
+server's URL as its client; the others spawned, gloo), runs the scenario's cases in order and writes what each saw to OUT.json for
 ``tests/test_sglang_engine.py`` to judge. The oracle is a ``transformers`` model holding
 the trainer's weights: SGLang's greedy tokens and top-5 logprobs against its own,
 teacher-forced on SGLang's tokens; the weight version is the one SGLang reports on each
@@ -12,7 +12,10 @@ generated request.
 Scenarios (``SCENARIOS``): ``qwen2`` (Qwen2, engine TP1, one whole Hugging Face
 trainer: init errors, two versions, updates staged while serving, an engine-side
 error), ``llama-tp2`` (Llama, engine TP2, two trainer ranks: Hugging Face FSDP2,
-megatron-core TP2, torchtitan FSDP2, then a trainer rank killed mid-stage).
+megatron-core TP2, torchtitan FSDP2, then a trainer rank killed mid-stage),
+``qwen2-http-tp2`` (Qwen2, engine TP2 as a ``sglang.launch_server`` HTTP server with
+torchrefit's custom weight loader, two trainer ranks, Hugging Face FSDP2: an init error,
+two versions, staged updates, tensors forced through ``load_weights``).
 The test setup puts ``tests/sglang_cpu_stub`` (an import-only ``sgl_kernel``) on
 ``PYTHONPATH``.
 """
@@ -46,7 +49,9 @@ from vllm_driver import (  # noqa: E402  (the same models, steps and oracle scor
 
 SCENARIOS = {
     "qwen2": dict(model="dense", trainers=1, tp=1),
-    "llama-tp2": dict(model="llama", trainers=2, tp=2, titan="llama3", megatron=True),
+    "llama-tp2": dict(model="llama", trainers=2, tp=2, titan="llama3", megatron=True,
+                      kill=True),
+    "qwen2-http-tp2": dict(model="dense", trainers=2, tp=2, http=True),
 }
 
 
@@ -66,13 +71,63 @@ def start_engine(cfg: dict, tp: int = 1, mem_fraction_static: float = 0.2):
                          random_seed=0)
 
 
+def start_server(cfg: dict, tp: int, mem_fraction_static: float = 0.2) -> tuple[str, object]:
+    """``python -m sglang.launch_server`` of ``cfg`` (the same settings as
+    :func:`start_engine`) with torchrefit's weight loader; its URL and process."""
+    import subprocess
+
+    from torchrefit.engines.sglang_http import LOADER
+
+    port = _free_port(1)
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir(cfg),
+           "--load-format", "dummy", "--device", "cpu", "--skip-tokenizer-init",
+           "--disable-cuda-graph", "--disable-overlap-schedule", "--dtype", "float32",
+           "--tp-size", str(tp), "--mem-fraction-static", str(mem_fraction_static),
+           "--max-total-tokens", "4096",
+           "--random-seed", "0", "--host", "127.0.0.1", "--port", str(port),
+           "--log-level", os.environ.get("TORCHREFIT_SGLANG_LOG", "error"),
+           "--custom-weight-loader", LOADER]
+    server = subprocess.Popen(cmd, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, server)
+    except BaseException:
+        import signal
+
+        os.killpg(server.pid, signal.SIGKILL)
+        raise
+    return url, server
+
+
+def _wait_healthy(url: str, server, limit: float = 400.0) -> None:
+    import requests
+
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"sglang.launch_server exited with {server.returncode}")
+        try:
+            if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"sglang.launch_server was not healthy within {limit:g} s")
+
+
 # ------------------------------------------------------------------------- oracle
 def generate(engine) -> list:
     """Per prompt, SGLang's greedy tokens, its top-5 logprobs at each step and the weight
-    version it reports."""
-    outs = engine.generate(input_ids=PROMPTS, sampling_params={
+    version it reports (``engine``: an ``sglang.Engine``, or an HTTP server's URL)."""
+    params = dict(input_ids=PROMPTS, sampling_params={
         "temperature": 0.0, "max_new_tokens": MAX_TOKENS, "ignore_eos": True},
         return_logprob=True, top_logprobs_num=TOP)
+    if isinstance(engine, str):
+        import requests
+
+        outs = requests.post(f"{engine}/generate", json=params, timeout=300).json()
+    else:
+        outs = engine.generate(**params)
     got = []
     for o in outs:
         meta = o["meta_info"]
@@ -93,8 +148,13 @@ def judge(engine, weights: dict) -> dict:
     with torch.no_grad():
         logps = [torch.log_softmax(oracle(torch.tensor([p + g[0]])).logits[0].double(), -1)
                  for p, g in zip(PROMPTS, got)]
-    return dict(_score([(g[0], g[1]) for g in got], logps),
-                weight_version=got[0][2])
+    seen = dict(_score([(g[0], g[1]) for g in got], logps), weight_version=got[0][2])
+    if isinstance(engine, str):  # the version the server reports apart from any request
+        import requests
+
+        seen["model_info_version"] = requests.get(f"{engine}/model_info",
+                                                  timeout=60).json()["weight_version"]
+    return seen
 
 
 # ------------------------------------------------------------------ trainer ranks
@@ -137,6 +197,9 @@ def trainer(rank: int, world: int, scenario: str, port: int, dist_port: int, eng
         dist.all_gather_object(ranks, seen)
         out["cases"][name] = dict(seen, ranks=ranks)
 
+    if sc.get("http"):  # an init error through the HTTP route: the server lives on
+        expect_error("mismatched_shape", lambda: init(
+            source=hf_model(dict(cfg, intermediate_size=192), seed=0)))
     if scenario == "qwen2":
         expect_error("disagreeing_name_map", lambda: init(
             name_map=tr.maps.hf_to_vllm(num_heads=4, num_kv_heads=4)))
@@ -154,15 +217,17 @@ def trainer(rank: int, world: int, scenario: str, port: int, dist_port: int, eng
         _full(model)
     _versions(out, "", sender, model, engine, rank, world, lambda m: _full(m))
     sender.shutdown()
+    if sc.get("http"):
+        _staged(out, init(serve_while_staging=True), model, engine, rank)
+        _through_load_weights(out, init, model, engine, rank, world)
     if scenario == "qwen2":
         _engine_error(out, init, model, engine, rank, expect_error)
         _staged(out, init(serve_while_staging=True), model, engine, rank)
-        _through_load_weights(out, init, model, engine, rank, world)
     if "titan" in sc:
         _torchtitan_trainer(out, sc, cfg, engine, rank, world, init)
     if sc.get("megatron") and importlib.util.find_spec("megatron") is not None:
         _megatron_trainer(out, cfg, engine, rank, world, init)
-    if world > 1:
+    if sc.get("kill"):
         _killed_rank(out, init, model, engine, rank)
     dist.destroy_process_group()
     return out
@@ -212,17 +277,20 @@ def _engine_error(out, init, model, engine, rank, expect_error) -> None:
 
 def _staged(out, sender, model, engine, rank) -> None:
     """Two staged updates: the engine serves its version while the stage is in flight
-    and once it is fully staged; after ``commit_weights`` the staged one."""
+    and once it is fully staged; after ``commit_weights`` the staged one. Rank 0 judges."""
+    def judge_on_0(weights):
+        return judge(engine, weights) if rank == 0 else None
+
     serving = _full(model)
     for k in (5, 6):
         step(model, k)
         staged = _full(model)
         seen = {}
         sender.stage_weights()
-        seen["staged"] = judge(engine, serving)
-        seen["staged_vs_next"] = judge(engine, staged)
+        seen["staged"] = judge_on_0(serving)
+        seen["staged_vs_next"] = judge_on_0(staged)
         sender.commit_weights(weight_version=f"v{k}")
-        seen["committed"] = judge(engine, staged)
+        seen["committed"] = judge_on_0(staged)
         out["cases"][f"staged_{k}"] = seen
         serving = staged
     sender.shutdown()
@@ -367,7 +435,11 @@ def main(scenario: str, out_path: str) -> None:
         os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(
             str(r % cores) for r in range(sc["tp"])))
     t0 = time.monotonic()
-    engine = start_engine(cfg, tp=sc["tp"])
+    server = None
+    if sc.get("http"):
+        engine, server = start_server(cfg, sc["tp"])
+    else:
+        engine = start_engine(cfg, tp=sc["tp"])
     started = time.monotonic() - t0
     port = _free_port(101)
     dist_port = port + 100
@@ -379,19 +451,27 @@ def main(scenario: str, out_path: str) -> None:
         p.start()
     result: dict = {"engine_start_seconds": started}
     try:
-        trainer(0, sc["trainers"], scenario, port, dist_port, engine=engine, out=result)
-    except Exception:
-        result["error"] = traceback.format_exc()
-    for p in procs:
-        p.join(120)
-        if p.is_alive():
-            p.kill()
-            p.join()
-        result.setdefault("trainer_exit", []).append(p.exitcode)
-    result["seconds"] = time.monotonic() - t0
-    with open(out_path, "w") as f:
-        json.dump(result, f, indent=1)
-    engine.shutdown()
+        try:
+            trainer(0, sc["trainers"], scenario, port, dist_port, engine=engine, out=result)
+        except Exception:
+            result["error"] = traceback.format_exc()
+        for p in procs:
+            p.join(120)
+            if p.is_alive():
+                p.kill()
+                p.join()
+            result.setdefault("trainer_exit", []).append(p.exitcode)
+        result["seconds"] = time.monotonic() - t0
+        with open(out_path, "w") as f:
+            json.dump(result, f, indent=1)
+    finally:
+        if server is not None:  # the server and its scheduler processes, whatever happened
+            import signal
+
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(60)
+        else:
+            engine.shutdown()
 
 
 if __name__ == "__main__":

@@ -154,6 +154,17 @@ def test_vllm_init_infos_and_sender_are_documented() -> None:
     assert not problems, "\n".join(problems)
 
 
+def test_sglang_init_info_sender_and_clients_are_documented() -> None:
+    from torchrefit.engines import sglang, sglang_http
+
+    what = {c.__name__: own_public(c) for c in (sglang.SGLangInitInfo, sglang.SGLangSender)}
+    what["init_sender"] = signature_args(sglang.init_sender)
+    what["HTTPClient"] = own_public(sglang_http.HTTPClient) + signature_args(
+        sglang_http.HTTPClient.__init__) + ["EngineClient"] + own_public(sglang.EngineClient)
+    problems = missing(what, API.read_text())
+    assert not problems, "\n".join(problems)
+
+
 def test_readme_links_to_the_reference_instead_of_repeating_it() -> None:
     readme = (ROOT / "README.md").read_text()
     api = readme.split("\n## API\n", 1)[1].split("\n## ", 1)[0]

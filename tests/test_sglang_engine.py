@@ -1,21 +1,24 @@
 """torchrefit inside SGLang (``torchrefit.engines.sglang``), on real SGLang CPU engines.
 
-Each scenario starts one ``sglang.Engine`` in a subprocess (``tests/sglang_driver.py``),
-drives it from a 1- or 2-rank gloo trainer through the backend (``Engine.collective_rpc``
-to the scheduler methods its ``sglang.srt.plugins`` entry point adds, SGLang's own
-begin / end of the weight-update window, ``flush_cache`` and the weight version) and
-records what it saw; the tests here judge it. The oracle is a ``transformers`` model
-holding the trainer's weights: SGLang's greedy tokens and top-5 logprobs must equal its
-own for two successive versions, and the weight version SGLang reports on each request
-what was sent. SGLang's dummy weights and a skipped update fail it.
+Each scenario starts one engine in a subprocess (``tests/sglang_driver.py``): an
+in-process ``sglang.Engine`` reached through ``Engine.collective_rpc`` (the scheduler
+methods the ``sglang.srt.plugins`` entry point adds), or a ``sglang.launch_server`` HTTP
+server reached through ``HTTPClient`` (SGLang's ``/update_weights_from_tensor`` calling
+torchrefit's custom weight loader), each wrapped in SGLang's own begin / end of the
+weight-update window, ``flush_cache`` and the weight version; it drives it from a 1- or
+2-rank gloo trainer and records what it saw; the tests here judge it. The oracle is a
+``transformers`` model holding the trainer's weights: SGLang's greedy tokens and top-5
+logprobs must equal its own for two successive versions, and the weight version SGLang
+reports on each request what was sent. SGLang's dummy weights and a skipped update fail it.
 
 Covered: Qwen2 at engine TP1 from one whole Hugging Face trainer (init errors: a name
 map, a shape and a dtype that differ; an exception inside the engine's update; updates
-staged while the engine serves; the MLP's ``down_proj``, ``lm_head`` and the embeddings
-forced through the model's ``load_weights``); Llama at engine TP2 (each TP worker receives its own
+staged while the engine serves); Llama at engine TP2 (each TP worker receives its own
 shard of the fused ``qkv_proj`` / ``gate_up_proj``) from two trainer ranks: Hugging Face
 under FSDP2, megatron-core tensor parallel, torchtitan under FSDP2, then a trainer rank
-killed mid-stage.
+killed mid-stage; Qwen2 at engine TP2 through the HTTP server from an FSDP2 Hugging Face
+trainer (versions, staged updates, the MLP's ``down_proj``, ``lm_head`` and the embeddings
+forced through the model's ``load_weights``, an init error).
 
 The engine's environment (the test setup, not the product): SGLang imports
 ``sgl_kernel``, whose builds are CUDA-only, at start-up, so ``tests/sglang_cpu_stub``
@@ -87,7 +90,8 @@ def assert_fails_oracle(case: dict) -> None:
 
 @pytest.mark.parametrize("scenario, prefix", [("qwen2", ""), ("llama-tp2", ""),
                                               ("llama-tp2", "titan-"),
-                                              ("llama-tp2", "megatron-")])
+                                              ("llama-tp2", "megatron-"),
+                                              ("qwen2-http-tp2", "")])
 def test_two_versions_equal_the_oracle(scenario, prefix, tmp_path_factory):
     r = run(scenario, tmp_path_factory)
     cases = r["cases"]
@@ -102,7 +106,7 @@ def test_two_versions_equal_the_oracle(scenario, prefix, tmp_path_factory):
     assert_fails_oracle(cases[f"{prefix}skipped_update"])  # the step between versions shows
 
 
-@pytest.mark.parametrize("scenario", ["qwen2", "llama-tp2"])
+@pytest.mark.parametrize("scenario", ["qwen2", "llama-tp2", "qwen2-http-tp2"])
 def test_every_weight_is_written_in_place(scenario, tmp_path_factory):
     routes = run(scenario, tmp_path_factory)["routes"]
     assert any(n.endswith("qkv_proj.weight") for n in routes), routes
@@ -111,7 +115,8 @@ def test_every_weight_is_written_in_place(scenario, tmp_path_factory):
 
 @pytest.mark.parametrize("scenario, prefix, workers", [("qwen2", "", 1), ("llama-tp2", "", 2),
                                                        ("llama-tp2", "titan-", 2),
-                                                       ("llama-tp2", "megatron-", 2)])
+                                                       ("llama-tp2", "megatron-", 2),
+                                                       ("qwen2-http-tp2", "", 2)])
 def test_each_rank_sends_only_its_shards(scenario, prefix, workers, tmp_path_factory):
     """Every trainer rank sends its own shards, each byte to the one TP worker that holds
     it: a tensor-parallel engine is sent the model once (plus, per extra worker, the
@@ -136,8 +141,10 @@ def _whole_bytes() -> int:
 def test_forced_tensors_go_through_load_weights(tmp_path_factory):
     """Tensors routed through SGLang's ``load_weights`` (forced here: on this CPU every
     tensor could be written in place) are received whole, Hugging Face-named, and loaded
-    by the model inside the same window: two versions equal the oracle."""
-    r = run("qwen2", tmp_path_factory)
+    by the model inside the same window (at engine TP2, through the HTTP server: each TP
+    worker's ``load_weights`` slices its shard of each whole tensor, assembled from both
+    trainer ranks' shards): two versions equal the oracle."""
+    r = run("qwen2-http-tp2", tmp_path_factory)
     routes, cases = r["lw_routes"], r["cases"]
     loaded = sorted(n for n, (way, _) in routes.items() if way == "load_weights")
     assert loaded == ["lm_head.weight", "model.embed_tokens.weight",
@@ -184,11 +191,11 @@ def test_engine_exception_reaches_the_trainer(tmp_path_factory):
     assert after["weight_version"] == "v4", after
 
 
-def test_serve_while_staging(tmp_path_factory):
+@pytest.mark.parametrize("scenario, served", [("qwen2", "v4"), ("qwen2-http-tp2", "v2")])
+def test_serve_while_staging(scenario, served, tmp_path_factory):
     """Staged: once every byte is in staging the engine still serves its version
     exactly; after ``commit_weights`` the staged one."""
-    cases = run("qwen2", tmp_path_factory)["cases"]
-    served = "v4"
+    cases = run(scenario, tmp_path_factory)["cases"]
     for k in (5, 6):
         case = cases[f"staged_{k}"]
         assert_matches_oracle(case["staged"])
@@ -203,8 +210,26 @@ def test_killed_trainer_rank_leaves_the_engine_at_its_version(tmp_path_factory):
     r = run("llama-tp2", tmp_path_factory)
     case = r["cases"]["killed_rank"]
     assert case["raised"] in ("TransportError", "RefitError"), case
-    assert case["seconds"] < 40, case  # the link's timeout is 10 s
+    assert case["seconds"] < 10 + 3, case  # within the link's timeout (10 s), plus a margin
+    assert "trainer rank 1 died or stopped" in case["message"], case
     assert case["commit_raised"] == "RefitError", case
     assert_matches_oracle(case)  # the version staged before the kill, still served
     assert case["weight_version"] == "before-kill", case
     assert r["trainer_exit"] == [3], r
+
+
+def test_http_server(tmp_path_factory):
+    """Through ``sglang.launch_server`` (``--custom-weight-loader`` torchrefit's) and
+    :class:`~torchrefit.engines.sglang_http.HTTPClient` (the versions, the staged updates
+    and the shards above are its too): the version reported apart from any request
+    (``/model_info``) is the one sent; an init error reaches both trainer ranks at once,
+    and the server serves on."""
+    r = run("qwen2-http-tp2", tmp_path_factory)
+    cases = r["cases"]
+    for case in [cases["version_1"], cases["version_2"], cases["staged_5"]["committed"],
+                 cases["staged_6"]["staged"], cases["staged_6"]["committed"]]:
+        assert case["model_info_version"] == case["weight_version"], case
+    shape = cases["mismatched_shape"]
+    assert [seen["raised"] for seen in shape["ranks"]] == ["PlanError"] * 2, shape
+    assert "model.layers.0.mlp.down_proj.weight" in shape["message"], shape
+    assert all(seen["seconds"] < 15 for seen in shape["ranks"]), shape

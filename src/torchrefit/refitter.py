@@ -75,9 +75,10 @@ _log = logging.getLogger(__name__)
 #: memory a rank may use for its message pools (packed messages (both pools, sends and receives)
 DEFAULT_POOL_BYTES = 1 << 30
 _MIN_MESSAGE = 4096
-# The longest a rank waits, after a stage lost a peer, for the other live ranks to say
-# they are alive: a dead rank never says so, so the error waits this long whatever the
-# refit's timeout (a live rank still blocked past it is then named with the dead ones).
+# After a stage lost a peer, each live rank waits for the others to say they are alive (a
+# dead rank never says so): one refit timeout from the first rank's word (a live rank
+# blocked on the dead one gives up within that timeout), at most _NAMING_WINDOW. A live
+# rank still blocked past that is named with the dead ones.
 _NAMING_WINDOW = 30.0
 
 
@@ -640,13 +641,13 @@ class Refitter:
                "a rank died, stopped or left the stage")
         if self._conn is not None:
             me = str(self._conn)
-            window = min(2 * (self.timeout or self._conn.timeout), _NAMING_WINDOW)
+            window = min(self.timeout or self._conn.timeout, _NAMING_WINDOW)
             gone = self._conn.absent(f"stage {version}", window)
             if gone is None:
                 gone = [("trainer", 0)]  # it hosts the link's store
             if gone:
                 who = (f"{', '.join(f'{role} rank {r}' for role, r in gone)} died or stopped "
-                       f"(not heard from within {window:g} s of the failure)")
+                       f"(not heard from within {window:.3g} s of the failure)")
                 ranks = tuple(r if role == "trainer" else self._conn.trainers + r for role, r in gone)
         e = TransportError(
             f"stage of version {version} failed on {me}: {who}. Nothing live was written: the "

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import PlanError, RefitError
+from ..errors import PlanError, RefitError, TransportError
 from ..layout import describe
 from ..layout._described import named_refit_tensors
 from ..layout.sink import load_weights_sink
@@ -105,7 +105,9 @@ def _scheduler_init(self, info: str) -> None:
     if old is not None:  # a trainer's earlier link (one whose peer died, say) is replaced
         self._torchrefit = None
         old.close()
-    self._torchrefit = _Receiver(self, SGLangWorkerInfo(**json.loads(info)))
+    runner = self.tp_worker.model_runner
+    self._torchrefit = _Receiver(runner.model, runner.model_config.hf_text_config,
+                                 SGLangWorkerInfo(**json.loads(info)))
 
 
 def _scheduler_update(self, update: int) -> None:
@@ -249,12 +251,11 @@ def _unroutable(routes: dict[str, Route], patterns: list[str], staged: bool) -> 
 class _Receiver:
     """One TP worker's end of the link: its planned Refitter over the live shards."""
 
-    def __init__(self, scheduler, info: SGLangWorkerInfo) -> None:
+    def __init__(self, model: nn.Module, hf_config, info: SGLangWorkerInfo) -> None:
         from sglang.srt.distributed.parallel_state import get_tp_group
 
         tp = get_tp_group()
-        runner = scheduler.tp_worker.model_runner
-        self.model = runner.model
+        self.model = model
         self.staged = info.staged
         self.refitter: Refitter | None = None  # the tensors written in place
         self.loader: Refitter | None = None  # the tensors bound for load_weights
@@ -266,8 +267,7 @@ class _Receiver:
             peer_world_size=info.trainer_world_size, backend=info.group_backend,
             timeout=info.timeout)
         try:
-            self._plan(info, runner.model_config.hf_text_config, tp.rank_in_group,
-                       tp.world_size)
+            self._plan(info, hf_config, tp.rank_in_group, tp.world_size)
         except BaseException:
             self.close()
             raise
@@ -340,10 +340,13 @@ class _Receiver:
 
     def update(self, scheduler, update: int) -> None:
         """Receive one update into the live shards, inside SGLang's open weight-update
-        window; every rank of both jobs then learns whether any failed."""
+        window; every rank of both jobs then learns whether any failed. ``scheduler``:
+        None where SGLang itself checked the window and flushes after (its
+        ``update_weights_from_tensor``, :mod:`.sglang_http`)."""
         error = None
         try:
-            _session(scheduler)
+            if scheduler is not None:
+                _session(scheduler)
         except Exception as e:
             error = failure(e, f"engine rank {self.conn.rank} opening the update")
         agree_status(self.conn, error, f"SGLang weight update {update} (opening)",
@@ -356,7 +359,8 @@ class _Receiver:
         except Exception as e:
             error = failure(e, f"engine rank {self.conn.rank} receiving")
         agree_status(self.conn, error or self._load_error, f"SGLang weight update {update}")
-        _flush(scheduler)
+        if scheduler is not None:
+            _flush(scheduler)
 
     def stage(self, update: int) -> None:
         """Start staging ``update`` on a thread of this worker and return: the scheduler
@@ -376,6 +380,8 @@ class _Receiver:
         error = None
         try:
             self.refitter.stage()
+        except TransportError:  # a peer lost: every live rank of both jobs raises it itself
+            raise
         except Exception as e:
             error = failure(e, f"engine rank {self.conn.rank} staging")
         agree_status(self.conn, error, f"SGLang weight update {update} (staging)",
@@ -384,7 +390,8 @@ class _Receiver:
     def commit(self, scheduler, update: int) -> None:
         """Install the staged update (inside SGLang's open weight-update window): wait
         for the stage; if it failed anywhere, install nothing and raise."""
-        _session(scheduler)
+        if scheduler is not None:
+            _session(scheduler)
         pending, self._pending = self._pending, None
         if pending is None:
             raise RuntimeError(f"torchrefit: commit of update {update}: nothing staged")
@@ -394,7 +401,8 @@ class _Receiver:
             raise RefitError(f"SGLang weight update {update}: the stage failed, nothing was "
                              f"installed: {str(e).splitlines()[0]}", rule="nothing staged") from e
         self.refitter.commit()
-        _flush(scheduler)
+        if scheduler is not None:
+            _flush(scheduler)
 
     def close(self) -> None:
         if self._pending is not None:
@@ -464,16 +472,30 @@ def _check(result, what: str) -> None:
         raise RuntimeError(f"SGLang's {what} failed: {message}")
 
 
+def _client(engine):
+    """Rank 0's way to the engine: an in-process ``sglang.Engine``, or an HTTP server's
+    URL; anything with ``rpc`` / ``begin`` / ``end`` / ``set_weight_version`` as is."""
+    if engine is None or all(hasattr(engine, m) for m in ("rpc", "begin", "end",
+                                                           "set_weight_version")):
+        return engine
+    if isinstance(engine, str):
+        from .sglang_http import HTTPClient
+
+        return HTTPClient(engine)
+    return EngineClient(engine)
+
+
 def init_sender(info: SGLangInitInfo, model: nn.Module, engine=None) -> SGLangSender:
     """On every trainer rank (a collective over the trainer's default group): join the
     engine and plan. ``engine``: on rank 0, the ``sglang.Engine`` (or an
-    :class:`EngineClient`); None elsewhere. Raises the same error on every rank of both
+    :class:`EngineClient`), or the URL of an SGLang HTTP server (``"http://host:30000"``,
+    or an :class:`~torchrefit.engines.sglang_http.HTTPClient`: see that module); None
+    elsewhere. Raises the same error on every rank of both
     jobs where they disagree (names, shapes, dtypes, name map, skip, cast, staging)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = info.rank if info.rank is not None else (dist.get_rank() if dist.is_initialized()
                                                     else 0)
-    client = None if engine is None else (engine if isinstance(engine, EngineClient)
-                                          else EngineClient(engine))
+    client = _client(engine)
     if (client is not None) != (rank == 0):
         raise ValueError(f"init_sender: trainer rank {rank} "
                          f"{'got' if client else 'needs'} the engine (rank 0 alone holds it)")
@@ -590,6 +612,9 @@ class SGLangSender:
         error = None
         try:
             self.reports = [self._refitter.stage()]
+        except TransportError as e:  # a peer lost: every live rank of both jobs raises it
+            self._stage_failed = e  # itself, within the timeout; the link is unusable
+            raise
         except Exception as e:
             error = failure(e, f"trainer rank {self.rank} sending")
         try:
