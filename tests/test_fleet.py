@@ -35,7 +35,8 @@ UPDATES, JOIN_TIMEOUT = 30, 3.0
 
 
 def _raw_join(board: Board, name: str, proof: str, ranks: int = 1) -> None:
-    board.put(f"join/{name}", {"ranks": ranks, "staged": True, "host": "rogue", "pid": 0, "proof": proof})
+    board.put(f"join/{name}", {"ranks": ranks, "parts": 1, "staged": True, "host": "rogue", "pid": 0,
+                               "proof": proof})
     board.put(f"joins/{board.add('joins', 1)}", name)
 
 
