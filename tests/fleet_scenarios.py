@@ -141,9 +141,11 @@ def trainer(rank: int, world: int, port: int, updates: int, expect: int, timeout
         while not os.path.exists(hold) and time.monotonic() < deadline:
             time.sleep(0.05)
     table = f.replicas()
+    plans = (f.plans.built, f.plans.reused)
     seeds = list(f.coordinator.seeds) if f.coordinator is not None else []
     f.close()
     return {"reports": reports, "fds": fds, "rss": rss, "worst": worst, "table": table, "seeds": seeds,
+            "plans": plans,
             "warnings": list(warnings),
             "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
 

@@ -11,7 +11,8 @@ used): every version any replica reported is exact; neither trainer rank raises;
 killed replica that had joined is named as dropped in a report and no live one is ever
 dropped; every update ends within the timeout's bound; each update without a drop sends at
 most 1.1x one replica's bytes out of the trainer (the relay); newcomers are seeded by
-peers; after the final update every replica is at its version, whole. Memory: the trainer's
+peers; after the final update every replica is at its version, whole; the trainer made
+at most one plan per part and distinct replica layout (TP1, TP2), reused on later edges. Memory: the trainer's
 resident set from update 10 to the end grows by less than 8 MiB (figures printed).
 
 The same fleet for 200 updates without kills: the open file descriptors (sockets
@@ -72,9 +73,13 @@ def test_fleet_chaos(tmp_path) -> None:
     last = reports[-1]
     assert len(last.replicas) >= 4 and not last.dropped
     assert all(r.version == last.version and not r.mixed for r in last.replicas), str(last)
+    # plans per distinct layout, not per edge: the trainer fed TP1 and TP2 heads of the
+    # chain over many edges (restarts, re-chaining), and planned each layout's parts once
+    built, reused = t0["plans"]
+    assert built <= 2 * 4 and reused > 0, f"the trainer made {built} plans, reused {reused}"
     growth = t0["rss"][-1] - t0["rss"][9]
     print(f"chaos: {len(out['killed'])} kills {out['killed']}; {len(t0['seeds'])} seeds; "
-          f"trainer rss {t0['rss'][9]} -> {t0['rss'][-1]} KiB; worst update {t0['worst']:.2f} s")
+          f"trainer rss {t0['rss'][9]} -> {t0['rss'][-1]} KiB; plans {t0['plans']}; worst update {t0['worst']:.2f} s")
     assert growth < 8 * 1024
 
 

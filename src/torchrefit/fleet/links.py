@@ -27,6 +27,7 @@ from ..connect import _build_joint_group as build_joint_group
 from ..layout import Described, describe
 from ..refitter import Refitter
 from .parts import cut, global_sizes, part_layout
+from .plans import CachedPlanRefitter, PlanCache
 from .secret import group_prefix
 
 __all__ = ["Link", "Links", "Sides", "edge_tag", "parse_tag"]
@@ -113,6 +114,7 @@ class Links:
         self.store, self.key, self.salt = store, key, salt
         self.job, self.rank, self.world = job, rank, world
         self.sides, self.timeout = sides, timeout
+        self.plans = PlanCache()  # one per rank: edges between layouts seen before reuse theirs
         self._links: dict[str, Link] = {}
 
     def get(self, tag: str, peer_world: int, parts: int) -> Link:
@@ -133,8 +135,9 @@ class Links:
         link = Link(tag, group, [])
         try:
             for p in range(parts):
-                link.parts.append(Refitter(group=group, src_rank_offset=0, dst_rank_offset=src_world,
-                                           timeout=self.timeout, **self.sides.refitter_args_for(p, sending)))
+                link.parts.append(CachedPlanRefitter(
+                    group=group, src_rank_offset=0, dst_rank_offset=src_world, timeout=self.timeout,
+                    plans=self.plans, **self.sides.refitter_args_for(p, sending)))
         except Exception:
             link.close()
             raise

@@ -16,6 +16,7 @@ import time
 from .board import SHORT, Board, open_store
 from .coordinator import Coordinator, decode
 from .links import Links, Sides
+from .plans import PlanCache
 from .relay import TRAINER
 from .report import FleetReport, MemberState
 from .secret import read_secret
@@ -101,6 +102,12 @@ class Fleet:
                     self.board.delete(f"read/{key}")
                 return decode(task["report"])
             self._worker.run(task)
+
+    @property
+    def plans(self) -> PlanCache:
+        """This rank's plans: ``built`` (how many it made), ``reused`` (parts of new edges
+        that took a plan made for the same layouts before)."""
+        return self._worker.links.plans
 
     def replicas(self) -> list[MemberState]:
         """Every replica the fleet knows now, with its version (rank 0; elsewhere, those of
