@@ -15,7 +15,8 @@ peers; after the final update every replica is at its version, whole; the traine
 at most one plan per part and distinct replica layout (TP1, TP2), reused on later edges. Memory: the trainer's
 resident set from update 10 to the end grows by less than 8 MiB (figures printed).
 
-The same fleet for 200 updates without kills: the open file descriptors (sockets
+The same fleet for 200 updates without kills, each update in one part (the relay's thread,
+words and edges as with more, at a quarter of the per-part steps): the open file descriptors (sockets
 included) of the trainer ranks and of every replica rank are the same at update 20 and at
 update 200, and the trainer's resident set grows by less than 8 MiB.
 """
@@ -85,7 +86,7 @@ def test_fleet_chaos(tmp_path) -> None:
 
 def test_fleet_leaks_nothing_over_200_updates(tmp_path) -> None:
     out = fs.run_chaos(str(tmp_path), updates=200, kills=0, add_at=None, timeout=TIMEOUT,
-                       drop_after=DROP_AFTER, pause=0.0, settle=False)
+                       drop_after=DROP_AFTER, pause=0.0, settle=False, chunks=1)
     reports = _reports(out)
     assert not any(rep.dropped for rep in reports)
     assert all(len(rep.replicas) == 3 for rep in reports[19:])
