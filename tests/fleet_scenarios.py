@@ -100,7 +100,7 @@ def _wait_ready(f, count: int, limit: float) -> None:
 
 def trainer(rank: int, world: int, port: int, updates: int, expect: int, timeout: float,
             drop_after: float, pause: float, ctl: str | None = None, relay: bool = True,
-            settle: int = 0, join_timeout: float = 120.0, hold: str | None = None) -> dict:
+            settle: int = 0, join_timeout: float = 120.0, hold: str | None = None, chunks: int = 4) -> dict:
     """The trainer job: wait for ``expect`` replicas to have joined (rank 0), then
     ``updates`` updates; with ``settle``, rank 0 then waits (at most 120 s) until ``settle``
     replicas are ready and one more update runs (restarts that joined late are fed too).
@@ -109,7 +109,7 @@ def trainer(rank: int, world: int, port: int, updates: int, expect: int, timeout
     warnings = _capture_warnings()
     model = build_toy(SPEC, TRAINER, rank, seed=0)
     f = fleet.Fleet(model, rank, world, "127.0.0.1", port, secret=SECRET, timeout=timeout,
-                    drop_after=drop_after, join_timeout=join_timeout)
+                    drop_after=drop_after, join_timeout=join_timeout, chunks=chunks)
     if f.coordinator is not None:
         f.coordinator.relay = relay
         deadline = time.monotonic() + 120
@@ -141,9 +141,11 @@ def trainer(rank: int, world: int, port: int, updates: int, expect: int, timeout
         while not os.path.exists(hold) and time.monotonic() < deadline:
             time.sleep(0.05)
     table = f.replicas()
+    plans = (f.plans.built, f.plans.reused)
     seeds = list(f.coordinator.seeds) if f.coordinator is not None else []
     f.close()
     return {"reports": reports, "fds": fds, "rss": rss, "worst": worst, "table": table, "seeds": seeds,
+            "plans": plans,
             "warnings": list(warnings),
             "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
 
@@ -161,11 +163,12 @@ def _current(ctl: str) -> int:
 def run_chaos(logdir: str, updates: int, kills: int, add_at: int | None, seed: int = 0,
               timeout: float = 10.0, drop_after: float = 3.0, pause: float = 0.05,
               layouts: tuple[tuple[int, bool], ...] = ((1, False), (2, True), (2, True)),
-              relay: bool = True, limit: float = 600.0, settle: bool = True) -> dict:
+              relay: bool = True, limit: float = 600.0, settle: bool = True, chunks: int = 4) -> dict:
     """A 2-rank trainer, replicas of ``layouts`` ((TP, staged) each), ``updates`` updates;
     during ``kills`` chosen updates a random replica is SIGKILLed a random moment after the
     update began and restarted at once (a new join); a 4th replica (TP2, staged) joins at
-    update ``add_at``. Returns the trainer's results, every replica job's, and the kills."""
+    update ``add_at``; each update moves in ``chunks`` parts. Returns the trainer's results,
+every replica job's, and the kills."""
     import random
 
     from torchrefit.testing.fleet_jobs import Job
@@ -179,7 +182,7 @@ def run_chaos(logdir: str, updates: int, kills: int, add_at: int | None, seed: i
     every: list[Job] = list(live.values())
     final = len(layouts) + (add_at is not None)
     trainer_job = Job(trainer, 2, port, updates, len(layouts), timeout, drop_after, pause, ctl, relay,
-                      final if settle else 0)
+                      final if settle else 0, 120.0, None, chunks)
     plan = sorted(rnd.sample(range(3, updates - 2), kills)) if kills else []
     allowed = _allow(ctl, plan[0] if plan else updates + 1, None)
     killed: list[tuple[int, str]] = []

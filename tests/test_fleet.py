@@ -35,7 +35,8 @@ UPDATES, JOIN_TIMEOUT = 30, 3.0
 
 
 def _raw_join(board: Board, name: str, proof: str, ranks: int = 1) -> None:
-    board.put(f"join/{name}", {"ranks": ranks, "staged": True, "host": "rogue", "pid": 0, "proof": proof})
+    board.put(f"join/{name}", {"ranks": ranks, "parts": 1, "staged": True, "host": "rogue", "pid": 0,
+                               "proof": proof})
     board.put(f"joins/{board.add('joins', 1)}", name)
 
 
@@ -82,7 +83,9 @@ def test_admission_refuses_without_the_secret(tmp_path) -> None:
         assert expect in warned, f"{expect!r} not logged:\n{warned}"
     reports = t0["reports"]
     assert [r.version for r in reports] == list(range(1, UPDATES + 1))
-    assert all(len(r.replicas) == 1 and r.replicas[0].name.startswith("honest") for r in reports if r.replicas)
+    for r in reports:  # the honest replica is fed; the silent one appears only as dropped
+        assert all(x.name.startswith("honest") or (x.name == "mute" and x.dropped) for x in r.replicas), str(r)
+        assert sum(x.name.startswith("honest") for x in r.replicas) == (1 if r.replicas else 0), str(r)
     assert reports[-1].replicas[0].version == UPDATES
     assert t0["worst"] < 2.0, f"an update took {t0['worst']:.2f} s while joiners were refused"
     logs = fs.read_logs(str(tmp_path))

@@ -11,10 +11,12 @@ used): every version any replica reported is exact; neither trainer rank raises;
 killed replica that had joined is named as dropped in a report and no live one is ever
 dropped; every update ends within the timeout's bound; each update without a drop sends at
 most 1.1x one replica's bytes out of the trainer (the relay); newcomers are seeded by
-peers; after the final update every replica is at its version, whole. Memory: the trainer's
+peers; after the final update every replica is at its version, whole; the trainer made
+at most one plan per part and distinct replica layout (TP1, TP2), reused on later edges. Memory: the trainer's
 resident set from update 10 to the end grows by less than 8 MiB (figures printed).
 
-The same fleet for 200 updates without kills: the open file descriptors (sockets
+The same fleet for 200 updates without kills, each update in one part (the relay's thread,
+words and edges as with more, at a quarter of the per-part steps): the open file descriptors (sockets
 included) of the trainer ranks and of every replica rank are the same at update 20 and at
 update 200, and the trainer's resident set grows by less than 8 MiB.
 """
@@ -72,15 +74,19 @@ def test_fleet_chaos(tmp_path) -> None:
     last = reports[-1]
     assert len(last.replicas) >= 4 and not last.dropped
     assert all(r.version == last.version and not r.mixed for r in last.replicas), str(last)
+    # plans per distinct layout, not per edge: the trainer fed TP1 and TP2 heads of the
+    # chain over many edges (restarts, re-chaining), and planned each layout's parts once
+    built, reused = t0["plans"]
+    assert built <= 2 * 4 and reused > 0, f"the trainer made {built} plans, reused {reused}"
     growth = t0["rss"][-1] - t0["rss"][9]
     print(f"chaos: {len(out['killed'])} kills {out['killed']}; {len(t0['seeds'])} seeds; "
-          f"trainer rss {t0['rss'][9]} -> {t0['rss'][-1]} KiB; worst update {t0['worst']:.2f} s")
+          f"trainer rss {t0['rss'][9]} -> {t0['rss'][-1]} KiB; plans {t0['plans']}; worst update {t0['worst']:.2f} s")
     assert growth < 8 * 1024
 
 
 def test_fleet_leaks_nothing_over_200_updates(tmp_path) -> None:
     out = fs.run_chaos(str(tmp_path), updates=200, kills=0, add_at=None, timeout=TIMEOUT,
-                       drop_after=DROP_AFTER, pause=0.0, settle=False)
+                       drop_after=DROP_AFTER, pause=0.0, settle=False, chunks=1)
     reports = _reports(out)
     assert not any(rep.dropped for rep in reports)
     assert all(len(rep.replicas) == 3 for rep in reports[19:])

@@ -3,9 +3,11 @@ trees, every target fed once, only the first source sending), re-feed sources (w
 replicas first, the trainer last), the seed source (only a peer whole at the current
 version, never a mixed one, never a busy one, none before the first version), and the
 secret (required, never a default; proofs that a wrong secret or other parts cannot make).
-One rank's worker, over a real store with a stand-in Refitter: a sender never relays or
-seeds a mix; a receive cut by a dying sender marks an unstaged replica as holding a mix
-(its version kept) and leaves a staged one whole, until its next complete receive."""
+One rank's worker, over a real store with stand-in Refitters (one per part): a sender never
+relays or seeds a mix; a receive cut by a dying sender marks an unstaged replica as holding
+a mix (its version kept) and leaves a staged one whole, until its next complete receive; a
+relay forwards each part once it holds it and skips the parts it lacks. The cut into
+parts: balanced runs of whole tensors, the same on every rank."""
 
 from __future__ import annotations
 
@@ -73,45 +75,44 @@ def test_a_relay_or_seed_source_never_sends_a_mix() -> None:
 
     w = Worker(None, None, "r", 0, 1, 1.0, Whole(version=7, mixed=True))
     task = {"version": 8, "expect": 7}
-    assert w._what_to_send(task, True)[1] == "r holds a mix of versions"
+    assert w._what_to_send(task)[1] == "r holds a mix of versions"
     w.whole.mixed = False
-    assert w._what_to_send(task, True) == (7, None)
-    assert "holds version 7, not 8" in w._what_to_send({"version": 8}, True)[1]
-    assert "did not receive version 8 whole" in w._what_to_send({"version": 8}, False)[1]
+    assert w._what_to_send(task) == (7, None)
+    assert "holds version 7, not 8" in w._what_to_send({"version": 8})[1]
     trainer = Worker(None, None, TRAINER, 0, 2, 1.0)
-    assert trainer._what_to_send({"version": 8}, True) == (8, None)
+    assert trainer._what_to_send({"version": 8}) == (8, None)
 
 
 class _Refitter:
-    def __init__(self, fail: bool) -> None:
-        self.fail, self.committed = fail, 0
+    """One part of an edge: fails (a peer died mid-transfer) or moves 10 bytes."""
 
-    def _go(self, version):
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.calls = fail, 0
+
+    def refit(self, version):
         if self.fail:
             from torchrefit.errors import TransportError
             raise TransportError("injected: the sender died mid-transfer")
-        return self
+        self.calls += 1
+        return type("R", (), {"bytes_received": 10, "bytes_sent": 10})()
 
-    def refit(self, version):
-        return self._go(version).wait()
 
-    def stage(self, version):
-        self._go(version)
-        return self
+class _Sides:
+    def __init__(self) -> None:
+        self.installed = 0
 
-    def wait(self):
-        return type("R", (), {"bytes_received": 10})()
-
-    def commit(self):
-        self.committed += 1
+    def install(self) -> None:
+        self.installed += 1
 
 
 class _Links:
-    def __init__(self, refitter) -> None:
-        self.refitter, self.forgotten = refitter, []
+    """Edges of one rank: ``parts[tag]`` lists each part's stand-in Refitter."""
 
-    def get(self, tag, peer_world):
-        return self
+    def __init__(self, parts: dict[str, list[_Refitter]]) -> None:
+        self.parts, self.forgotten, self.sides = parts, [], _Sides()
+
+    def get(self, tag, peer_world, parts):
+        return type("L", (), {"parts": self.parts[tag]})()
 
     def forget(self, tag):
         self.forgotten.append(tag)
@@ -120,23 +121,29 @@ class _Links:
         pass
 
 
+def _board():
+    import torch.distributed as dist
+
+    from torchrefit.fleet.board import Board
+    from torchrefit.testing.jobs import free_port
+
+    return Board(dist.TCPStore("127.0.0.1", free_port(), None, is_master=True, wait_for_workers=False))
+
+
 @pytest.mark.parametrize("staged", [False, True])
 def test_a_cut_receive_marks_an_unstaged_replica_mixed_until_its_next_whole_one(staged: bool) -> None:
     """A replica whose sender died mid-transfer: unstaged, its live weights are marked as a
     mix (and its version kept); staged, nothing was committed and it stays whole at its
     version. The next complete receive installs the version and clears the mark."""
-    import torch.distributed as dist
-
-    from torchrefit.fleet.board import Board
     from torchrefit.fleet.worker import Whole, Worker
-    from torchrefit.testing.jobs import free_port
 
-    board = Board(dist.TCPStore("127.0.0.1", free_port(), None, is_master=True, wait_for_workers=False))
+    board = _board()
     seen = []
-    links = _Links(_Refitter(fail=True))
+    links = _Links({"trainer>r#0": [_Refitter(), _Refitter(fail=True)]})
     w = Worker(board, links, "r", 0, 1, 5.0, Whole(version=3), on_version=seen.append)
-    edge = {"tag": "trainer>r#0", "word": "w1", "peer": TRAINER, "peer_world": 2, "stage": staged}
-    board.put("edge/w1", {"go": True, "version": 4, "why": None})
+    edge = {"tag": "trainer>r#0", "word": "w1", "peer": TRAINER, "peer_world": 2, "stage": staged, "parts": 2}
+    for p in range(2):
+        board.put(f"edge/w1/{p}", {"go": True, "version": 4, "why": None})
     out = w.run({"n": 0, "kind": "update", "version": 4, "in": edge, "outs": [], "live": [TRAINER, "r"]})
     assert not out["in"]["agreed"] and "sender died" in out["in"]["error"]
     assert (w.whole.version, w.whole.mixed) == (3, not staged)
@@ -146,8 +153,60 @@ def test_a_cut_receive_marks_an_unstaged_replica_mixed_until_its_next_whole_one(
     board.put("edge/w2", {"go": False, "version": 0, "why": "trainer was dropped"})
     w.run({"n": 1, "kind": "update", "version": 4, "in": {**edge, "word": "w2"}, "outs": []})
     assert w.whole.mixed == (not staged)
-    links.refitter = _Refitter(fail=False)
-    board.put("edge/w3", {"go": True, "version": 5, "why": None})
+    links.parts["trainer>r#0"] = [_Refitter(), _Refitter()]
+    for p in range(2):
+        board.put(f"edge/w3/{p}", {"go": True, "version": 5, "why": None})
     out = w.run({"n": 2, "kind": "update", "version": 5, "in": {**edge, "word": "w3"}, "outs": []})
     assert out["in"]["agreed"] and (w.whole.version, w.whole.mixed) == (5, False) and seen == [5]
-    assert links.refitter.committed == (1 if staged else 0)
+    assert out["in"]["bytes"] == 20 and links.sides.installed == 1
+
+
+def test_a_relay_forwards_each_part_it_holds_and_skips_the_rest() -> None:
+    """A relay between a sender that dies at part 2 of 3 and a receiver: parts 0 and 1 are
+    forwarded (each once every rank of the relay holds it), part 2 is skipped, never sent,
+    and the relay installs nothing (it keeps its version and forwards no byte it lacks)."""
+    from torchrefit.fleet.worker import Whole, Worker
+
+    board = _board()
+    up = [_Refitter(), _Refitter(), _Refitter(fail=True)]
+    down = [_Refitter(), _Refitter(), _Refitter()]
+    links = _Links({"trainer>r#0": up, "r>s#0": down})
+    w = Worker(board, links, "r", 0, 1, 5.0, Whole(version=3))
+    inn = {"tag": "trainer>r#0", "word": "w1", "peer": TRAINER, "peer_world": 2, "stage": True, "parts": 3}
+    out_edge = {"tag": "r>s#0", "word": "w2", "peer": "s", "peer_world": 1, "stage": True, "parts": 3}
+    for p in range(3):
+        board.put(f"edge/w1/{p}", {"go": True, "version": 4, "why": None})
+    out = w.run({"n": 0, "kind": "update", "version": 4, "in": inn, "outs": [out_edge]})
+    assert [r.calls for r in down] == [1, 1, 0]
+    assert [board.get(f"edge/w2/{p}")["go"] for p in range(3)] == [True, True, False]
+    assert "did not receive version 4 whole" in board.get("edge/w2/2")["why"]
+    sent = out["outs"]["r>s#0"]
+    assert not sent["ok"] and sent["skipped"] and sent["bytes"] == 20
+    assert not out["in"]["agreed"] and (w.whole.version, w.whole.mixed) == (3, False)
+    assert links.sides.installed == 0
+
+
+def test_parts_are_balanced_runs_of_whole_tensors() -> None:
+    from torchrefit.fleet.parts import cut, part_of
+    from torchrefit.layout import describe
+    from torchrefit.testing import Mesh, ModelSpec, build_toy
+
+    sizes = {"a": 10, "b": 10, "c": 10, "d": 10, "e": 1}
+    parts = cut(sizes, 4)
+    assert parts == [frozenset("a"), frozenset("b"), frozenset("c"), frozenset("de")]
+    assert cut(sizes, 1) == [frozenset(sizes)] and len(cut({"a": 5}, 4)) == 1
+    with pytest.raises(ValueError):
+        cut(sizes, 0)
+    spec = ModelSpec(layers=2)
+    one = describe(build_toy(spec, Mesh(tp=1, ranks=1), 0, seed=0))
+    two = describe(build_toy(spec, Mesh(tp=2, ranks=2), 1, seed=0))
+    sizes = {t.name: t.global_shape for _, t in one.layout}
+    assert sizes == {t.name: t.global_shape for _, t in two.layout}
+    from torchrefit.fleet.parts import global_sizes
+    got = cut(global_sizes(one.layout), 4)
+    assert got == cut(global_sizes(two.layout), 4) and len(got) >= 3  # a TP1 and a TP2 replica agree
+    assert sorted(n for p in got for n in p) == sorted(sizes)
+    shares = [sum(global_sizes(one.layout)[n] for n in p) for p in got]
+    assert max(shares) < 0.6 * sum(shares)
+    sub = part_of(one, got[0])
+    assert {t.name for _, t in sub.layout} == got[0] and set(sub.tensors) == {k for k, _ in sub.layout}

@@ -8,6 +8,7 @@
 
 Modules: ``relay`` (pure: who feeds whom, who seeds a newcomer), ``secret`` (admission
 proofs), ``board`` (the store's keys), ``links`` (one group and Refitter per edge),
+``parts`` (pure: the parts an update moves in), ``plans`` (plans kept per pair of layouts),
 ``worker`` (running a task on one rank), ``coordinator`` (the trainer's rank 0),
 ``trainer`` (``Fleet``), ``replica`` (``join``), ``report``.
 """

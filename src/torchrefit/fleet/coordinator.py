@@ -45,6 +45,7 @@ class _Member:
     staged: bool
     host: str
     order: int
+    parts: int = 1
     state: str = "arming"
     version: int = 0
     mixed: bool = False
@@ -66,13 +67,16 @@ class Coordinator:
 
     def __init__(self, address: str, port: int, key: bytes, trainer_ranks: int, timeout: float,
                  drop_after: float, join_timeout: float, fanout: int,
-                 relay: bool = True) -> None:
+                 relay: bool = True, chunks: int = 4) -> None:
+        if chunks < 1:
+            raise ValueError(f"chunks must be >= 1, not {chunks}")
         self.key, self.trainer_ranks, self.timeout = key, trainer_ranks, timeout
         self.drop_after, self.join_timeout, self.fanout, self.relay = drop_after, join_timeout, fanout, relay
         self.store = open_store(address, port, True, timeout)
         self.board = Board(self.store)
         self._wboard = Board(open_store(address, port, False, timeout))  # the watcher's own client
         self.salt = secrets.token_hex(16)
+        self.board.put("chunks", chunks)
         self.board.put("salt", self.salt)
         self.version = 0
         self.inflight: int | None = None
@@ -114,7 +118,7 @@ class Coordinator:
         self._words += 1
         tag = edge_tag(src, dst, self._gen.get((src, dst), 0))
         return {"tag": tag, "word": f"{tag}@{self._words}", "peer": peer,
-                "peer_world": self._world(peer), "stage": self._staged(dst)}
+                "peer_world": self._world(peer), "stage": self._staged(dst), "parts": self.members[dst].parts}
 
     def _post_edges(self, board: Board, edges: list[Edge], kind: str, version: int,
                     expect: int | None = None) -> dict[str, int]:
@@ -175,7 +179,7 @@ class Coordinator:
             return
         self._order += 1
         self.members[name] = _Member(name, int(req["ranks"]), bool(req["staged"]), str(req["host"]),
-                                     self._order)
+                                     self._order, int(req["parts"]))
         b.put_once(f"admit/{name}", {"ok": True, "proof": prove(self.key, "admit", self.salt, name)})
         _log.info("fleet: admitted %s (%d rank(s) on %s, %s)", name, int(req["ranks"]), req["host"],
                   "staged" if req["staged"] else "unstaged")
@@ -183,7 +187,8 @@ class Coordinator:
     def _refusal(self, name: str, req: Any) -> str | None:
         if not _NAME.match(name):
             return "its name is not [A-Za-z0-9._-]{1,128}"
-        if not isinstance(req, dict) or not isinstance(req.get("ranks"), int) or req["ranks"] < 1:
+        if (not isinstance(req, dict) or not isinstance(req.get("ranks"), int) or req["ranks"] < 1
+                or not isinstance(req.get("parts"), int) or req["parts"] < 1):
             return "malformed join request"
         if name in self.members or name == TRAINER:
             return "a replica of that name already joined (a restart joins under a new name)"
@@ -270,6 +275,7 @@ class Coordinator:
                 continue
             seed, m.seed = m.seed, None
             self._open.pop(seed["word"], None)
+            self._forget_words(b, seed["word"], m.name)
             self._bump(seed["src"], m.name)  # the seeding edge's group is gone: the next one meets anew
             self._forget_task(b, m.name, seed["n"], m.ranks)
             got = done[0]["in"]
@@ -292,9 +298,18 @@ class Coordinator:
         """Delete a finished task's keys (every rank of the job has read and answered it), so
         the store holds a bounded number of keys however long the fleet runs."""
         b.delete(f"task/{job}/{n}")
+        parts = self.members[job].parts if job in self.members else 0
         for r in range(ranks):
             b.delete(f"done/{job}/{n}/{r}")
             b.delete(f"sib/{job}/{n}/{r}")
+            for p in range(parts):  # a relay's word to its rank 0, per part
+                b.delete(f"part/{job}/{n}/{p}/{r}")
+
+    def _forget_words(self, b: Board, word: str, dst: str) -> None:
+        """Delete an edge's words (the whole edge's and each part's) once both ends answered."""
+        b.delete(f"edge/{word}")
+        for p in range(self.members[dst].parts):
+            b.delete(f"edge/{word}/{p}")
 
     def _bump(self, src: str, dst: str) -> None:
         self._gen[(src, dst)] = self._gen.get((src, dst), 0) + 1
@@ -335,8 +350,8 @@ class Coordinator:
                 for job, n in posted.items():
                     if results.get(job) is not None:
                         self._forget_task(self.board, job, n, self._world(job))
-                for word in words.values():
-                    self.board.delete(f"edge/{word}")
+                for dst, word in words.items():
+                    self._forget_words(self.board, word, dst)
                 holders = [m.holding() for m in sorted(self.members.values(), key=lambda m: m.order)
                            if m.state != "dropped"]
                 sources = refeed_sources(holders, version)

@@ -1,6 +1,11 @@
-"""This rank's side of the edges it sends or receives on: one process group and one
-``Refitter`` per edge, built the first time a task names the edge and kept for later
-updates (the plan between the two layouts is made once per edge).
+"""This rank's side of the edges it sends or receives on: one process group per edge and
+one ``Refitter`` per part of the relay's pipeline (``parts``) over it, built the first time
+a task names the edge and kept for later updates.
+
+What a rank sends and receives into (``Sides``): the trainer sends from its model as
+given; a replica receives into its live weights (unstaged) or into the fleet's staging
+copy of them (staged, installed under its lock once whole), and relays from the same
+tensors it received into, part by part, each part described by ``parts.part_layout``.
 
 An edge's group joins every rank of its two jobs, sender's ranks first, beside each job's
 own default group (``connect``'s way: ``build_joint_group`` over a prefix of the fleet's
@@ -13,15 +18,19 @@ are closed when a task says who is still in it.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from ..connect import _build_joint_group as build_joint_group
+from ..layout import Described, describe
 from ..refitter import Refitter
+from .parts import cut, global_sizes, part_layout
+from .plans import CachedPlanRefitter, PlanCache
 from .secret import group_prefix
 
-__all__ = ["Link", "Links", "edge_tag", "parse_tag"]
+__all__ = ["Link", "Links", "Sides", "edge_tag", "parse_tag"]
 
 _log = logging.getLogger(__name__)
 
@@ -37,18 +46,59 @@ def parse_tag(tag: str) -> tuple[str, str]:
 
 
 @dataclass
+class Sides:
+    """What this rank's job sends from and receives into. The trainer: ``model`` and its
+    ``refitter_args``, whole. A replica (``live`` set): its live weights described once,
+    ``staging`` (a copy of them, staged replicas) and the global names of each part."""
+
+    model: object
+    refitter_args: dict = field(default_factory=dict)
+    live: Described | None = None
+    staging: dict[str, torch.Tensor] | None = None
+    parts: list[frozenset[str]] = field(default_factory=list)
+
+    @classmethod
+    def replica(cls, model, staged: bool, chunks: int, refitter_args: dict | None) -> Sides:
+        args = dict(refitter_args or {})
+        layout = args.pop("dst_layout", None) or args.pop("src_layout", None)
+        live = describe(model, layout)
+        staging = {k: torch.empty_like(t) for k, t in live.tensors.items()} if staged else None
+        return cls(model, args, live, staging, cut(global_sizes(live.layout), chunks))
+
+    def refitter_args_for(self, part: int, sending: bool) -> dict:
+        """Refitter arguments for ``part`` of an edge, this rank at the sending end or not."""
+        if self.live is None:  # the trainer: its model whole (the plan sends what the part needs)
+            return {**self.refitter_args, "src_model": self.model, "dst_model": None}
+        tensors = self.staging
+        model = self.model if tensors is None else tensors
+        layout = part_layout(self.live, self.parts[part], tensors)
+        side = {"src_model": model, "src_layout": layout, "dst_model": None} if sending else {
+            "src_model": None, "dst_model": model, "dst_layout": layout}
+        return {**self.refitter_args, **side}
+
+    def install(self) -> None:
+        """Staged: copy the staging copy into the live weights (the caller holds the lock)."""
+        if self.staging is not None:
+            with torch.no_grad():
+                torch._foreach_copy_([self.live.tensors[k] for k in self.staging], list(self.staging.values()))
+        if self.live is not None and self.live.after_refit is not None:
+            self.live.after_refit()
+
+
+@dataclass
 class Link:
-    """One edge as this rank holds it."""
+    """One edge as this rank holds it: its group and one Refitter per part."""
 
     tag: str
     group: dist.ProcessGroup
-    refitter: Refitter
+    parts: list[Refitter]
 
     def close(self) -> None:
-        try:
-            self.refitter.close()
-        except Exception:
-            pass
+        for r in self.parts:
+            try:
+                r.close()
+            except Exception:
+                pass
         try:
             if self.group in dist.distributed_c10d._world.pg_map:
                 dist.destroy_process_group(self.group)
@@ -60,36 +110,38 @@ class Links:
     """The edges of one rank of one job (``job``, ``rank`` of ``world``)."""
 
     def __init__(self, store: dist.Store, key: bytes, salt: str, job: str, rank: int, world: int,
-                 model, timeout: float, refitter_args: dict | None = None) -> None:
+                 sides: Sides, timeout: float) -> None:
         self.store, self.key, self.salt = store, key, salt
         self.job, self.rank, self.world = job, rank, world
-        self.model, self.timeout = model, timeout
-        self.refitter_args = dict(refitter_args or {})
+        self.sides, self.timeout = sides, timeout
+        self.plans = PlanCache()  # one per rank: edges between layouts seen before reuse theirs
         self._links: dict[str, Link] = {}
 
-    def get(self, tag: str, peer_world: int) -> Link:
+    def get(self, tag: str, peer_world: int, parts: int) -> Link:
         """The edge's link, built now if new (collective with every rank of the peer job)."""
         link = self._links.get(tag)
         if link is None:
-            link = self._build(tag, peer_world)
+            link = self._build(tag, peer_world, parts)
             self._links[tag] = link
         return link
 
-    def _build(self, tag: str, peer_world: int) -> Link:
+    def _build(self, tag: str, peer_world: int, parts: int) -> Link:
         src, dst = parse_tag(tag)
         sending = src == self.job
         src_world = self.world if sending else peer_world
         joint = self.rank if sending else src_world + self.rank
         prefix = dist.PrefixStore(group_prefix(self.key, self.salt, tag), self.store)
         group = build_joint_group(prefix, joint, self.world + peer_world, "gloo", self.timeout)
+        link = Link(tag, group, [])
         try:
-            r = Refitter(self.model if sending else None, None if sending else self.model,
-                         group=group, src_rank_offset=0, dst_rank_offset=src_world,
-                         timeout=self.timeout, **self.refitter_args)
+            for p in range(parts):
+                link.parts.append(CachedPlanRefitter(
+                    group=group, src_rank_offset=0, dst_rank_offset=src_world, timeout=self.timeout,
+                    plans=self.plans, **self.sides.refitter_args_for(p, sending)))
         except Exception:
-            Link(tag, group, None).close()
+            link.close()
             raise
-        return Link(tag, group, r)
+        return link
 
     def forget(self, tag: str) -> None:
         link = self._links.pop(tag, None)

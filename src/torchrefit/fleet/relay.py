@@ -1,9 +1,9 @@
 """Pure planning of a fleet update: who feeds whom (no store, no process group).
 
 Each update's bytes leave the trainer once: the trainer feeds one replica, and the
-replicas relay to one another along a tree of out-degree ``fanout`` (1: a chain). A
-replica relays only after it holds the whole new version (its siblings agreed and, where
-staged, it committed), so what it forwards is never a mix. When a relay node drops, the
+replicas relay to one another along a tree of out-degree ``fanout`` (1: a chain), each
+edge pipelined part by part (``parts``; a replica forwards a part once every one of its
+ranks received it, so what it forwards is never a mix). When a relay node drops, the
 replicas behind it are *orphans*: the next round feeds them from a replica that now holds
 the version (the trainer only where none does), again as one tree.
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from .board import Board, open_store
-from .links import Links
+from .links import Links, Sides
 from .secret import check, prove, read_secret
 from .worker import Whole, Worker
 
@@ -42,7 +42,7 @@ class Replica:
 
     def __init__(self, name: str, rank: int, world: int, model, board: Board, key: bytes,
                  salt: str, address: str, port: int, timeout: float, staged: bool,
-                 on_version: Callable[[int], None] | None, refitter_args: dict | None) -> None:
+                 on_version: Callable[[int], None] | None, sides: Sides) -> None:
         self.name, self.rank, self.world, self.staged = name, rank, world, staged
         self.model, self.board, self.timeout = model, board, timeout
         self.whole = Whole()
@@ -50,7 +50,7 @@ class Replica:
         self.dropped = ""  # why the fleet dropped this replica, once it did
         self._stop = threading.Event()
         self._hb_board = Board(open_store(address, port, False, timeout))
-        links = Links(board.store, key, salt, name, rank, world, model, timeout, refitter_args)
+        links = Links(board.store, key, salt, name, rank, world, sides, timeout)
         self._worker = Worker(board, links, name, rank, world, timeout, self.whole, on_version,
                               self._stop.is_set)
         self._beat = threading.Thread(target=self._beating, name=f"fleet-beat-{name}", daemon=True)
@@ -146,8 +146,10 @@ def join(model, rank: int, world_size: int, address: str, port: int, *, name: st
     salt = board.wait("salt", until)
     if salt is None:
         raise JoinRefused(f"join {full}: no fleet at {address}:{port} within {timeout:g} s")
+    sides = Sides.replica(model, staged, int(board.wait("chunks", until) or 1), refitter_args)
     if rank == 0:
         board.put(f"join/{full}", {"ranks": world_size, "staged": staged, "host": socket.gethostname(),
+                                   "parts": len(sides.parts),
                                    "pid": os.getpid(), "proof": prove(key, "join", salt, full, str(world_size))})
         board.put(f"joins/{board.add('joins', 1)}", full)
     answer = board.wait(f"admit/{full}", until)
@@ -158,7 +160,7 @@ def join(model, rank: int, world_size: int, address: str, port: int, *, name: st
     if not check(key, answer.get("proof", ""), "admit", salt, full):
         raise JoinRefused(f"join {full}: the fleet at {address}:{port} did not prove it holds the secret")
     return Replica(full, rank, world_size, model, board, key, salt, address, port, timeout, staged,
-                   on_version, refitter_args)
+                   on_version, sides)
 
 
 def _agreed_name(name: str, rank: int, world: int) -> str:

@@ -15,7 +15,8 @@ import time
 
 from .board import SHORT, Board, open_store
 from .coordinator import Coordinator, decode
-from .links import Links
+from .links import Links, Sides
+from .plans import PlanCache
 from .relay import TRAINER
 from .report import FleetReport, MemberState
 from .secret import read_secret
@@ -39,6 +40,8 @@ class Fleet:
         drop_after: seconds without a heartbeat after which a replica is dropped.
         join_timeout: seconds an admitted replica has to start all its ranks.
         fanout: each replica feeds up to this many others (1: a chain).
+        chunks: each update moves in this many parts, pipelined along the relay: a replica
+            forwards one part while it receives the next (1: store-and-forward).
         refitter_args: more ``Refitter`` keyword arguments for every edge (``name_map``,
             ``src_layout``, ``cast``...), alike on every rank of the fleet.
     """
@@ -46,7 +49,7 @@ class Fleet:
     def __init__(self, model, rank: int, world_size: int, address: str, port: int, *,
                  secret: bytes | str | None = None, secret_file: str | None = None,
                  timeout: float = 60.0, drop_after: float = 3.0, join_timeout: float = 60.0,
-                 fanout: int = 1, refitter_args: dict | None = None) -> None:
+                 fanout: int = 1, chunks: int = 4, refitter_args: dict | None = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"Fleet: rank {rank} is outside a trainer job of {world_size} ranks")
         self.key = read_secret(secret, secret_file, "Fleet")
@@ -55,7 +58,7 @@ class Fleet:
         self.coordinator = None
         if rank == 0:
             self.coordinator = Coordinator(address, port, self.key, world_size, timeout, drop_after,
-                                           join_timeout, fanout)
+                                           join_timeout, fanout, chunks=chunks)
             store = self.coordinator.store
         else:
             store = open_store(address, port, False, timeout)
@@ -64,7 +67,8 @@ class Fleet:
         if salt is None:
             raise TimeoutError(f"Fleet rank {rank}: no fleet store at {address}:{port} within {timeout:g} s")
         self._tasks = 0
-        links = Links(store, self.key, salt, TRAINER, rank, world_size, model, timeout, refitter_args)
+        links = Links(store, self.key, salt, TRAINER, rank, world_size, Sides(model, dict(refitter_args or {})),
+                      timeout)
         self._worker = Worker(self.board, links, TRAINER, rank, world_size, timeout)
         self.last: FleetReport | None = None
 
@@ -98,6 +102,12 @@ class Fleet:
                     self.board.delete(f"read/{key}")
                 return decode(task["report"])
             self._worker.run(task)
+
+    @property
+    def plans(self) -> PlanCache:
+        """This rank's plans: ``built`` (how many it made), ``reused`` (parts of new edges
+        that took a plan made for the same layouts before)."""
+        return self._worker.links.plans
 
     def replicas(self) -> list[MemberState]:
         """Every replica the fleet knows now, with its version (rank 0; elsewhere, those of
