@@ -39,6 +39,7 @@ from ..plan.messages import ALIGN, cut_messages, rows_of
 from ..plan.types import RankPlan
 from ..transport.base import RoundsTransport
 from ..transport.collectives import collective, collective_device
+from . import delta_native
 from .views import Views
 
 __all__ = ["DeltaRounds", "DeltaStats", "compile_delta", "gather_offers", "BLOCK", "DENSE", "SPARSE",
@@ -341,6 +342,11 @@ def _encode(msg: _Message, key: tuple[int, int] = (0, 0), scratch: _Scratch | No
         dense_above = settings.current().delta_dense_above
     if _sampled_density(msg) > dense_above:
         return DENSE, [0] * len(msg.parts), _fill(msg)
+    kern = delta_native.kernels() if msg.ref.device.type == "cpu" else None
+    if kern is not None:
+        currents = [_current(part) for part in msg.parts]
+        if delta_native.encodable(currents, msg.ref):
+            return _encode_native(kern, msg, currents, key, scratch, dense_above)
     positions, values = [], []
     for slot, part in enumerate(msg.parts):
         cur, ref = _current(part), _ref_part(msg, part)
@@ -359,6 +365,21 @@ def _encode(msg: _Message, key: tuple[int, int] = (0, 0), scratch: _Scratch | No
     return DENSE, [0] * len(msg.parts), _fill(msg)
 
 
+def _encode_native(kern, msg: _Message, currents: list[torch.Tensor], key: tuple[int, int], scratch: _Scratch,
+                   dense_above: float) -> tuple[int, list[int], torch.Tensor]:
+    """``_encode`` in one native pass per part (``execute.delta_native``): the same
+    choice, the same payload bytes."""
+    cap = int(dense_above * sum(p.numel for p in msg.parts))
+    room = min(msg.nbytes - 1, sum(sparse_nbytes(p.numel, min(p.numel, cap), p.wire.itemsize) for p in msg.parts))
+    out = scratch.payload(key, max(room, 0), msg.ref.device)
+    got = delta_native.encode_parts(kern, currents, msg.ref, [p.offset for p in msg.parts], out, cap,
+                                    settings.current().delta_threads)
+    if got is None:  # more changed than sparse pays for: dense, as the torch path decides
+        return DENSE, [0] * len(msg.parts), _fill(msg)
+    counts, size = got
+    return SPARSE, counts, out[:size]
+
+
 def _fill(msg: _Message) -> torch.Tensor:
     """The reference overwritten with the message's current bytes (its dense payload)."""
     for part in msg.parts:
@@ -372,8 +393,13 @@ def _apply(msg: _Message, counts: list[int], payload: torch.Tensor, scratch: _Sc
     changed part, positions rebuilt in kept buffers."""
     scratch = scratch or _Scratch()
     dev, at = payload.device, 0
+    kern = delta_native.kernels() if dev.type == "cpu" else None
     for part, k in zip(msg.parts, counts):
         if not k:
+            continue
+        if kern is not None and delta_native.appliable(part.view, part.wire):
+            delta_native.apply_part(kern, payload, at, part.view, k)
+            at += sparse_nbytes(part.numel, k, part.wire.itemsize)
             continue
         nblocks = -(-part.numel // BLOCK)
         c0 = _align(4 * nblocks)
