@@ -91,7 +91,7 @@ def densities(layers: int = 2, vocab: int | None = 32768, lrs=(1e-6, 1e-5), step
 # --------------------------------------------------------- 2 processes, gloo or nccl
 def _sync() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        _sync()
+        torch.cuda.synchronize()
 
 
 def _mutate(src: dict, density: float, g: torch.Generator) -> None:
