@@ -48,10 +48,6 @@ __all__ = ["DeltaRounds", "DeltaStats", "compile_delta", "gather_offers", "BLOCK
 #: elements per position block: positions travel as 16 bits within their block
 BLOCK = 1 << 16
 DENSE, SPARSE = 0, 1
-#: the largest delta message: each goes as its own header and payload round, so a
-#: receiver applies one while its sender diffs the next, and a region this size or
-#: smaller goes dense straight from and into the tensors' own bytes
-MESSAGE_BYTES = 16 << 20
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _tokens = itertools.count(1)
 
@@ -169,7 +165,7 @@ def compile_delta(views: Views, reference: str, device: torch.device, wire: torc
         side = "src" if kind == "send" else "dst"
         for peer, ts in sorted(by_peer.items()):
             msgs = []
-            for m in cut_messages(peer, ts, min(limit, MESSAGE_BYTES)):
+            for m in cut_messages(peer, ts, limit):
                 parts = tuple(_Part(views.view(side, ts[c.index].key, rows_of(ts[c.index].local_box, c.rows)),
                                     dtype_from_name(ts[c.index].wire_dtype), c.offset,
                                     c.nbytes // dtype_from_name(ts[c.index].wire_dtype).itemsize)
@@ -432,35 +428,37 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 # --------------------------------------------------------------------- running
 def run_delta(d: DeltaRounds, transport: RoundsTransport) -> DeltaStats:
-    """One call, message by message: encode message m for each peer, its header round,
-    its payload round, apply. Collective with the plan's peers (round m pairs with round
-    m on every peer). Going one message at a time lets a receiver apply message m while
-    its sender diffs message m+1."""
+    """One call: encode, headers, payload rounds, apply. Collective with the plan's peers."""
     send_delta, recv_delta = d.pairs
     above = settings.current().delta_dense_above
+    encoded = {p: [(_encode(m, (p, i), d.scratch, above) if p in send_delta else (DENSE, [0] * len(m.parts), _fill(m)))
+                   for i, m in enumerate(ms)]
+               for p, ms in d.sends.items()}
+    sent = received = 0
+    headers_out = [(p, _on(torch.tensor([x for e, ks, _ in encoded[p] for x in (e, *ks)], dtype=torch.int32),
+                           d.wire)) for p in sorted(encoded) if p in send_delta]
+    headers_in = [(p, torch.empty(sum(1 + len(m.parts) for m in d.recvs[p]), dtype=torch.int32, device=d.wire))
+                  for p in sorted(d.recvs) if p in recv_delta]
+    if headers_out or headers_in:
+        transport.finish(transport.start(headers_out, headers_in))
+        sent += sum(h.nbytes for _, h in headers_out)
+        received += sum(h.nbytes for _, h in headers_in)
+    plans = _receive_plans(d, dict(headers_in))
     rounds = max([len(ms) for ms in (*d.sends.values(), *d.recvs.values())], default=0)
-    sent = received = sparse = dense = 0
+    sparse = dense = 0
     for m in range(rounds):
-        encoded = {p: (_encode(ms[m], (p, m), d.scratch, above) if p in send_delta
-                       else (DENSE, [0] * len(ms[m].parts), _fill(ms[m])))
-                   for p, ms in sorted(d.sends.items()) if m < len(ms)}
-        headers_out = [(p, _on(torch.tensor([e, *ks], dtype=torch.int32), d.wire))
-                       for p, (e, ks, _) in encoded.items() if p in send_delta]
-        headers_in = [(p, torch.empty(1 + len(ms[m].parts), dtype=torch.int32, device=d.wire))
-                      for p, ms in sorted(d.recvs.items()) if p in recv_delta and m < len(ms)]
-        if headers_out or headers_in:
-            transport.finish(transport.start(headers_out, headers_in))
-            sent += sum(h.nbytes for _, h in headers_out)
-            received += sum(h.nbytes for _, h in headers_in)
-        plans = _receive_plans(d, dict(headers_in), m)
-        sends = [(p, _on(payload, d.wire)) for p, (_, _, payload) in encoded.items() if payload.numel()]
+        sends = [(p, _on(encoded[p][m][2], d.wire)) for p in sorted(encoded)
+                 if m < len(encoded[p]) and encoded[p][m][2].numel()]
         recvs = _receive_buffers(d, plans, m)
         if sends or recvs:
             transport.finish(transport.start(sends, recvs))
         sent += sum(b.numel() for _, b in sends)
         received += sum(b.numel() for _, b in recvs)
         got = dict(recvs)
-        for p, (enc, counts, size) in sorted(plans.items()):
+        for p in sorted(plans):
+            if m >= len(plans[p]):
+                continue
+            enc, counts, size = plans[p][m]
             msg = d.recvs[p][m]
             if enc == DENSE:
                 if _in_place(msg, d.wire) is None:  # else received straight into the destination
@@ -486,39 +484,40 @@ def _in_place(msg: _Message, wire: torch.device) -> torch.Tensor | None:
 
 
 def _receive_buffers(d: DeltaRounds, plans, m: int) -> list[tuple[int, torch.Tensor]]:
-    """Message ``m``'s receive buffers: dense messages into the destination where they
-    can be, the rest in one pool kept across calls (a fresh allocation per call would
-    fault its pages in every time on CPU)."""
+    """Round ``m``'s receive buffers: dense messages into the destination where they can
+    be, the rest in one pool kept across calls (a fresh allocation per call would fault
+    its pages in every time on CPU)."""
     out, offsets, at = [], {}, 0
-    for p, (enc, _, size) in sorted(plans.items()):
-        if not size:
-            continue
-        direct = _in_place(d.recvs[p][m], d.wire) if enc == DENSE else None
-        if direct is not None:
-            out.append((p, direct))
-        else:
-            offsets[p] = at
-            out.append((p, None))
-            at += _align(size)
+    for p in sorted(plans):
+        if m < len(plans[p]) and plans[p][m][2]:
+            enc, _, size = plans[p][m]
+            direct = _in_place(d.recvs[p][m], d.wire) if enc == DENSE else None
+            if direct is not None:
+                out.append((p, direct))
+            else:
+                offsets[p] = at
+                out.append((p, None))
+                at += _align(size)
     if offsets and (d.pool is None or d.pool.numel() < at):
         d.pool = torch.empty(at, dtype=torch.uint8, device=d.wire)
-    return [(p, b if b is not None else d.pool[offsets[p]: offsets[p] + plans[p][2]]) for p, b in out]
+    return [(p, b if b is not None else d.pool[offsets[p]: offsets[p] + plans[p][m][2]]) for p, b in out]
 
 
-def _receive_plans(d: DeltaRounds, headers: dict[int, torch.Tensor], m: int) -> dict[int, tuple[int, list[int], int]]:
-    """Per peer sending message ``m``: (encoding, changed counts, payload bytes)."""
+def _receive_plans(d: DeltaRounds, headers: dict[int, torch.Tensor]) -> dict[int, list[tuple[int, list[int], int]]]:
+    """Per receiving peer and message: (encoding, changed counts, payload bytes)."""
     out = {}
     for p, msgs in d.recvs.items():
-        if m >= len(msgs):
-            continue
-        msg = msgs[m]
         if p not in headers:
-            out[p] = (DENSE, [], msg.nbytes)
+            out[p] = [(DENSE, [], m.nbytes) for m in msgs]
             continue
-        enc, *counts = headers[p].tolist()
-        size = msg.nbytes if enc == DENSE else sum(
-            sparse_nbytes(part.numel, k, part.wire.itemsize) for part, k in zip(msg.parts, counts))
-        out[p] = (enc, counts, size)
+        flat, at, rows = headers[p].tolist(), 0, []
+        for m in msgs:
+            enc, counts = flat[at], flat[at + 1: at + 1 + len(m.parts)]
+            at += 1 + len(m.parts)
+            size = m.nbytes if enc == DENSE else sum(
+                sparse_nbytes(part.numel, k, part.wire.itemsize) for part, k in zip(m.parts, counts))
+            rows.append((enc, counts, size))
+        out[p] = rows
     return out
 
 
