@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 
-from torchrefit import settings as tr_settings
 from torchrefit.bench import delta
 
 
@@ -41,7 +39,6 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="delta_threads: threads one native diff uses")
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args()
-    os.environ[tr_settings.ENV["native_delta"]] = "1" if args.kernels == "native" else "0"  # the ranks inherit it
     cuda = torch.cuda.is_available()
     rows = []
     parts = [args.part] if args.part != "all" else (
@@ -52,7 +49,7 @@ def main() -> None:
                                   device="cuda" if cuda else "cpu")
         elif part == "wire":
             got = delta.wire(args.tensors, args.rows, args.cols, iters=args.iters, delta=args.reference,
-                             threads=args.threads)
+                             threads=args.threads, native=args.kernels == "native")
         elif part == "gloo-cuda":
             got = delta.wire(args.tensors, args.rows, args.cols, iters=args.iters, delta=args.reference,
                              cuda=True)

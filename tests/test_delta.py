@@ -127,7 +127,6 @@ def delta_cache(tmp_path_factory) -> str:
     cache = str(tmp_path_factory.mktemp("delta") / "kernels")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(settings.ENV["kernel_cache"], cache)
-        patch.setenv(settings.ENV["native_delta"], "1")
         settings.reload()
         try:
             native.build()
@@ -140,11 +139,11 @@ def delta_cache(tmp_path_factory) -> str:
 @pytest.fixture
 def kernels(request, monkeypatch) -> str:
     """``"native"`` or ``"torch ops"`` (the test's parameter): the CPU diff and apply this
-    process and the ranks it spawns use."""
+    process uses (ranks it spawns: pass ``native=`` to their world function)."""
     if request.param == "native":
         monkeypatch.setenv(settings.ENV["kernel_cache"], request.getfixturevalue("delta_cache"))
-    monkeypatch.setenv(settings.ENV["native_delta"], "1" if request.param == "native" else "0")
     settings.reload()
+    settings.configure(native_delta=request.param == "native")
     return request.param
 
 
@@ -153,8 +152,11 @@ def _native_used() -> bool:
     return delta_native.kernels() is not None
 
 
-def _dtypes_world(rank: int, world: int, delta: str, device: str = "cpu", transport: str = "auto") -> dict:
-    """Also run on GPUs by tests/test_gpu_delta.py (``device="cuda"``)."""
+def _dtypes_world(rank: int, world: int, delta: str, device: str = "cpu", transport: str = "auto",
+                  native: bool = True) -> dict:
+    """Also run on GPUs by tests/test_gpu_delta.py (``device="cuda"``). ``native``: the
+    native CPU kernels where built (the test's cache), else the torch ops."""
+    settings.configure(native_delta=native)
     if device == "cuda":
         device = f"cuda:{rank % torch.cuda.device_count()}"
         torch.cuda.set_device(device)
@@ -200,7 +202,7 @@ def check_dtypes(results: list[dict]) -> None:
 
 @pytest.mark.parametrize("delta, kernels", [("device", "native"), ("host", "torch ops")], indirect=["kernels"])
 def test_every_dtype_bit_exact_at_every_density(delta: str, kernels: str) -> None:
-    results = run_world(_dtypes_world, 2, delta, timeout=240)
+    results = run_world(_dtypes_world, 2, delta, "cpu", "auto", kernels == "native", timeout=240)
     assert [r["native"] for r in results] == [kernels == "native"] * 2
     check_dtypes(results)
 

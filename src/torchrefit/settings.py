@@ -55,7 +55,7 @@ name                    default     environment override                      wh
                                                                               scatter) than the bytes it saves on a fast
                                                                               wire; lower it where the wire is as fast as
                                                                               memory, raise it (to 1) where bytes dominate
-``native_delta``        True        ``TORCHREFIT_NATIVE_DELTA`` (``0``: off)  delta refits diff and apply CPU tensors in one
+``native_delta``        True        --                                        delta refits diff and apply CPU tensors in one
                                                                               native pass each (``_native.delta``, built in
                                                                               about a second on a thread the first time);
                                                                               off: torch ops (same bytes, ~5x slower per
@@ -144,7 +144,6 @@ ENV = {
     "nixl_timeout": "TORCHREFIT_NIXL_TIMEOUT",
     "mailbox": "TORCHREFIT_MAILBOX",
     "native_watch": "TORCHREFIT_NATIVE_WATCH",
-    "native_delta": "TORCHREFIT_NATIVE_DELTA",
     "fleet_secret": "TORCHREFIT_FLEET_SECRET",
 }
 
@@ -160,7 +159,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
             changes[name] = raw[name]
     if "nvshmem_shared_gpu" in raw:
         changes["nvshmem_shared_gpu"] = raw["nvshmem_shared_gpu"] == "1"
-    for name in ("mailbox", "native_watch", "native_delta"):
+    for name in ("mailbox", "native_watch"):
         if name in raw:
             changes[name] = raw[name] != "0"
     if "nixl_timeout" in raw:

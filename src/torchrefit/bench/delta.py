@@ -119,8 +119,10 @@ def _timed(fn, group) -> float:
 def _floors(src: dict, copies: dict, iters: int, threads: int) -> dict:
     """The diff's floor on CPU, timed here: one read pass over the source and ``copies``
     (the native kernels' own pass, nothing to find), and a memcpy of the source."""
+    from .. import settings
     from .._native import delta as native
-    kern = native.wait()
+    with settings.overridden(native_delta=True):  # the floor, whichever path the refits take
+        kern = native.wait()
     out = {"floor_memcpy_ms": statistics.median(
         _clock(lambda: [copies[k].copy_(v) for k, v in src.items()]) for _ in range(iters))}
     if kern is not None and all(v.device.type == "cpu" for v in src.values()):
@@ -138,11 +140,11 @@ def _clock(fn) -> float:
 
 
 def _wire_world(rank: int, world: int, tensors: int, rows: int, cols: int, dens: list[float], iters: int,
-                delta: str, transport: str, cuda: bool, threads: int = 1) -> list[dict]:
+                delta: str, transport: str, cuda: bool, threads: int = 1, native_on: bool = True) -> list[dict]:
     import torchrefit as tr
 
     from .._native import delta as native
-    tr.settings.configure(delta_threads=threads)
+    tr.settings.configure(delta_threads=threads, native_delta=native_on)
     native_used = native.wait() is not None  # built now: the run measures one path throughout
     dev = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if dev.type == "cuda":
@@ -183,14 +185,15 @@ def _wire_world(rank: int, world: int, tensors: int, rows: int, cols: int, dens:
 
 def wire(tensors: int = 8, rows: int = 4096, cols: int = 2048, dens=(0.001, 0.01, 0.05, 0.2, 0.5),
          iters: int = 5, delta: str = "device", transport: str = "gloo", cuda: bool = False,
-         threads: int = 1) -> list[dict]:
+         threads: int = 1, native: bool = True) -> list[dict]:
     """Delta against full refits, 2 processes, non-collocated, in one run: over gloo with
     CPU tensors (or ``cuda``: both processes' tensors on GPUs, messages through host
-    memory), or over nccl with one GPU per process. ``threads``: ``delta_threads``."""
+    memory), or over nccl with one GPU per process. ``threads``: ``delta_threads``;
+    ``native``: the native CPU kernels (built now where missing), else torch ops."""
     cuda = cuda or transport == "nccl"
     from ..testing import run_world
     backend = "cpu:gloo,cuda:nccl" if transport == "nccl" else "gloo"
-    per_rank = run_world(_wire_world, 2, tensors, rows, cols, list(dens), iters, delta, transport, cuda, threads,
+    per_rank = run_world(_wire_world, 2, tensors, rows, cols, list(dens), iters, delta, transport, cuda, threads, native,
                          backend=backend, timeout=1800, pg_timeout=600)
     rows_out = []
     for a, b in zip(*per_rank):  # the engine's wire bytes and exactness; the slower rank's times
