@@ -25,6 +25,7 @@ it does not hold.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -312,6 +313,14 @@ def _block_counts(pos: torch.Tensor, nblocks: int) -> torch.Tensor:
 _RUNS, _RUN = 32, 512
 
 
+@functools.lru_cache(maxsize=256)
+def _sample_at(numel: int, device: torch.device) -> torch.Tensor:
+    """The sampled elements of a part of ``numel`` (made once per size: a refit samples
+    the same parts every call)."""
+    starts = torch.arange(_RUNS, device=device) * (numel // _RUNS)
+    return (starts[:, None] + torch.arange(_RUN, device=device)).reshape(-1)
+
+
 def _sampled_density(msg: _Message) -> float:
     """The share of elements changed in evenly spaced runs of each large part (contiguous
     runs: a small part of the memory a strided sample would touch). -1: too small to say."""
@@ -321,8 +330,7 @@ def _sampled_density(msg: _Message) -> float:
             continue
         it = _INT[part.wire.itemsize]
         cur, ref = _current(part).reshape(-1), _ref_part(msg, part).reshape(-1)
-        starts = torch.arange(_RUNS, device=cur.device) * (part.numel // _RUNS)
-        idx = (starts[:, None] + torch.arange(_RUN, device=cur.device)).reshape(-1)
+        idx = _sample_at(part.numel, cur.device)
         a = cur.view(it).index_select(0, idx) if cur.is_contiguous() else cur.view(it)[idx]
         b = ref.view(it).index_select(0, idx.to(ref.device)).to(a.device)
         changed += int((a != b).sum())
