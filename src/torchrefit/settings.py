@@ -58,7 +58,7 @@ name                    default     environment override                      wh
 ``native_delta``        True        --                                        delta refits diff and apply CPU tensors in one
                                                                               native pass each (``_native.delta``, built in
                                                                               about a second on a thread the first time);
-                                                                              off: torch ops (same bytes, ~5x slower per
+                                                                              off: torch ops (same bytes, slower per
                                                                               changed element), no compiler started
 ``delta_threads``       1           --                                        threads one native diff spreads over: more
                                                                               read bandwidth where the sender has idle
