@@ -458,7 +458,8 @@ def test_encoding_chosen_by_density_and_bytes(density: float, above: float, want
 def test_native_and_torch_ops_read_each_other(delta_cache: str, sender: str, monkeypatch) -> None:
     """The two forms write one format: a native sender's payload applied with torch ops,
     and the reverse, rebuild the source exactly (parts of every element size, lengths
-    that end mid-word and mid-block, changes in the last element)."""
+    that end mid-word and mid-block, changes in the last element; the native diff
+    spread over threads)."""
     from torchrefit.execute import delta as d
     monkeypatch.setenv(settings.ENV["kernel_cache"], delta_cache)
     g = torch.Generator().manual_seed(11)
@@ -480,7 +481,8 @@ def test_native_and_torch_ops_read_each_other(delta_cache: str, sender: str, mon
                 mask = torch.rand(bits.numel(), generator=g) < 0.01
                 mask[-1] = True
                 bits[mask] = (1 - bits[mask]) if t.dtype == torch.bool else bits[mask] ^ 1
-        with settings.overridden(native_delta=sender == "native", delta_dense_above=0.5):
+        # three threads split each part of several blocks (the dtype test covers one)
+        with settings.overridden(native_delta=sender == "native", delta_dense_above=0.5, delta_threads=3):
             assert _native_used() == (sender == "native")
             enc, counts, payload = d._encode(send)
         with settings.overridden(native_delta=sender != "native"):
