@@ -490,3 +490,18 @@ def test_native_and_torch_ops_read_each_other(delta_cache: str, sender: str, mon
             (d._apply(recv, counts, payload) if enc == d.SPARSE else d._unpack(recv, payload))
         assert enc == (d.DENSE if step == 0 else d.SPARSE)
         assert _same(dict(enumerate(src)), dict(enumerate(dst))) == [], step
+
+
+@pytest.mark.parametrize("kernels", ["native", "torch ops"], indirect=True)
+def test_a_tiny_message_unchanged_sends_nothing(kernels: str) -> None:
+    """A message too small for ``delta_dense_above`` to allow a single change still
+    goes sparse, with no bytes, where nothing changed, and dense where anything did."""
+    from torchrefit.execute import delta as d
+    src = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)
+    ref = src.clone().view(torch.uint8)
+    send = d._Message(1, (d._Part(src, torch.bfloat16, 0, 3),), 6, ref)
+    enc, counts, payload = d._encode(send)
+    assert (enc, counts, payload.numel()) == (d.SPARSE, [0], 0)
+    src[2] = 4.0
+    enc, counts, payload = d._encode(send)
+    assert enc == d.DENSE and torch.equal(payload.view(torch.int16), src.view(torch.int16))

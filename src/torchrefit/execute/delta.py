@@ -378,11 +378,13 @@ def _encode_native(kern, msg: _Message, currents: list[torch.Tensor], key: tuple
     """``_encode`` in one native pass per part (``execute.delta_native``): the same
     choice, the same payload bytes."""
     cap = int(dense_above * sum(p.numel for p in msg.parts))
-    room = min(msg.nbytes - 1, sum(sparse_nbytes(p.numel, min(p.numel, cap), p.wire.itemsize) for p in msg.parts))
-    out = scratch.payload(key, max(room, 0), msg.ref.device)
+    # room for each part's block counts even where nothing may change (they are written
+    # first, and dropped where nothing did)
+    room = sum(sparse_nbytes(p.numel, max(1, min(p.numel, cap)), p.wire.itemsize) for p in msg.parts)
+    out = scratch.payload(key, room, msg.ref.device)
     got = delta_native.encode_parts(kern, currents, msg.ref, [p.offset for p in msg.parts], out, cap,
                                     settings.current().delta_threads)
-    if got is None:  # more changed than sparse pays for: dense, as the torch path decides
+    if got is None or got[1] >= msg.nbytes:  # more changed than sparse pays for: dense, as the torch path
         return DENSE, [0] * len(msg.parts), _fill(msg)
     counts, size = got
     return SPARSE, counts, out[:size]
