@@ -5,6 +5,7 @@ floor. One JSON row per line (``delta_density``, ``wire_bytes``, ``full_bytes``,
 
     python benchmarks/delta.py --part densities [--layers 2 --vocab 32768 | --full-size]
     python benchmarks/delta.py --part wire [--tensors 8 --rows 4096 --cols 2048 --iters 5]
+                               [--kernels native|torch] [--threads 1]
     python benchmarks/delta.py --part gpu                  # CUDA: one GPU
     python benchmarks/delta.py --part gloo-cuda            # CUDA: 2 processes, GPU tensors, gloo
     python benchmarks/delta.py --part nccl                 # CUDA: 2 GPUs, 2 processes
@@ -33,6 +34,9 @@ def main() -> None:
     p.add_argument("--cols", type=int, default=2048)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--reference", default="device", choices=["device", "host"])
+    p.add_argument("--kernels", default="native", choices=["native", "torch"],
+                   help="CPU diff and apply: the native kernels (built now if missing) or torch ops")
+    p.add_argument("--threads", type=int, default=1, help="delta_threads: threads one native diff uses")
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
@@ -44,7 +48,8 @@ def main() -> None:
             got = delta.densities(args.layers, args.vocab, steps=args.steps, full=args.full_size,
                                   device="cuda" if cuda else "cpu")
         elif part == "wire":
-            got = delta.wire(args.tensors, args.rows, args.cols, iters=args.iters, delta=args.reference)
+            got = delta.wire(args.tensors, args.rows, args.cols, iters=args.iters, delta=args.reference,
+                             threads=args.threads, native=args.kernels == "native")
         elif part == "gloo-cuda":
             got = delta.wire(args.tensors, args.rows, args.cols, iters=args.iters, delta=args.reference,
                              cuda=True)

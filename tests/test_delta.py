@@ -7,7 +7,9 @@ bfloat16, float16, float64, float8, int64/32/16/8, uint8, bool), a cast on the w
 (float32 master weights into bfloat16) and block-FP8 targets with their scales; densities 0,
 one element (the last one included), 1%, 30% and 100%; random bit patterns (NaN payloads,
 infinities, subnormals) and the bits a float compare cannot see (0.0 into -0.0, one NaN
-payload into another); the wire bytes (only headers at density 0, a small part at low
+payload into another); both forms of the CPU diff and apply, the native kernels
+(``_native.delta``, built here into a temporary cache) and the torch ops, each against the
+full refit and against each other (a native sender, a torch-op receiver and the reverse); the wire bytes (only headers at density 0, a small part at low
 density, never much above a full refit at 100%: the dense fallback); the version chain
 (stage / commit / refit in every order, a committed stage the refit's references never
 saw, a destination tensor the engine replaced, a refit that drops a staged version: full
@@ -22,6 +24,7 @@ import shm_transport  # noqa: F401  (registers the CPU one-sided test transports
 import torch
 
 import torchrefit as tr
+from torchrefit import settings
 from torchrefit.testing import Mesh, ModelSpec, build_toy, run_world
 
 FP8 = torch.float8_e4m3fn
@@ -117,8 +120,43 @@ def _on(tensors: dict | None, device: str) -> dict | None:
     return {k: v.to(device) for k, v in tensors.items()}
 
 
-def _dtypes_world(rank: int, world: int, delta: str, device: str = "cpu", transport: str = "auto") -> dict:
-    """Also run on GPUs by tests/test_gpu_delta.py (``device="cuda"``)."""
+@pytest.fixture(scope="module")
+def delta_cache(tmp_path_factory) -> str:
+    """A kernel cache holding the native delta kernels, built once (about a second)."""
+    from torchrefit._native import delta as native
+    cache = str(tmp_path_factory.mktemp("delta") / "kernels")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(settings.ENV["kernel_cache"], cache)
+        settings.reload()
+        try:
+            native.build()
+        except Exception as e:  # noqa: BLE001 (no C++ compiler here)
+            pytest.skip(f"the native delta kernels could not be built here: {type(e).__name__}: {e}")
+    settings.reload()
+    return cache
+
+
+@pytest.fixture
+def kernels(request, monkeypatch) -> str:
+    """``"native"`` or ``"torch ops"`` (the test's parameter): the CPU diff and apply this
+    process uses (ranks it spawns: pass ``native=`` to their world function)."""
+    if request.param == "native":
+        monkeypatch.setenv(settings.ENV["kernel_cache"], request.getfixturevalue("delta_cache"))
+    settings.reload()
+    settings.configure(native_delta=request.param == "native")
+    return request.param
+
+
+def _native_used() -> bool:
+    from torchrefit.execute import delta_native
+    return delta_native.kernels() is not None
+
+
+def _dtypes_world(rank: int, world: int, delta: str, device: str = "cpu", transport: str = "auto",
+                  native: bool = True) -> dict:
+    """Also run on GPUs by tests/test_gpu_delta.py (``device="cuda"``). ``native``: the
+    native CPU kernels where built (the test's cache), else the torch ops."""
+    settings.configure(native_delta=native)
     if device == "cuda":
         device = f"cuda:{rank % torch.cuda.device_count()}"
         torch.cuda.set_device(device)
@@ -141,6 +179,7 @@ def _dtypes_world(rank: int, world: int, delta: str, device: str = "cpu", transp
                              "wire": rep.wire_bytes_received + rep.wire_bytes_sent,
                              "full": full.bytes_received + full.bytes_sent,
                              "reference": rep.delta_reference_bytes})
+    out["native"] = _native_used()
     return out
 
 
@@ -161,9 +200,11 @@ def check_dtypes(results: list[dict]) -> None:
     assert full <= results[0]["steps"][-1]["reference"] <= 1.01 * full
 
 
-@pytest.mark.parametrize("delta", ["device", "host"])
-def test_every_dtype_bit_exact_at_every_density(delta: str) -> None:
-    check_dtypes(run_world(_dtypes_world, 2, delta, timeout=240))
+@pytest.mark.parametrize("delta, kernels", [("device", "native"), ("host", "torch ops")], indirect=["kernels"])
+def test_every_dtype_bit_exact_at_every_density(delta: str, kernels: str) -> None:
+    results = run_world(_dtypes_world, 2, delta, "cpu", "auto", kernels == "native", timeout=240)
+    assert [r["native"] for r in results] == [kernels == "native"] * 2
+    check_dtypes(results)
 
 
 # ---------------------------------------------------------------- the version chain
@@ -372,12 +413,11 @@ def test_a_failed_delta_refit_leaves_what_a_failed_full_refit_leaves() -> None:
 
 
 # ------------------------------------------------------------ the encoding per message
-def _one_message(density: float, parts: int = 2) -> tuple:
-    """A sender's message of ``parts`` bf16 regions whose reference differs from the
-    source at ``density``, and the receiver's copy of the reference."""
+def _one_message(density: float, parts: int = 2, n: int = 1 << 17) -> tuple:
+    """A sender's message of ``parts`` bf16 regions of ``n`` elements whose reference
+    differs from the source at ``density``, and the receiver's copy of the reference."""
     from torchrefit.execute import delta as d
     g = torch.Generator().manual_seed(5)
-    n = 1 << 17
     src = [torch.randn(n, generator=g).to(torch.bfloat16) for _ in range(parts)]
     ref = torch.cat([s.view(torch.uint8) for s in src])
     dst = [s.clone() for s in src]
@@ -389,14 +429,19 @@ def _one_message(density: float, parts: int = 2) -> tuple:
     return src, dst, send, recv
 
 
-@pytest.mark.parametrize("density, above, want", [(0.05, 0.1, "sparse"), (0.2, 0.1, "dense"), (0.05, 0.02, "dense"),
-                                                  (0.6, 1.0, "dense"), (0.0005, 0.1, "sparse")])
-def test_encoding_chosen_by_density_and_bytes(density: float, above: float, want: str) -> None:
+@pytest.mark.parametrize("kernels", ["native", "torch ops"], indirect=True)
+@pytest.mark.parametrize("density, above, want, n", [
+    (0.05, 0.1, "sparse", 1 << 17), (0.2, 0.1, "dense", 1 << 17), (0.05, 0.02, "dense", 1 << 17),
+    (0.6, 1.0, "dense", 1 << 17), (0.0005, 0.1, "sparse", 1 << 17),
+    (0.2, 0.1, "dense", 1 << 12), (0.6, 1.0, "dense", 1 << 12)])  # parts too small to sample
+def test_encoding_chosen_by_density_and_bytes(density: float, above: float, want: str, n: int, kernels: str) -> None:
     """Sparse only where it is fewer bytes and at most ``delta_dense_above`` changed (a
-    sparse message past that costs more time than a dense one); the receiver ends equal
-    either way, and a second encode of the same source finds nothing."""
+    sparse message past that costs more time than a dense one), judged from a sample of
+    large parts before the diff and from the diff itself; the receiver ends equal either
+    way, and a second encode of the same source finds nothing."""
     from torchrefit.execute import delta as d
-    src, dst, send, recv = _one_message(density)
+    assert _native_used() == (kernels == "native")
+    src, dst, send, recv = _one_message(density, n=n)
     with tr.settings.overridden(delta_dense_above=above):
         enc, counts, payload = d._encode(send)
     assert enc == (d.SPARSE if want == "sparse" else d.DENSE), (enc, counts)
@@ -407,3 +452,56 @@ def test_encoding_chosen_by_density_and_bytes(density: float, above: float, want
         d._unpack(recv, payload)
     assert _same(dict(enumerate(src)), dict(enumerate(dst))) == []
     assert d._encode(send)[1] == [0, 0]  # the reference took every change
+
+
+@pytest.mark.parametrize("sender", ["native", "torch ops"])
+def test_native_and_torch_ops_read_each_other(delta_cache: str, sender: str, monkeypatch) -> None:
+    """The two forms write one format: a native sender's payload applied with torch ops,
+    and the reverse, rebuild the source exactly (parts of every element size, lengths
+    that end mid-word and mid-block, changes in the last element; the native diff
+    spread over threads)."""
+    from torchrefit.execute import delta as d
+    monkeypatch.setenv(settings.ENV["kernel_cache"], delta_cache)
+    g = torch.Generator().manual_seed(11)
+    shapes = {torch.bfloat16: 70001, torch.float32: 65537, torch.uint8: 131075, torch.float64: 33, torch.bool: 9}
+    src = [torch.randint(0, 2, (n,), generator=g).to(t) if t == torch.bool else
+           torch.randint(-9, 9, (n,), generator=g).to(t) for t, n in shapes.items()]
+    offsets = [0]
+    for t in src[:-1]:
+        offsets.append(d._align(offsets[-1] + t.nbytes))
+    nbytes = offsets[-1] + src[-1].nbytes
+    ref = torch.zeros(nbytes, dtype=torch.uint8)
+    dst = [torch.zeros_like(t) for t in src]
+    send = d._Message(1, tuple(d._Part(t, t.dtype, o, t.numel()) for t, o in zip(src, offsets)), nbytes, ref)
+    recv = d._Message(0, tuple(d._Part(t, t.dtype, o, t.numel()) for t, o in zip(dst, offsets)), nbytes, None)
+    for step in range(3):
+        if step:
+            for t in src:
+                bits = _bits(t).reshape(-1)
+                mask = torch.rand(bits.numel(), generator=g) < 0.01
+                mask[-1] = True
+                bits[mask] = (1 - bits[mask]) if t.dtype == torch.bool else bits[mask] ^ 1
+        # three threads split each part of several blocks (the dtype test covers one)
+        with settings.overridden(native_delta=sender == "native", delta_dense_above=0.5, delta_threads=3):
+            assert _native_used() == (sender == "native")
+            enc, counts, payload = d._encode(send)
+        with settings.overridden(native_delta=sender != "native"):
+            assert _native_used() == (sender != "native")
+            (d._apply(recv, counts, payload) if enc == d.SPARSE else d._unpack(recv, payload))
+        assert enc == (d.DENSE if step == 0 else d.SPARSE)
+        assert _same(dict(enumerate(src)), dict(enumerate(dst))) == [], step
+
+
+@pytest.mark.parametrize("kernels", ["native", "torch ops"], indirect=True)
+def test_a_tiny_message_unchanged_sends_nothing(kernels: str) -> None:
+    """A message too small for ``delta_dense_above`` to allow a single change still
+    goes sparse, with no bytes, where nothing changed, and dense where anything did."""
+    from torchrefit.execute import delta as d
+    src = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)
+    ref = src.clone().view(torch.uint8)
+    send = d._Message(1, (d._Part(src, torch.bfloat16, 0, 3),), 6, ref)
+    enc, counts, payload = d._encode(send)
+    assert (enc, counts, payload.numel()) == (d.SPARSE, [0], 0)
+    src[2] = 4.0
+    enc, counts, payload = d._encode(send)
+    assert enc == d.DENSE and torch.equal(payload.view(torch.int16), src.view(torch.int16))

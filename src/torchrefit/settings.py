@@ -55,6 +55,14 @@ name                    default     environment override                      wh
                                                                               scatter) than the bytes it saves on a fast
                                                                               wire; lower it where the wire is as fast as
                                                                               memory, raise it (to 1) where bytes dominate
+``native_delta``        True        --                                        delta refits diff and apply CPU tensors in one
+                                                                              native pass each (``_native.delta``, built in
+                                                                              about a second on a thread the first time);
+                                                                              off: torch ops (same bytes, slower per
+                                                                              changed element), no compiler started
+``delta_threads``       1           --                                        threads one native diff spreads over: more
+                                                                              read bandwidth where the sender has idle
+                                                                              cores while its receivers wait
 ======================  ==========  ========================================  ============================================
 """
 
@@ -103,6 +111,10 @@ class Settings:
     fleet_secret: str = ""
     #: a delta message with more than this share of its elements changed is sent dense
     delta_dense_above: float = 0.1
+    #: delta refits diff and apply CPU tensors with the native kernels where built
+    native_delta: bool = True
+    #: threads one native delta diff spreads over
+    delta_threads: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.branches <= MAX_BRANCHES:
@@ -113,6 +125,8 @@ class Settings:
         if not 0.0 <= self.delta_dense_above <= 1.0:
             raise ValueError(f"torchrefit settings: delta_dense_above must be a share of elements from 0 to 1, "
                              f"not {self.delta_dense_above!r}")
+        if not 1 <= self.delta_threads <= 64:
+            raise ValueError(f"torchrefit settings: delta_threads must be 1 to 64, not {self.delta_threads!r}")
         if self.batched_copy not in BATCHED_COPY_MODES:
             raise ValueError(f"torchrefit settings: batched_copy must be one of {', '.join(BATCHED_COPY_MODES)}, "
                              f"not {self.batched_copy!r}")

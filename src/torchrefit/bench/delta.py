@@ -10,7 +10,11 @@ Three parts, each printing JSON rows (keys ``delta_density``, ``wire_bytes``,
   the model and per tensor kind.
 * ``wire``: 2 processes over gloo, non-collocated (a trainer rank, an engine rank), a
   bfloat16 model; at each density a random set of elements changes, then a delta refit and
-  a full refit of the same source run in the same run: bytes on the wire and times.
+  a full refit of the same source run in the same run: bytes on the wire and times. At
+  each density the sender also measures the diff's physical floor on CPU: one read pass
+  over the source and a reference of it (``floor_read_ms``, the native kernels' pass with
+  nothing to find) and a memcpy of the bytes (``floor_memcpy_ms``); ``best_speedup`` =
+  ``full_ms / floor_read_ms`` is the most any exact diff can gain here.
 * ``gpu`` (CUDA only): on one GPU, the sender's diff and encode plus the receiver's apply
   against the copy floor of the full bytes (one device-to-device copy of them).
 """
@@ -91,7 +95,7 @@ def densities(layers: int = 2, vocab: int | None = 32768, lrs=(1e-6, 1e-5), step
 # --------------------------------------------------------- 2 processes, gloo or nccl
 def _sync() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        _sync()
+        torch.cuda.synchronize()
 
 
 def _mutate(src: dict, density: float, g: torch.Generator) -> None:
@@ -112,15 +116,43 @@ def _timed(fn, group) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def _floors(src: dict, copies: dict, iters: int, threads: int) -> dict:
+    """The diff's floor on CPU, timed here: one read pass over the source and ``copies``
+    (the native kernels' own pass, nothing to find), and a memcpy of the source."""
+    from .. import settings
+    from .._native import delta as native
+    with settings.overridden(native_delta=True):  # the floor, whichever path the refits take
+        kern = native.wait()
+    out = {"floor_memcpy_ms": statistics.median(
+        _clock(lambda: [copies[k].copy_(v) for k, v in src.items()]) for _ in range(iters))}
+    if kern is not None and all(v.device.type == "cpu" for v in src.values()):
+        def read() -> None:
+            for k, v in src.items():
+                kern.read_floor(v.data_ptr(), copies[k].data_ptr(), v.nbytes, threads)
+        out["floor_read_ms"] = statistics.median(_clock(read) for _ in range(iters))
+    return out
+
+
+def _clock(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def _wire_world(rank: int, world: int, tensors: int, rows: int, cols: int, dens: list[float], iters: int,
-                delta: str, transport: str, cuda: bool) -> list[dict]:
+                delta: str, transport: str, cuda: bool, threads: int = 1, native_on: bool = True) -> list[dict]:
     import torchrefit as tr
+
+    from .._native import delta as native
+    tr.settings.configure(delta_threads=threads, native_delta=native_on)
+    native_used = native.wait() is not None  # built now: the run measures one path throughout
     dev = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     g = torch.Generator().manual_seed(3)
     shapes = {f"layer{i}.weight": (rows, cols) for i in range(tensors)}
     src = {k: torch.randn(s, generator=g).to(dev, torch.bfloat16) for k, s in shapes.items()} if rank == 0 else None
+    copies = {k: v.clone() for k, v in src.items()} if rank == 0 and not cuda else None
     dst_d = {k: torch.zeros(s, dtype=torch.bfloat16, device=dev) for k, s in shapes.items()} if rank == 1 else None
     dst_f = {k: torch.zeros(s, dtype=torch.bfloat16, device=dev) for k, s in shapes.items()} if rank == 1 else None
     r_d = tr.Refitter(src, dst_d, transport=transport, delta=delta)
@@ -139,31 +171,43 @@ def _wire_world(rank: int, world: int, tensors: int, rows: int, cols: int, dens:
             wire.append(reports[0].wire_bytes_sent + reports[0].wire_bytes_received)
         exact = all(torch.equal(dst_d[k].view(torch.int16), dst_f[k].view(torch.int16)) for k in shapes) \
             if rank == 1 else True
-        out.append({"part": transport + ("-cuda" if cuda and transport == "gloo" else ""), "delta_density": p, "wire_bytes": max(wire),
-                    "full_bytes": r_f.plan.bytes_sent + r_f.plan.bytes_received,
-                    "delta_ms": statistics.median(d_ms), "full_ms": statistics.median(f_ms),
-                    "exact": exact, "iters": iters, "reference_bytes": reports[0].delta_reference_bytes})
+        row = {"part": transport + ("-cuda" if cuda and transport == "gloo" else ""), "delta_density": p,
+               "wire_bytes": max(wire), "full_bytes": r_f.plan.bytes_sent + r_f.plan.bytes_received,
+               "delta_ms": statistics.median(d_ms), "full_ms": statistics.median(f_ms),
+               "exact": exact, "iters": iters, "reference_bytes": reports[0].delta_reference_bytes,
+               "native": native_used, "delta_threads": threads}
+        if copies is not None:
+            row.update(_floors(src, copies, iters, threads))
+        out.append(row)
     r_d.close(), r_f.close()
     return out
 
 
 def wire(tensors: int = 8, rows: int = 4096, cols: int = 2048, dens=(0.001, 0.01, 0.05, 0.2, 0.5),
-         iters: int = 5, delta: str = "device", transport: str = "gloo", cuda: bool = False) -> list[dict]:
+         iters: int = 5, delta: str = "device", transport: str = "gloo", cuda: bool = False,
+         threads: int = 1, native: bool = True) -> list[dict]:
     """Delta against full refits, 2 processes, non-collocated, in one run: over gloo with
     CPU tensors (or ``cuda``: both processes' tensors on GPUs, messages through host
-    memory), or over nccl with one GPU per process."""
+    memory), or over nccl with one GPU per process. ``threads``: ``delta_threads``;
+    ``native``: the native CPU kernels (built now where missing), else torch ops."""
     cuda = cuda or transport == "nccl"
     from ..testing import run_world
     backend = "cpu:gloo,cuda:nccl" if transport == "nccl" else "gloo"
-    per_rank = run_world(_wire_world, 2, tensors, rows, cols, list(dens), iters, delta, transport, cuda,
+    per_rank = run_world(_wire_world, 2, tensors, rows, cols, list(dens), iters, delta, transport, cuda, threads, native,
                          backend=backend, timeout=1800, pg_timeout=600)
     rows_out = []
     for a, b in zip(*per_rank):  # the engine's wire bytes and exactness; the slower rank's times
         row = dict(b)
         row.update(delta_ms=max(a["delta_ms"], b["delta_ms"]), full_ms=max(a["full_ms"], b["full_ms"]),
-                   reference_bytes=a["reference_bytes"])
+                   reference_bytes=a["reference_bytes"], native=a["native"] and b["native"])
         row["wire_fraction"] = row["wire_bytes"] / row["full_bytes"]
         row["speedup"] = row["full_ms"] / row["delta_ms"]
+        for key in ("floor_read_ms", "floor_memcpy_ms"):
+            if key in a:
+                row[key] = a[key]
+        if "floor_read_ms" in a:
+            row["delta_to_floor"] = row["delta_ms"] / a["floor_read_ms"]
+            row["best_speedup"] = row["full_ms"] / a["floor_read_ms"]
         rows_out.append(row)
     return rows_out
 

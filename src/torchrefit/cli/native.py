@@ -1,5 +1,6 @@
 """``torchrefit native build|status``: the optional C++ form of ``watch="every"``'s
-per-refit checks (``torchrefit._native.watch``), built once per environment."""
+per-refit checks (``torchrefit._native.watch``) and of delta refits' CPU diff and apply
+(``torchrefit._native.delta``), built once per environment."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def _run(args) -> int:
 
     if args.action == "build" and args.background:
         return run_background_build()
+    _delta(args)
     if args.action == "build":
         try:
             path = native.build(verbose=args.verbose)
@@ -44,3 +46,18 @@ def _run(args) -> int:
           f"({where if where is not None else 'the kernel cache is off'}"
           f"{'' if used or where is None else ': not built there'})")
     return 0 if used or args.action == "status" else 1
+
+
+def _delta(args) -> None:
+    from torchrefit._native import delta
+
+    if args.action == "build":
+        try:
+            print(f"torchrefit native: built {delta.build(verbose=args.verbose)} (delta kernels)")
+        except Exception as e:  # noqa: BLE001 (no compiler: delta refits use torch ops)
+            print(f"torchrefit native: the delta kernels' build failed ({type(e).__name__}: {e}); "
+                  "delta refits use torch ops")
+    where = delta.built_path()
+    built = where is not None and (where / "torchrefit_native_delta.so").is_file()
+    print(f"torchrefit native: delta kernels {'built' if built else 'not built'} "
+          f"({where if where is not None else 'the kernel cache is off'})")

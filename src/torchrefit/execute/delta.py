@@ -25,6 +25,7 @@ it does not hold.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from ..plan.messages import ALIGN, cut_messages, rows_of
 from ..plan.types import RankPlan
 from ..transport.base import RoundsTransport
 from ..transport.collectives import collective, collective_device
+from . import delta_native
 from .views import Views
 
 __all__ = ["DeltaRounds", "DeltaStats", "compile_delta", "gather_offers", "BLOCK", "DENSE", "SPARSE",
@@ -311,6 +313,14 @@ def _block_counts(pos: torch.Tensor, nblocks: int) -> torch.Tensor:
 _RUNS, _RUN = 32, 512
 
 
+@functools.lru_cache(maxsize=256)
+def _sample_at(numel: int, device: torch.device) -> torch.Tensor:
+    """The sampled elements of a part of ``numel`` (made once per size: a refit samples
+    the same parts every call)."""
+    starts = torch.arange(_RUNS, device=device) * (numel // _RUNS)
+    return (starts[:, None] + torch.arange(_RUN, device=device)).reshape(-1)
+
+
 def _sampled_density(msg: _Message) -> float:
     """The share of elements changed in evenly spaced runs of each large part (contiguous
     runs: a small part of the memory a strided sample would touch). -1: too small to say."""
@@ -320,8 +330,7 @@ def _sampled_density(msg: _Message) -> float:
             continue
         it = _INT[part.wire.itemsize]
         cur, ref = _current(part).reshape(-1), _ref_part(msg, part).reshape(-1)
-        starts = torch.arange(_RUNS, device=cur.device) * (part.numel // _RUNS)
-        idx = (starts[:, None] + torch.arange(_RUN, device=cur.device)).reshape(-1)
+        idx = _sample_at(part.numel, cur.device)
         a = cur.view(it).index_select(0, idx) if cur.is_contiguous() else cur.view(it)[idx]
         b = ref.view(it).index_select(0, idx.to(ref.device)).to(a.device)
         changed += int((a != b).sum())
@@ -341,6 +350,11 @@ def _encode(msg: _Message, key: tuple[int, int] = (0, 0), scratch: _Scratch | No
         dense_above = settings.current().delta_dense_above
     if _sampled_density(msg) > dense_above:
         return DENSE, [0] * len(msg.parts), _fill(msg)
+    kern = delta_native.kernels() if msg.ref.device.type == "cpu" else None
+    if kern is not None:
+        currents = [_current(part) for part in msg.parts]
+        if delta_native.encodable(currents, msg.ref):
+            return _encode_native(kern, msg, currents, key, scratch, dense_above)
     positions, values = [], []
     for slot, part in enumerate(msg.parts):
         cur, ref = _current(part), _ref_part(msg, part)
@@ -359,6 +373,23 @@ def _encode(msg: _Message, key: tuple[int, int] = (0, 0), scratch: _Scratch | No
     return DENSE, [0] * len(msg.parts), _fill(msg)
 
 
+def _encode_native(kern, msg: _Message, currents: list[torch.Tensor], key: tuple[int, int], scratch: _Scratch,
+                   dense_above: float) -> tuple[int, list[int], torch.Tensor]:
+    """``_encode`` in one native pass per part (``execute.delta_native``): the same
+    choice, the same payload bytes."""
+    cap = int(dense_above * sum(p.numel for p in msg.parts))
+    # room for each part's block counts even where nothing may change (they are written
+    # first, and dropped where nothing did)
+    room = sum(sparse_nbytes(p.numel, max(1, min(p.numel, cap)), p.wire.itemsize) for p in msg.parts)
+    out = scratch.payload(key, room, msg.ref.device)
+    got = delta_native.encode_parts(kern, currents, msg.ref, [p.offset for p in msg.parts], out, cap,
+                                    settings.current().delta_threads)
+    if got is None or got[1] >= msg.nbytes:  # more changed than sparse pays for: dense, as the torch path
+        return DENSE, [0] * len(msg.parts), _fill(msg)
+    counts, size = got
+    return SPARSE, counts, out[:size]
+
+
 def _fill(msg: _Message) -> torch.Tensor:
     """The reference overwritten with the message's current bytes (its dense payload)."""
     for part in msg.parts:
@@ -372,8 +403,13 @@ def _apply(msg: _Message, counts: list[int], payload: torch.Tensor, scratch: _Sc
     changed part, positions rebuilt in kept buffers."""
     scratch = scratch or _Scratch()
     dev, at = payload.device, 0
+    kern = delta_native.kernels() if dev.type == "cpu" else None
     for part, k in zip(msg.parts, counts):
         if not k:
+            continue
+        if kern is not None and delta_native.appliable(part.view, part.wire):
+            delta_native.apply_part(kern, payload, at, part.view, k)
+            at += sparse_nbytes(part.numel, k, part.wire.itemsize)
             continue
         nblocks = -(-part.numel // BLOCK)
         c0 = _align(4 * nblocks)
