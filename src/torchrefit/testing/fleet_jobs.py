@@ -18,27 +18,26 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch.multiprocessing as mp
-
 from .jobs import free_ports
-from .processes import _child
+from .processes import _child, context
 
 __all__ = ["Job"]
 
 
-def _job_child(rank, fn, world, init, pg_timeout, args, out) -> None:
-    _child(fn, rank, world, init, "gloo", pg_timeout, args, out)
+def _job_child(rank, fn, world, init, pg_timeout, args, out, env) -> None:
+    _child(fn, rank, world, init, "gloo", pg_timeout, args, out, env)
 
 
 class Job:
     """One job of ``nprocs`` processes running ``fn`` (see the module docstring)."""
 
     def __init__(self, fn: Callable[..., Any], nprocs: int, *args: Any, pg_timeout: float = 60.0) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = context()
         self.out = ctx.Queue()
         init = f"tcp://127.0.0.1:{free_ports(1)[0]}"
         self.nprocs = nprocs
-        self.procs = [ctx.Process(target=_job_child, args=(r, fn, nprocs, init, pg_timeout, args, self.out),
+        self.procs = [ctx.Process(target=_job_child, args=(r, fn, nprocs, init, pg_timeout, args, self.out,
+                                                               dict(os.environ)),
                                   daemon=True) for r in range(nprocs)]
         for p in self.procs:
             p.start()

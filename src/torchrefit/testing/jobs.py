@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import queue
 import socket
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from .processes import WorldError, _child
+from .processes import WorldError, _child, context
 
 __all__ = ["run_jobs", "free_port", "free_ports"]
 
@@ -42,16 +43,17 @@ def free_ports(n: int) -> list[int]:
         return [s.getsockname()[1] for s in socks]
 
 
-def _job_child(rank, fn, world, init, pg_timeout, args, out) -> None:
-    _child(fn, rank, world, init, "gloo", pg_timeout, args, out)
+def _job_child(rank, fn, world, init, pg_timeout, args, out, env) -> None:
+    _child(fn, rank, world, init, "gloo", pg_timeout, args, out, env)
 
 
 def _start(fn, nprocs: int, port: int, init_port: int, args: tuple, pg_timeout: float):
-    ctx = mp.get_context("spawn")
+    ctx = context()
     out = ctx.Queue()
     init = f"tcp://127.0.0.1:{init_port}"  # this job's own master port
-    procs = mp.start_processes(_job_child, args=(fn, nprocs, init, pg_timeout, (port, *args), out),
-                               nprocs=nprocs, join=False, daemon=True, start_method="spawn")
+    procs = mp.start_processes(_job_child, args=(fn, nprocs, init, pg_timeout, (port, *args), out,
+                                                 dict(os.environ)),
+                               nprocs=nprocs, join=False, daemon=True, start_method=ctx.get_start_method())
     return procs, out
 
 
