@@ -49,8 +49,8 @@ BOUND = 3 * TIMEOUT + 10
 #: levels off: +0.02 MiB over the last 50)
 RSS_GROWTH_MIB = 16.0
 #: a staged update cut by a dead trainer rank: the stage's own wait and the wait naming the
-#: missing ranks (one timeout from the first live rank's word), then the update's status
-#: gather and its naming wait, plus slack
+#: missing ranks (twice the timeout from the first live rank's word: ranks reach it up to
+#: one timeout apart), then the update's status gather and its naming wait, plus slack
 STAGED_BOUND = 5 * TIMEOUT + 10
 
 pytestmark = pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")

@@ -76,9 +76,11 @@ _log = logging.getLogger(__name__)
 DEFAULT_POOL_BYTES = 1 << 30
 _MIN_MESSAGE = 4096
 # After a stage lost a peer, each live rank waits for the others to say they are alive (a
-# dead rank never says so): one refit timeout from the first rank's word (a live rank
-# blocked on the dead one gives up within that timeout), at most _NAMING_WINDOW. A live
-# rank still blocked past that is named with the dead ones.
+# dead rank never says so): two refit timeouts from the first rank's word, at most
+# _NAMING_WINDOW. A live rank blocked on the dead one gives up within one timeout, but a
+# live rank blocked on a live one that stopped for the failure (a second-hand wait) gives
+# up up to one timeout after that: with one timeout it was named dead. A live rank still
+# blocked past the window is named with the dead ones.
 _NAMING_WINDOW = 30.0
 
 
@@ -641,7 +643,7 @@ class Refitter:
                "a rank died, stopped or left the stage")
         if self._conn is not None:
             me = str(self._conn)
-            window = min(self.timeout or self._conn.timeout, _NAMING_WINDOW)
+            window = min(2 * (self.timeout or self._conn.timeout), _NAMING_WINDOW)
             gone = self._conn.absent(f"stage {version}", window)
             if gone is None:
                 gone = [("trainer", 0)]  # it hosts the link's store
