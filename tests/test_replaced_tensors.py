@@ -191,9 +191,13 @@ def _resize_in_place(params, fill: float | None) -> list[torch.Tensor]:
     with torch.no_grad():
         for p in params:
             values = p.detach().clone() if fill is None else torch.full_like(p, fill)
-            p.untyped_storage().resize_(0)
-            taken.append(torch.full((values.numel(),), SENTINEL))
-            p.untyped_storage().resize_(values.nbytes)
+            was = p.data_ptr()
+            for _ in range(8):  # until the new memory is elsewhere: the allocator decides
+                p.untyped_storage().resize_(0)
+                taken.append(torch.full((values.numel(),), SENTINEL))
+                p.untyped_storage().resize_(values.nbytes)
+                if p.data_ptr() != was:
+                    break
             p.copy_(values)
     return taken
 
