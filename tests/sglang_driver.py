@@ -11,7 +11,7 @@ generated request.
 
 Scenarios (``SCENARIOS``): ``qwen2`` (Qwen2, engine TP1, one whole Hugging Face
 trainer: init errors, two versions, updates staged while serving, an engine-side
-error), ``llama-tp2`` (Llama, engine TP2, two trainer ranks: Hugging Face FSDP2,
+error), ``llama`` (Llama, engine TP1, one whole Hugging Face trainer: two versions), ``llama-tp2`` (Llama, engine TP2, two trainer ranks: Hugging Face FSDP2,
 megatron-core TP2, torchtitan FSDP2, then a trainer rank killed mid-stage),
 ``qwen2-http-tp2`` (Qwen2, engine TP2 as a ``sglang.launch_server`` HTTP server with
 torchrefit's custom weight loader, two trainer ranks, Hugging Face FSDP2: an init error,
@@ -49,6 +49,7 @@ from vllm_driver import (  # noqa: E402  (the same models, steps and oracle scor
 
 SCENARIOS = {
     "qwen2": dict(model="dense", trainers=1, tp=1),
+    "llama": dict(model="llama", trainers=1, tp=1),
     "llama-tp2": dict(model="llama", trainers=2, tp=2, titan="llama3", megatron=True,
                       kill=True),
     "qwen2-http-tp2": dict(model="dense", trainers=2, tp=2, http=True),
@@ -322,7 +323,7 @@ def _through_load_weights(out, init, model, engine, rank, world) -> None:
 
 def _killed_rank(out, init, model, engine, rank) -> None:
     """Trainer rank 1 dies while a staged update streams: the engine commits nothing
-    and keeps its version; rank 0 raises within the link's timeout."""
+    and keeps its version; rank 0 raises within twice the link's timeout."""
     sender = init(serve_while_staging=True, timeout=10.0)
     sender.send_weights(weight_version="before-kill")
     serving = _full(model)

@@ -13,7 +13,8 @@ reports on each request what was sent. SGLang's dummy weights and a skipped upda
 
 Covered: Qwen2 at engine TP1 from one whole Hugging Face trainer (init errors: a name
 map, a shape and a dtype that differ; an exception inside the engine's update; updates
-staged while the engine serves); Llama at engine TP2 (each TP worker receives its own
+staged while the engine serves); Llama at engine TP1 from one whole Hugging Face trainer
+(two versions); Llama at engine TP2 (each TP worker receives its own
 shard of the fused ``qkv_proj`` / ``gate_up_proj``) from two trainer ranks: Hugging Face
 under FSDP2, megatron-core tensor parallel, torchtitan under FSDP2, then a trainer rank
 killed mid-stage; Qwen2 at engine TP2 through the HTTP server from an FSDP2 Hugging Face
@@ -88,7 +89,7 @@ def assert_fails_oracle(case: dict) -> None:
     assert not case["tokens_equal"] or case["max_logprob_diff"] > 100 * TOL, case
 
 
-@pytest.mark.parametrize("scenario, prefix", [("qwen2", ""), ("llama-tp2", ""),
+@pytest.mark.parametrize("scenario, prefix", [("qwen2", ""), ("llama", ""), ("llama-tp2", ""),
                                               ("llama-tp2", "titan-"),
                                               ("llama-tp2", "megatron-"),
                                               ("qwen2-http-tp2", "")])
@@ -106,14 +107,15 @@ def test_two_versions_equal_the_oracle(scenario, prefix, tmp_path_factory):
     assert_fails_oracle(cases[f"{prefix}skipped_update"])  # the step between versions shows
 
 
-@pytest.mark.parametrize("scenario", ["qwen2", "llama-tp2", "qwen2-http-tp2"])
+@pytest.mark.parametrize("scenario", ["qwen2", "llama", "llama-tp2", "qwen2-http-tp2"])
 def test_every_weight_is_written_in_place(scenario, tmp_path_factory):
     routes = run(scenario, tmp_path_factory)["routes"]
     assert any(n.endswith("qkv_proj.weight") for n in routes), routes
     assert routes and all(way == "direct" for way, _ in routes.values()), routes
 
 
-@pytest.mark.parametrize("scenario, prefix, workers", [("qwen2", "", 1), ("llama-tp2", "", 2),
+@pytest.mark.parametrize("scenario, prefix, workers", [("qwen2", "", 1), ("llama", "", 1),
+                                                       ("llama-tp2", "", 2),
                                                        ("llama-tp2", "titan-", 2),
                                                        ("llama-tp2", "megatron-", 2),
                                                        ("qwen2-http-tp2", "", 2)])
@@ -210,7 +212,9 @@ def test_killed_trainer_rank_leaves_the_engine_at_its_version(tmp_path_factory):
     r = run("llama-tp2", tmp_path_factory)
     case = r["cases"]["killed_rank"]
     assert case["raised"] in ("TransportError", "RefitError"), case
-    assert case["seconds"] < 10 + 3, case  # within the link's timeout (10 s), plus a margin
+    # the link's timeout is 10 s: the kill is seen at once, then the live ranks wait up to
+    # twice the timeout for one another's word, so that a live rank is never named dead
+    assert case["seconds"] < 2 * 10 + 3, case
     assert "trainer rank 1 died or stopped" in case["message"], case
     assert case["commit_raised"] == "RefitError", case
     assert_matches_oracle(case)  # the version staged before the kill, still served
