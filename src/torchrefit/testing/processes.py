@@ -6,8 +6,8 @@ results by rank. A rank that raises or a world that does not finish within
 ``timeout`` seconds raises :class:`WorldError` with every rank's traceback, and
 all processes are killed: a test can fail, but never hang.
 
-Processes come from :func:`context`: a fork server that imported torch and torchrefit
-once, so a new rank starts in milliseconds instead of importing them again (about 3 s
+Processes come from :func:`context`: without a GPU, a fork server that imported torch and
+torchrefit once, so a new rank starts in milliseconds instead of importing them again (about 3 s
 of CPU each on a small machine, which a suite of many small worlds mostly spent on
 imports). Each rank is still a fresh process that runs nothing of its parent's state
 but its arguments, like a spawned one, and takes its parent's environment as it was
@@ -37,8 +37,10 @@ _PRELOAD = ["torch", "torch.distributed", "torchrefit"]
 
 def context():
     """The multiprocessing context ranks start from: a fork server with torch and
-    torchrefit imported (``spawn`` where the platform has no fork server)."""
-    if "forkserver" not in mp.get_all_start_methods():
+    torchrefit imported; ``spawn`` where the platform has no fork server, and where a GPU
+    is present (a rank forked from a process that asked the CUDA driver anything may find
+    CUDA unusable: spawned ranks are what the GPU tests run on)."""
+    if "forkserver" not in mp.get_all_start_methods() or torch.cuda.is_available():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
