@@ -27,12 +27,12 @@ import hashlib
 import logging
 import os
 import platform
-import subprocess
 import threading
 from pathlib import Path
 
 from .. import settings
 from .._util.cache_dir import cache_dir
+from .compile import compile_library
 
 __all__ = ["SOURCE", "Kernels", "build", "built_path", "kernels", "wait"]
 
@@ -343,29 +343,9 @@ def _library(where: Path) -> Path:
 
 
 def build(verbose: bool = False) -> Path:
-    """Compile the library now (about a second) and return the file. Written aside and
-    renamed into place: processes building at once never load half of one."""
+    """Compile the library now (about a second) and return the file."""
     where = built_path()
-    if where is None:
-        raise RuntimeError("the kernel cache is off (settings.kernel_cache, TORCHREFIT_KERNEL_CACHE=0): "
-                           "nowhere to build into")
-    where.mkdir(parents=True, exist_ok=True)
-    source = where / f"delta.{os.getpid()}.{threading.get_ident()}.cpp"
-    source.write_text(SOURCE)
-    out = _library(where)
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    command = [os.environ.get("CXX", "c++"), "-O3", "-fPIC", "-shared", "-pthread", "-std=c++17",
-               str(source), "-o", str(tmp)]
-    if verbose:
-        print(" ".join(command))
-    try:
-        done = subprocess.run(command, capture_output=not verbose, text=True)
-    finally:
-        source.unlink(missing_ok=True)
-    if done.returncode:
-        tail = (done.stderr or "").strip().splitlines()[-12:]
-        raise RuntimeError(f"{command[0]} exited with {done.returncode}:\n" + "\n".join(tail))
-    os.replace(tmp, out)
+    out = compile_library(where, f"{_NAME}.so", SOURCE, ["-O3"], verbose=verbose)
     with _lock:
         _loaded.pop(where, None)
     return out

@@ -39,9 +39,7 @@ import functools
 import hashlib
 import importlib.util
 import logging
-import os
 import platform
-import subprocess
 import sys
 import sysconfig
 from pathlib import Path
@@ -51,6 +49,7 @@ import torch
 
 from .. import settings
 from .._util.cache_dir import cache_dir
+from .compile import compile_library
 
 __all__ = ["COLLAPSE_MIN", "SOURCE", "build", "built_path", "module",
            "views_check", "holders_check"]
@@ -316,36 +315,17 @@ def _key() -> str:
 
 def build(verbose: bool = False) -> Path:
     """Compile the module for this environment and return the built file: one call of
-    the C++ compiler (``$CXX``, else ``c++``) with torch's headers and libraries, as
-    torch's ``cpp_extension`` would call it, without needing ninja; tens of seconds.
-    The file is written aside and renamed into place, so ranks building at once never
-    import half of one."""
+    the C++ compiler with torch's headers and libraries, as torch's ``cpp_extension``
+    would call it, without needing ninja; tens of seconds."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
     where = built_path()
-    if where is None:
-        raise RuntimeError("the kernel cache is off (settings.kernel_cache, TORCHREFIT_KERNEL_CACHE=0): "
-                           "nowhere to build into")
-    where.mkdir(parents=True, exist_ok=True)
-    source = where / f"main.{os.getpid()}.cpp"  # this process's own: another may be writing its
-    source.write_text(SOURCE)
-    out = _library(where)
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
-    command = [os.environ.get("CXX", "c++"), "-O2", "-fPIC", "-shared", "-pthread", "-std=c++17",
-               f"-DTORCH_EXTENSION_NAME={_NAME}", "-DTORCH_API_INCLUDE_EXTENSION_H",
-               f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-               *(f"-isystem{p}" for p in (*include_paths(), sysconfig.get_paths()["include"])),
-               str(source), "-o", str(tmp),
-               *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python"]
-    if verbose:
-        print(" ".join(command))
-    done = subprocess.run(command, capture_output=not verbose, text=True)
-    if done.returncode:
-        tail = (done.stderr or "").strip().splitlines()[-12:]
-        raise RuntimeError(f"{command[0]} exited with {done.returncode}:\n" + "\n".join(tail))
-    os.replace(tmp, out)
-    source.unlink(missing_ok=True)
+    flags = ["-O2", f"-DTORCH_EXTENSION_NAME={_NAME}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+             f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+             *(f"-isystem{p}" for p in (*include_paths(), sysconfig.get_paths()["include"]))]
+    link = [*(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python"]
+    out = compile_library(where, f"{_NAME}.so", SOURCE, flags, link, verbose)
     _loaded.pop(where, None)
     return out
 
