@@ -1,6 +1,6 @@
 """Fleet planning and admission proofs, pure (no processes): relay trees (a chain, fan-out
 trees, every target fed once, only the first source sending), re-feed sources (whole
-replicas first, the trainer last), the seed source (only a peer whole at the current
+replicas first, the trainer last), the seeding peer (only a replica whole at the current
 version, never a mixed one, never a busy one, none before the first version), and the
 secret (required, never a default; proofs that a wrong secret or other parts cannot make).
 One rank's worker, over a real store with stand-in Refitters (one per part): a sender never
