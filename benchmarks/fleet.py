@@ -38,7 +38,8 @@ from torchrefit.testing import Mesh, ModelSpec, build_toy
 from torchrefit.testing.fleet_jobs import Job
 from torchrefit.testing.jobs import free_ports
 
-SIZES = {"small": ModelSpec(layers=2, hidden=256, heads=8, groups=4, ffn=1024, vocab=4096),
+SIZES = {"tiny": ModelSpec(layers=1, hidden=64, heads=4, groups=2, ffn=128, vocab=256),  # coordination alone
+         "small": ModelSpec(layers=2, hidden=256, heads=8, groups=4, ffn=1024, vocab=4096),
          "large": ModelSpec(layers=8, hidden=2048, heads=16, groups=4, ffn=8192, vocab=32768,
                             dtype=torch.bfloat16)}
 SECRET = "fleet-benchmark"
