@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 from ..connect import _build_joint_group as build_joint_group
 from ..layout import Described, describe
+from ..plan.cache import PlanCache
 from ..refitter import Refitter
 from .parts import cut, global_sizes, part_layout
-from .plans import CachedPlanRefitter, PlanCache
 from .secret import group_prefix
 
 __all__ = ["Link", "Links", "Sides", "edge_tag", "parse_tag"]
@@ -136,9 +136,9 @@ class Links:
         link = Link(tag, group, [])
         try:
             for p in range(parts):
-                link.parts.append(CachedPlanRefitter(
+                link.parts.append(Refitter(
                     group=group, src_rank_offset=0, dst_rank_offset=src_world, timeout=self.timeout,
-                    plans=self.plans, **self.sides.refitter_args_for(p, sending)))
+                    plan_cache=self.plans, **self.sides.refitter_args_for(p, sending)))
         except Exception:
             link.close()
             raise

@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 import time
 
+from ..plan.cache import PlanCache
 from .board import Board, open_store
 from .coordinator import Coordinator, decode
 from .links import Links, Sides
-from .plans import PlanCache
 from .relay import TRAINER
 from .report import FleetReport, MemberState
 from .secret import read_secret
