@@ -41,7 +41,7 @@ __all__ = ["Board", "open_store", "SHORT", "LONG"]
 
 _MAX_PAUSE = 0.02  # seconds between two looks at a key being waited for (off an update's path)
 SHORT = 0.002  # the same where a poll remains inside an update
-LONG = 600.0  # seconds one blocking wait lasts at most before it looks at its stop() again
+LONG = 3600.0  # seconds one blocking wait lasts at most before it looks at its stop() again
 
 
 def open_store(address: str, port: int, host: bool, timeout: float) -> dist.TCPStore:
