@@ -165,20 +165,22 @@ class Worker:
     def _send(self, b: Board, task: dict, outs: list[dict], relays: bool) -> dict[str, dict]:
         """Send every part on every edge of ``outs`` (over ``b``, this thread's client). A
         relay's words come from the ranks that receive (``_held``); any other sender holds
-        the whole version or not, so its rank 0 says every word at once. Every other rank,
-        and a relay's every rank, sends on the word it reads."""
+        the whole version or not, so its rank 0 says every word at once. The trainer's ranks
+        send on the word they know (go: a trainer holds what it is told to send); a
+        replica's other ranks, and a relay's every rank, on the word they read."""
         t0 = perf_counter()
         res = {e["tag"]: {"ok": True, "bytes": 0, "seconds": 0.0, "error": "", "skipped": False} for e in outs}
         parts = max(e["parts"] for e in outs)
         said = None
-        if not relays and self.rank == 0:
+        if self.whole is None:  # the trainer holds the version it is told: every rank knows it
+            said = {"go": True, "version": task["version"], "why": None}
+            if self.rank == 0:  # no one else says a word on its edges first
+                b.put_many({f"edge/{e['word']}/{p}": said for e in outs for p in range(e["parts"])})
+        elif not relays and self.rank == 0:  # a seeding peer: a drop's skip may be there already, and holds
             version, why = self._what_to_send(task)
             said = {"go": why is None, "version": version, "why": why}
-            if self.whole is None:  # the trainer: no one else says a word on its edges first
-                b.put_many({f"edge/{e['word']}/{p}": said for e in outs for p in range(e["parts"])})
-            else:  # a seeding peer: a drop's skip may be there already, and holds
-                for p in range(parts):
-                    self._say(b, outs, p, version, why)
+            for p in range(parts):
+                self._say(b, outs, p, version, why)
         for p in range(parts):
             for e in outs:
                 if p < e["parts"] and res[e["tag"]]["ok"]:
