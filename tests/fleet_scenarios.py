@@ -109,11 +109,12 @@ def trainer(rank: int, world: int, port: int, updates: int, expect: int, timeout
             drop_after: float, pause: float, ctl: str | None = None, relay: bool = True,
             settle: int = 0, join_timeout: float = 120.0, hold: str | None = None, chunks: int = 4,
             device: str = "cpu", transport: str = "auto") -> dict:
-    """The trainer job: wait for ``expect`` replicas to have joined (rank 0), then
-    ``updates`` updates; with ``settle``, rank 0 then waits (at most 120 s) until ``settle``
-    replicas are ready and one more update runs (restarts that joined late are fed too).
-    ``device`` / ``transport``: as for :func:`replica`. With ``hold``, rank 0 waits (at most 120 s) for that file before closing the fleet.
-    Each rank returns every report, its fd / memory figures and the fleet's warnings."""
+    """The trainer job: wait for ``expect`` replicas to have joined, every rank of each
+    started (rank 0), then ``updates`` updates; with ``settle``, rank 0 then waits (at most
+    120 s) until ``settle`` replicas are ready and one more update runs (restarts that
+    joined late are fed too). ``device`` / ``transport``: as for :func:`replica`. With
+    ``hold``, rank 0 waits (at most 120 s) for that file before closing the fleet. Each
+    rank returns every report, its fd / memory figures and the fleet's warnings."""
     warnings = _capture_warnings()
     model = build_toy(SPEC, TRAINER, rank, seed=0, device=_device(device))
     f = fleet.Fleet(model, rank, world, "127.0.0.1", port, secret=SECRET, timeout=timeout,
@@ -122,7 +123,10 @@ def trainer(rank: int, world: int, port: int, updates: int, expect: int, timeout
     if f.coordinator is not None:
         f.coordinator.relay = relay
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and len(f.replicas()) < expect:
+        # armed: every rank of each started (the first update feeds it; updates before it
+        # would feed nobody, and take no time)
+        while time.monotonic() < deadline and sum(
+                m.state not in ("arming", "dropped") for m in f.replicas()) < expect:
             time.sleep(0.05)
     reports, fds, rss, worst = [], [], [], 0.0
     for v in range(1, updates + 1):
