@@ -84,12 +84,17 @@ def test_a_relay_or_seed_source_never_sends_a_mix() -> None:
 
 
 class _Refitter:
-    """One part of an edge: fails (a peer died mid-transfer) or moves 10 bytes."""
+    """One part of an edge: fails (a peer died mid-transfer) or moves 10 bytes; waits for
+    ``gate`` first and sets ``done`` after, where given (to order two ranks' threads)."""
 
-    def __init__(self, fail: bool = False) -> None:
-        self.fail, self.calls = fail, 0
+    def __init__(self, fail: bool = False, gate=None, done=None) -> None:
+        self.fail, self.calls, self.gate, self.done = fail, 0, gate, done
 
     def refit(self, version):
+        if self.gate is not None:
+            assert self.gate.wait(30)
+        if self.done is not None:
+            self.done.set()
         if self.fail:
             from torchrefit.errors import TransportError
             raise TransportError("injected: the sender died mid-transfer")
@@ -215,7 +220,7 @@ def test_parts_are_balanced_runs_of_whole_tensors() -> None:
 
 def test_a_relay_of_two_ranks_forwards_a_part_only_once_both_hold_it() -> None:
     """A relay job of two ranks whose rank 1 misses part 1 of 3 (its sender's transfer
-    failed there) while rank 0 receives every part: part 0 is forwarded by both ranks (both
+    failed there), after rank 0 received every part: part 0 is forwarded by both ranks (both
     hold it), parts 1 and 2 are skipped downstream (rank 0 holds them, rank 1 does not: a
     forwarded part would be a mix), and neither rank installs the version (they agree)."""
     import threading
@@ -224,7 +229,8 @@ def test_a_relay_of_two_ranks_forwards_a_part_only_once_both_hold_it() -> None:
     from torchrefit.fleet.worker import Whole, Worker
 
     board = _board()
-    ups = [[_Refitter(), _Refitter(), _Refitter()], [_Refitter(), _Refitter(fail=True), _Refitter()]]
+    held = threading.Event()  # rank 1 fails only once rank 0 received every part
+    ups = [[_Refitter(), _Refitter(), _Refitter(done=held)], [_Refitter(), _Refitter(fail=True, gate=held), _Refitter()]]
     downs = [[_Refitter(), _Refitter(), _Refitter()] for _ in range(2)]
     links = [_Links({"trainer>r#0": ups[r], "r>s#0": downs[r]}) for r in range(2)]
     workers = [Worker(Board(board.store.clone()), links[r], "r", r, 2, 5.0, Whole(version=3)) for r in range(2)]
