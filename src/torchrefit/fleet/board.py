@@ -61,7 +61,13 @@ class Board:
         self.store.set(f"fleet/{key}", json.dumps(value))
 
     def put_many(self, items: dict[str, Any]) -> None:
-        self.store.multi_set([f"fleet/{k}" for k in items], [json.dumps(v) for v in items.values()])
+        """Set every key of ``items`` (in one store call where the store has ``multi_set``)."""
+        keys, values = [f"fleet/{k}" for k in items], [json.dumps(v) for v in items.values()]
+        if hasattr(self.store, "multi_set"):
+            self.store.multi_set(keys, values)
+        else:
+            for k, v in zip(keys, values):
+                self.store.set(k, v)
 
     def put_once(self, key: str, value: Any) -> Any:
         """Set ``key`` unless it is set; returns the value it holds after (the first wins)."""
@@ -117,7 +123,8 @@ class Board:
                 if time.monotonic() - t0 < 0.5 * left:
                     raise
                 continue
-            values = [json.loads(v) for v in self.store.multi_get(full)]
+            got = self.store.multi_get(full) if hasattr(self.store, "multi_get") else [self.store.get(k) for k in full]
+            values = [json.loads(v) for v in got]
             return values[0] if one else values
 
     def for_thread(self) -> Board:
