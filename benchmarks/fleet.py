@@ -17,6 +17,7 @@ transfer) and the warm single-replica update::
 
     python benchmarks/fleet.py [--device cpu --transport gloo] [--size small] [--json out.json]
     python benchmarks/fleet.py --device cuda --transport ipc --size large   # one GPU
+    python benchmarks/fleet.py --size tiny     # bytes negligible: the coordination alone
 
 Prints a markdown table and (with ``--json``) the figures.
 """
