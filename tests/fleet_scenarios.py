@@ -30,7 +30,13 @@ def matches(model, mesh: Mesh, rank: int, seed: int) -> bool:
     want = expected_local(SPEC, mesh, rank, seed)
     got = model.state_dict()
     return set(got) == set(want) and all(
-        torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)
+        torch.equal(got[k].cpu().view(torch.uint8), want[k].view(torch.uint8)) for k in want)
+
+
+def _device(device: str) -> str:
+    if device == "cuda":  # every process of these jobs shares the one GPU
+        torch.cuda.set_device(0)
+    return device
 
 
 def open_fds() -> int:
@@ -43,11 +49,12 @@ def rss_kib() -> int:
 
 
 def replica(rank: int, world: int, port: int, name: str, staged: bool, logdir: str,
-            timeout: float, secret: str = SECRET) -> dict:
+            timeout: float, secret: str = SECRET, device: str = "cpu", transport: str = "auto") -> dict:
     """One replica rank: join, log every installed version's oracle verdict, serve until
-    the fleet stops it."""
+    the fleet stops it. ``device="cuda"`` holds the model on the one GPU, every edge over
+    ``transport`` (e.g. ``ipc``)."""
     mesh = Mesh(tp=world, ranks=world)
-    model = build_toy(SPEC, mesh, rank, seed=0)
+    model = build_toy(SPEC, mesh, rank, seed=0, device=_device(device))
     log = open(os.path.join(logdir, f"{name}-{rank}-{os.getpid()}.jsonl"), "a", buffering=1)
 
     def on_version(v: int) -> None:
@@ -55,7 +62,7 @@ def replica(rank: int, world: int, port: int, name: str, staged: bool, logdir: s
                               "fds": open_fds(), "rss": rss_kib()}) + "\n")
 
     rep = fleet.join(model, rank, world, "127.0.0.1", port, name=name, secret=secret, staged=staged,
-                     timeout=timeout, on_version=on_version)
+                     timeout=timeout, on_version=on_version, refitter_args={"transport": transport})
     while not rep._stop.wait(0.1):
         with rep.lock:  # a forward pass would run here: never on half a commit
             pass
@@ -100,20 +107,26 @@ def _wait_ready(f, count: int, limit: float) -> None:
 
 def trainer(rank: int, world: int, port: int, updates: int, expect: int, timeout: float,
             drop_after: float, pause: float, ctl: str | None = None, relay: bool = True,
-            settle: int = 0, join_timeout: float = 120.0, hold: str | None = None, chunks: int = 4) -> dict:
-    """The trainer job: wait for ``expect`` replicas to have joined (rank 0), then
-    ``updates`` updates; with ``settle``, rank 0 then waits (at most 120 s) until ``settle``
-    replicas are ready and one more update runs (restarts that joined late are fed too).
-    With ``hold``, rank 0 waits (at most 120 s) for that file before closing the fleet.
-    Each rank returns every report, its fd / memory figures and the fleet's warnings."""
+            settle: int = 0, join_timeout: float = 120.0, hold: str | None = None, chunks: int = 4,
+            device: str = "cpu", transport: str = "auto") -> dict:
+    """The trainer job: wait for ``expect`` replicas to have joined, every rank of each
+    started (rank 0), then ``updates`` updates; with ``settle``, rank 0 then waits (at most
+    120 s) until ``settle`` replicas are ready and one more update runs (restarts that
+    joined late are fed too). ``device`` / ``transport``: as for :func:`replica`. With
+    ``hold``, rank 0 waits (at most 120 s) for that file before closing the fleet. Each
+    rank returns every report, its fd / memory figures and the fleet's warnings."""
     warnings = _capture_warnings()
-    model = build_toy(SPEC, TRAINER, rank, seed=0)
+    model = build_toy(SPEC, TRAINER, rank, seed=0, device=_device(device))
     f = fleet.Fleet(model, rank, world, "127.0.0.1", port, secret=SECRET, timeout=timeout,
-                    drop_after=drop_after, join_timeout=join_timeout, chunks=chunks)
+                    drop_after=drop_after, join_timeout=join_timeout, chunks=chunks,
+                    refitter_args={"transport": transport})
     if f.coordinator is not None:
         f.coordinator.relay = relay
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and len(f.replicas()) < expect:
+        # armed: every rank of each started (the first update feeds it; updates before it
+        # would feed nobody, and take no time)
+        while time.monotonic() < deadline and sum(
+                m.state not in ("arming", "dropped") for m in f.replicas()) < expect:
             time.sleep(0.05)
     reports, fds, rss, worst = [], [], [], 0.0
     for v in range(1, updates + 1):

@@ -89,7 +89,8 @@ def test_fleet_leaks_nothing_over_200_updates(tmp_path) -> None:
                        drop_after=DROP_AFTER, pause=0.0, settle=False, chunks=1)
     reports = _reports(out)
     assert not any(rep.dropped for rep in reports)
-    assert all(len(rep.replicas) == 3 for rep in reports[19:])
+    short = [rep for rep in reports[19:] if len(rep.replicas) != 3]
+    assert not short, f"{len(short)} updates from the 20th on left a replica out; the first:\n{short[0]}"
     logs = _check_oracle(str(tmp_path))
     assert _check_relay(reports) >= 180
     for got in out["trainer"]:

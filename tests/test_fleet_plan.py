@@ -84,12 +84,17 @@ def test_a_relay_or_seed_source_never_sends_a_mix() -> None:
 
 
 class _Refitter:
-    """One part of an edge: fails (a peer died mid-transfer) or moves 10 bytes."""
+    """One part of an edge: fails (a peer died mid-transfer) or moves 10 bytes; waits for
+    ``gate`` first and sets ``done`` after, where given (to order two ranks' threads)."""
 
-    def __init__(self, fail: bool = False) -> None:
-        self.fail, self.calls = fail, 0
+    def __init__(self, fail: bool = False, gate=None, done=None) -> None:
+        self.fail, self.calls, self.gate, self.done = fail, 0, gate, done
 
     def refit(self, version):
+        if self.gate is not None:
+            assert self.gate.wait(30)
+        if self.done is not None:
+            self.done.set()
         if self.fail:
             from torchrefit.errors import TransportError
             raise TransportError("injected: the sender died mid-transfer")
@@ -111,7 +116,7 @@ class _Links:
     def __init__(self, parts: dict[str, list[_Refitter]]) -> None:
         self.parts, self.forgotten, self.sides = parts, [], _Sides()
 
-    def get(self, tag, peer_world, parts):
+    def get(self, tag, peer_world, parts, store=None):
         return type("L", (), {"parts": self.parts[tag]})()
 
     def forget(self, tag):
@@ -150,7 +155,8 @@ def test_a_cut_receive_marks_an_unstaged_replica_mixed_until_its_next_whole_one(
     assert board.get("done/r/0/0")["mixed"] == (not staged) and links.forgotten == ["trainer>r#0"]
     assert seen == []
     # a skipped edge moves no byte: no mix from it
-    board.put("edge/w2", {"go": False, "version": 0, "why": "trainer was dropped"})
+    for p in range(2):  # the sender was dropped: every part of its edge is skipped
+        board.put(f"edge/w2/{p}", {"go": False, "version": 0, "why": "trainer was dropped"})
     w.run({"n": 1, "kind": "update", "version": 4, "in": {**edge, "word": "w2"}, "outs": []})
     assert w.whole.mixed == (not staged)
     links.parts["trainer>r#0"] = [_Refitter(), _Refitter()]
@@ -210,3 +216,43 @@ def test_parts_are_balanced_runs_of_whole_tensors() -> None:
     assert max(shares) < 0.6 * sum(shares)
     sub = part_of(one, got[0])
     assert {t.name for _, t in sub.layout} == got[0] and set(sub.tensors) == {k for k, _ in sub.layout}
+
+
+def test_a_relay_of_two_ranks_forwards_a_part_only_once_both_hold_it() -> None:
+    """A relay job of two ranks whose rank 1 misses part 1 of 3 (its sender's transfer
+    failed there), after rank 0 received every part: part 0 is forwarded by both ranks (both
+    hold it), parts 1 and 2 are skipped downstream (rank 0 holds them, rank 1 does not: a
+    forwarded part would be a mix), and neither rank installs the version (they agree)."""
+    import threading
+
+    from torchrefit.fleet.board import Board
+    from torchrefit.fleet.worker import Whole, Worker
+
+    board = _board()
+    held = threading.Event()  # rank 1 fails only once rank 0 received every part
+    ups = [[_Refitter(), _Refitter(), _Refitter(done=held)], [_Refitter(), _Refitter(fail=True, gate=held), _Refitter()]]
+    downs = [[_Refitter(), _Refitter(), _Refitter()] for _ in range(2)]
+    links = [_Links({"trainer>r#0": ups[r], "r>s#0": downs[r]}) for r in range(2)]
+    workers = [Worker(Board(board.store.clone()), links[r], "r", r, 2, 5.0, Whole(version=3)) for r in range(2)]
+    inn = {"tag": "trainer>r#0", "word": "w1", "peer": TRAINER, "peer_world": 2, "stage": True, "parts": 3}
+    out_edge = {"tag": "r>s#0", "word": "w2", "peer": "s", "peer_world": 1, "stage": True, "parts": 3}
+    for p in range(3):
+        board.put(f"edge/w1/{p}", {"go": True, "version": 4, "why": None})
+    outs = [None, None]
+
+    def run(r: int) -> None:
+        outs[r] = workers[r].run({"n": 0, "kind": "update", "version": 4, "in": inn, "outs": [out_edge]})
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert [r.calls for r in ups[0]] == [1, 1, 1] and [r.calls for r in ups[1]] == [1, 0, 0]
+    assert [[r.calls for r in d] for d in downs] == [[1, 0, 0], [1, 0, 0]]
+    assert [board.get(f"edge/w2/{p}")["go"] for p in range(3)] == [True, False, False]
+    for r in range(2):
+        assert not outs[r]["in"]["agreed"] and not outs[r]["outs"]["r>s#0"]["ok"]
+        assert (workers[r].whole.version, workers[r].whole.mixed) == (3, False)
+        assert links[r].sides.installed == 0
+    assert board.get("agreed/r/0") is False

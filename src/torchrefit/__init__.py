@@ -29,6 +29,7 @@ from .fleet import Fleet, FleetReport, JoinRefused, join
 from .layout import Box, Explicit, Piece, TensorSpec, shard_pieces
 from .layout.sink import load_weights_sink
 from .layout.vllm_tp import vllm_tp_layout
+from .plan.cache import PlanCache
 from .refitter import RefitReport, Refitter
 from .stage_commit import CommitReport, StageHandle, StageReport
 from .swap import clear_caches, swap_model_weights
@@ -39,7 +40,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     # refitting
-    "Refitter", "RefitReport", "swap_model_weights", "clear_caches",
+    "Refitter", "RefitReport", "swap_model_weights", "clear_caches", "PlanCache",
     # refit while the engine serves: stage, then commit
     "StageHandle", "StageReport", "CommitReport",
     # describing what a rank holds

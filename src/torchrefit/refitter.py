@@ -42,6 +42,7 @@ from .layout.sink import SinkDescribed
 from .layout.walk import shared_walks
 from .maps import Identity, NameMap
 from .plan.buckets import plan_buckets, split_plan
+from .plan.cache import PlanCache, plan_key
 from .plan.delta_chain import Chain
 from .plan.planner import CastPolicy, Planner
 from .plan.roster import encode_roster
@@ -214,6 +215,12 @@ class Refitter:
             every rank agrees the receiver holds the reference's bytes, else full bytes.
             Gloo and NCCL rounds; ``report.delta_reference_bytes`` and ``wire_bytes_*`` say
             what it costs and saves. See docs/delta.md.
+        plan_cache: a :class:`PlanCache` to take this rank's plan from, where it holds one
+            made from the same gathered rosters, rank, local names, name map, cast, skip,
+            FP8 block and transport class, and to keep the plan in otherwise: Refitters
+            between layouts seen before (many engines of one layout, a restarted one) skip
+            planning. Ranks need not agree on it: planning is local to each rank (the
+            gathers before and after it run either way). None: plan every time.
         watch: ``"every"`` (default): before every refit, this rank checks that each
             described tensor is still the one its module (or mapping) holds and that each
             compiled tensor still views the storage it did (same storage, offset, sizes and
@@ -265,8 +272,10 @@ class Refitter:
         staging: str = "device",
         staging_bytes: int | None = None,
         delta: str | None = None,
+        plan_cache: PlanCache | None = None,
     ) -> None:
         t0 = perf_counter()
+        self._plan_cache = plan_cache
         pool_bytes = _pool_bytes(pool_bytes, staging_bytes)
         if staging not in STAGING:  # every rank has the same arguments: all raise, none hangs
             raise ValueError(f"staging must be one of {STAGING}, not {staging!r}")
@@ -400,6 +409,26 @@ class Refitter:
         return [replace(_RankInfo(*e), src=s, dst=d) for e, s, d in zip(extras, srcs, dsts)]
 
     def _plan(self, infos, name_map: NameMap, cast, skip, fp8_block) -> RankPlan:
+        """This rank's plan: from ``plan_cache`` where it holds one made from the same
+        rosters and arguments, else made now (and kept there)."""
+        key = None
+        if self._plan_cache is not None:
+            key = plan_key(tuple((i.src, i.dst) for i in infos), tuple(i.kinds for i in infos),
+                           self.rank, self.world,
+                           tuple(k for k, _ in self._src.layout) if self._src else None,
+                           tuple(k for k, _ in self._dst.layout) if self._dst else None,
+                           name_map, cast, skip, fp8_block, self._transport_cls)
+            got = self._plan_cache.get(key)
+            if got is not None:
+                self._planner, plan = got
+                self._plan_error = None
+                return plan
+        plan = self._make_plan(infos, name_map, cast, skip, fp8_block)
+        if key is not None and self._plan_error is None:  # an error is raised on every rank: nothing to keep
+            self._plan_cache.put(key, (self._planner, plan))
+        return plan
+
+    def _make_plan(self, infos, name_map: NameMap, cast, skip, fp8_block) -> RankPlan:
         planner = Planner.from_rosters([i.src for i in infos], [i.dst for i in infos], name_map,
                                        cast=cast, skip=tuple(skip), sides=_sides(infos),
                                        fp8_block=fp8_block,

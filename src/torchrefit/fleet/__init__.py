@@ -7,9 +7,9 @@
     replica.wait_ready()
 
 Modules: ``relay`` (pure: who feeds whom, who seeds a newcomer), ``secret`` (admission
-proofs), ``board`` (the store's keys), ``links`` (one group and Refitter per edge),
-``parts`` (pure: the parts an update moves in), ``plans`` (plans kept per pair of layouts),
-``worker`` (running a task on one rank), ``coordinator`` (the trainer's rank 0),
+proofs), ``board`` (the store's keys), ``links`` (one group and Refitter per edge, every
+edge of a rank sharing one ``PlanCache``: plans are kept per pair of layouts), ``parts``
+(pure: the parts an update moves in), ``worker`` (running a task on one rank), ``coordinator`` (the trainer's rank 0),
 ``trainer`` (``Fleet``), ``replica`` (``join``), ``report``.
 """
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .board import SHORT, Board, open_store
+from .board import Board, open_store
 from .links import edge_tag
 from .relay import TRAINER, Edge, Holding, refeed_sources, relay_edges, seed_source
 from .report import FleetReport, MemberState, ReplicaOutcome
@@ -85,7 +85,9 @@ class Coordinator:
         self._tasks: dict[str, int] = {}
         self._gen: dict[tuple[str, str], int] = {}
         self._words = 0
-        self._open: dict[str, str] = {}  # word keys not yet certain -> the sender's job
+        self._open: dict[str, tuple[str, int]] = {}  # words not yet certain -> (the sender's job, parts)
+        self._collecting: dict[str, int] = {}  # job -> the task whose results update() waits for
+        self._trash: list[str] = []  # keys of finished tasks, deleted by the watcher (off the update's path)
         self._joins_seen = 0
         self._unnamed: dict[int, float] = {}  # join indices counted but not yet named
         self._order = 0
@@ -97,11 +99,14 @@ class Coordinator:
 
     # ------------------------------------------------------------------ tasks
     def post(self, board: Board, job: str, task: dict[str, Any]) -> int:
-        n = self._tasks.get(job, 0)
-        self._tasks[job] = n + 1
-        task = {**task, "n": n, "live": self._live()}
+        n, task = self._number(job, task)
         board.put(f"task/{job}/{n}", task)
         return n
+
+    def _number(self, job: str, task: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        n = self._tasks.get(job, 0)
+        self._tasks[job] = n + 1
+        return n, {**task, "n": n, "live": self._live()}
 
     def _live(self) -> list[str]:
         return [TRAINER] + [m.name for m in self.members.values() if m.state != "dropped"]
@@ -121,21 +126,27 @@ class Coordinator:
                 "peer_world": self._world(peer), "stage": self._staged(dst), "parts": self.members[dst].parts}
 
     def _post_edges(self, board: Board, edges: list[Edge], kind: str, version: int,
-                    expect: int | None = None) -> dict[str, int]:
-        """One task per job named by ``edges``; the edge dicts of both ends share one word key."""
+                    expect: int | None = None) -> tuple[dict[str, int], dict[str, str]]:
+        """One task per job named by ``edges`` (posted in one store call); the edge dicts of
+        both ends share one word key. Returns each job's task number and each target's word,
+        each word recorded as open (a drop of its sender skips it)."""
         ins: dict[str, dict] = {}
         outs: dict[str, list[dict]] = {}
         for e in edges:
             d = self._edge(e.src, e.dst, e.src)
             outs.setdefault(e.src, []).append(d)
             ins[e.dst] = {**d, "peer": e.src, "peer_world": self._world(e.src)}
-        posted = {}
+        posted, tasks = {}, {}
         for job in dict.fromkeys([e.src for e in edges] + [e.dst for e in edges]):
             task = {"kind": kind, "version": version, "in": ins.get(job), "outs": outs.get(job, [])}
             if expect is not None:
                 task["expect"] = expect
-            posted[job] = self.post(board, job, task)
-        return posted
+            posted[job], tasks[f"task/{job}/{posted[job]}"] = self._number(job, task)
+        words = {dst: d["word"] for dst, d in ins.items()}
+        for e in edges:
+            self._open[words[e.dst]] = (e.src, ins[e.dst]["parts"])
+        board.put_many(tasks)
+        return posted, words
 
     # --------------------------------------------------------------- watching
     def _watch(self) -> None:
@@ -147,6 +158,9 @@ class Coordinator:
                     self._check_members(b)
                     self._check_seeds(b)
                     self._start_seeds(b)
+                    trash, self._trash = self._trash, []
+                for key in trash:
+                    b.delete(key)
             except Exception:
                 if self._stop.is_set():
                     return
@@ -233,11 +247,17 @@ class Coordinator:
         _log.warning("fleet: dropped %s: %s", name, why)
         b.put("dropped/" + name, why)
         self.post(b, name, {"kind": "stop", "why": why})
-        for word in self._open_words(name):
-            b.put_once(f"edge/{word}", {"go": False, "version": 0, "why": f"{name} was dropped: {why}"})
+        for word, (src, parts) in list(self._open.items()):
+            if src == name:
+                self._skip(b, word, parts, f"{name} was dropped: {why}")
+        if name in self._collecting:  # wake update(): no result of this job is to come
+            n = self._collecting[name]
+            for r in range(m.ranks):
+                b.put_once(f"done/{name}/{n}/{r}", None)
 
-    def _open_words(self, src: str) -> list[str]:
-        return [w for w, s in self._open.items() if s == src]
+    def _skip(self, b: Board, word: str, parts: int, why: str) -> None:
+        """Skip every part of an edge, over any word said on it (its sender is gone)."""
+        b.put_many({f"edge/{word}/{p}": {"go": False, "version": 0, "why": why} for p in range(parts)})
 
     # ---------------------------------------------------------------- seeding
     def _start_seeds(self, b: Board) -> None:
@@ -253,9 +273,8 @@ class Coordinator:
             if src is None:
                 m.state = "waiting"
                 continue
-            posted = self._post_edges(b, [Edge(src, m.name)], "seed", self.version, expect=self.version)
-            word = b.get(f"task/{m.name}/{posted[m.name]}")["in"]["word"]
-            self._open[word] = src
+            posted, words = self._post_edges(b, [Edge(src, m.name)], "seed", self.version, expect=self.version)
+            word = words[m.name]
             m.state = "seeding"
             m.seed = {"src": src, "n": posted[m.name], "word": word, "version": self.version,
                       "t0": time.monotonic()}
@@ -275,9 +294,9 @@ class Coordinator:
                 continue
             seed, m.seed = m.seed, None
             self._open.pop(seed["word"], None)
-            self._forget_words(b, seed["word"], m.name)
+            self._forget_words(seed["word"], m.name)
             self._bump(seed["src"], m.name)  # the seeding edge's group is gone: the next one meets anew
-            self._forget_task(b, m.name, seed["n"], m.ranks)
+            self._forget_task(m.name, seed["n"], m.ranks)
             got = done[0]["in"]
             m.version, m.mixed = done[0]["version"], any(d["mixed"] for d in done)
             newest = m.version == self.version and self.inflight is None
@@ -294,22 +313,18 @@ class Coordinator:
                 _log.info("fleet: seeding %s from %s ended at version %d (fleet at %d): %s", m.name,
                           seed["src"], m.version, self.version, got["error"] or "newer version since")
 
-    def _forget_task(self, b: Board, job: str, n: int, ranks: int) -> None:
+    def _forget_task(self, job: str, n: int, ranks: int) -> None:
         """Delete a finished task's keys (every rank of the job has read and answered it), so
-        the store holds a bounded number of keys however long the fleet runs."""
-        b.delete(f"task/{job}/{n}")
+        the store holds a bounded number of keys however long the fleet runs. The watcher
+        deletes them, off the update's path."""
         parts = self.members[job].parts if job in self.members else 0
-        for r in range(ranks):
-            b.delete(f"done/{job}/{n}/{r}")
-            b.delete(f"sib/{job}/{n}/{r}")
-            for p in range(parts):  # a relay's word to its rank 0, per part
-                b.delete(f"part/{job}/{n}/{p}/{r}")
+        self._trash += [f"task/{job}/{n}", f"got/{job}/{n}", f"agreed/{job}/{n}"]
+        self._trash += [f"done/{job}/{n}/{r}" for r in range(ranks)]
+        self._trash += [f"held/{job}/{n}/{p}" for p in range(parts)]  # a relay's count per part
 
-    def _forget_words(self, b: Board, word: str, dst: str) -> None:
-        """Delete an edge's words (the whole edge's and each part's) once both ends answered."""
-        b.delete(f"edge/{word}")
-        for p in range(self.members[dst].parts):
-            b.delete(f"edge/{word}/{p}")
+    def _forget_words(self, word: str, dst: str) -> None:
+        """Delete an edge's words (one per part) once both ends answered."""
+        self._trash += [f"edge/{word}/{p}" for p in range(self.members[dst].parts)]
 
     def _bump(self, src: str, dst: str) -> None:
         self._gen[(src, dst)] = self._gen.get((src, dst), 0) + 1
@@ -321,7 +336,6 @@ class Coordinator:
         t0 = time.monotonic()
         with self._lock:
             self.inflight = version
-            self.board.put("inflight", version)
             targets = [m.name for m in sorted(self.members.values(), key=lambda m: (m.state != "ready", m.order))
                        if m.state in ("ready", "joined", "waiting")]
         outcomes: dict[str, ReplicaOutcome] = {}
@@ -332,13 +346,11 @@ class Coordinator:
                 pending = [t for t in pending if self.members[t].state != "dropped"]
                 edges = (relay_edges(sources, pending, self.fanout) if self.relay else
                          [Edge(sources[0], t) for t in pending])
-                posted = self._post_edges(self.board, edges, "update", version)
-                words = {e.dst: self.board.get(f"task/{e.dst}/{posted[e.dst]}")["in"]["word"] for e in edges}
+                posted, words = self._post_edges(self.board, edges, "update", version)
+                self._collecting = dict(posted)
                 for e in edges:
-                    self._open[words[e.dst]] = e.src
                     if e.src != TRAINER and self.members[e.src].state == "dropped":
-                        self.board.put_once(f"edge/{words[e.dst]}", {"go": False, "version": 0,
-                                                                     "why": f"{e.src} was dropped"})
+                        self._skip(self.board, words[e.dst], self.members[e.dst].parts, f"{e.src} was dropped")
             if TRAINER in posted:
                 run_own(self.board.get(f"task/{TRAINER}/{posted[TRAINER]}"))
             # every edge of the tree may take the timeout, one after another along a chain
@@ -346,45 +358,39 @@ class Coordinator:
                                     + self.drop_after)
             egress += sum(o["bytes"] for d in results.get(TRAINER) or () for o in d["outs"].values())
             with self._lock:
+                self._collecting = {}
                 pending = self._settle(edges, results, version, t0, outcomes, words)
                 for job, n in posted.items():
                     if results.get(job) is not None:
-                        self._forget_task(self.board, job, n, self._world(job))
+                        self._forget_task(job, n, self._world(job))
                 for dst, word in words.items():
-                    self._forget_words(self.board, word, dst)
+                    self._forget_words(word, dst)
                 holders = [m.holding() for m in sorted(self.members.values(), key=lambda m: m.order)
                            if m.state != "dropped"]
                 sources = refeed_sources(holders, version)
         return self._finish(version, t0, egress, rounds, pending, outcomes)
 
     def _collect(self, posted: dict[str, int], until: float) -> dict[str, list | None]:
-        """Every posted job's per-rank results; None for a job dropped before it finished."""
+        """Every posted job's per-rank results; None for a job dropped before it finished.
+        Blocks in the store until every result is there: a drop wakes it (``drop`` fills the
+        dropped job's results with null); at ``until`` the jobs still out are dropped."""
+        keys = {job: [f"done/{job}/{n}/{r}" for r in range(self._world(job))] for job, n in posted.items()}
+        got = self.board.wait_for([k for ks in keys.values() for k in ks], until)
         out: dict[str, list | None] = {}
-        pause = 0.001
-        while True:
-            with self._lock:
-                for job, n in posted.items():
-                    if job in out:
-                        continue
-                    if job != TRAINER and self.members[job].state == "dropped":
-                        out[job] = None
-                        continue
-                    keys = [f"done/{job}/{n}/{r}" for r in range(self._world(job))]
-                    if all(self.board.has(k) for k in keys):
-                        out[job] = [self.board.get(k) for k in keys]
-                if len(out) == len(posted):
-                    return out
-                if time.monotonic() > until:
-                    for job in posted:
-                        if job not in out and job != TRAINER:
-                            self.drop(self.board, job, "timed out: no result within the update's deadline")
-                            out[job] = None
-                    if len(out) < len(posted):
-                        _log.error("fleet: a trainer rank gave no result for its part of the update")
-                        out.setdefault(TRAINER, [])
-                    return out
-            time.sleep(pause)
-            pause = min(2 * pause, SHORT)
+        with self._lock:
+            for job, ks in keys.items():
+                values = [self.board.get(k) for k in ks] if got is None else [got.pop(0) for _ in ks]
+                if job != TRAINER and self.members[job].state == "dropped":
+                    out[job] = None
+                elif all(v is not None for v in values):
+                    out[job] = values
+                elif job != TRAINER:
+                    self.drop(self.board, job, "timed out: no result within the update's deadline")
+                    out[job] = None
+                else:
+                    _log.error("fleet: a trainer rank gave no result for its part of the update")
+                    out[job] = []
+        return out
 
     def _settle(self, edges: list[Edge], results: dict, version: int, t0: float,
                 outcomes: dict[str, ReplicaOutcome], words: dict[str, str]) -> list[str]:

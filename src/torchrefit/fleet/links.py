@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 from ..connect import _build_joint_group as build_joint_group
 from ..layout import Described, describe
+from ..plan.cache import PlanCache
 from ..refitter import Refitter
 from .parts import cut, global_sizes, part_layout
-from .plans import CachedPlanRefitter, PlanCache
 from .secret import group_prefix
 
 __all__ = ["Link", "Links", "Sides", "edge_tag", "parse_tag"]
@@ -117,27 +117,28 @@ class Links:
         self.plans = PlanCache()  # one per rank: edges between layouts seen before reuse theirs
         self._links: dict[str, Link] = {}
 
-    def get(self, tag: str, peer_world: int, parts: int) -> Link:
-        """The edge's link, built now if new (collective with every rank of the peer job)."""
+    def get(self, tag: str, peer_world: int, parts: int, store: dist.Store | None = None) -> Link:
+        """The edge's link, built now if new (collective with every rank of the peer job),
+        meeting over ``store`` (the calling thread's client; default: this rank's)."""
         link = self._links.get(tag)
         if link is None:
-            link = self._build(tag, peer_world, parts)
+            link = self._build(tag, peer_world, parts, store or self.store)
             self._links[tag] = link
         return link
 
-    def _build(self, tag: str, peer_world: int, parts: int) -> Link:
+    def _build(self, tag: str, peer_world: int, parts: int, store: dist.Store) -> Link:
         src, dst = parse_tag(tag)
         sending = src == self.job
         src_world = self.world if sending else peer_world
         joint = self.rank if sending else src_world + self.rank
-        prefix = dist.PrefixStore(group_prefix(self.key, self.salt, tag), self.store)
+        prefix = dist.PrefixStore(group_prefix(self.key, self.salt, tag), store)
         group = build_joint_group(prefix, joint, self.world + peer_world, "gloo", self.timeout)
         link = Link(tag, group, [])
         try:
             for p in range(parts):
-                link.parts.append(CachedPlanRefitter(
+                link.parts.append(Refitter(
                     group=group, src_rank_offset=0, dst_rank_offset=src_world, timeout=self.timeout,
-                    plans=self.plans, **self.sides.refitter_args_for(p, sending)))
+                    plan_cache=self.plans, **self.sides.refitter_args_for(p, sending)))
         except Exception:
             link.close()
             raise

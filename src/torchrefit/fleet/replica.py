@@ -93,8 +93,10 @@ class Replica:
         n = 0
         try:
             while not self._stop.is_set():
-                task = self.board.wait(f"task/{self.name}/{n}", stop=self._stop.is_set)
-                if task is None:
+                # blocks in the store until the task is posted: a close() is answered by the
+                # fleet's stop task (it sees "left"); a lost store raises
+                task = self.board.wait_for(f"task/{self.name}/{n}", stop=self._stop.is_set)
+                if task is None or (self._stop.is_set() and task["kind"] != "stop"):
                     break
                 n += 1
                 if task["kind"] == "stop":
@@ -117,8 +119,8 @@ class Replica:
     def close(self) -> None:
         """Leave the fleet: stop beating and serving (the fleet drops this replica)."""
         if not self._stop.is_set():
-            try:
-                self.board.put(f"left/{self.name}", True)
+            try:  # not over self.board: the fleet thread may be blocked on it
+                self._hb_board.put(f"left/{self.name}", True)
             except Exception:
                 pass
         self._stop.set()

@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 import time
 
-from .board import SHORT, Board, open_store
+from ..plan.cache import PlanCache
+from .board import Board, open_store
 from .coordinator import Coordinator, decode
 from .links import Links, Sides
-from .plans import PlanCache
 from .relay import TRAINER
 from .report import FleetReport, MemberState
 from .secret import read_secret
@@ -94,7 +94,7 @@ class Fleet:
         """Ranks other than 0: run the trainer's tasks of this update until its end."""
         while True:
             key = f"task/{TRAINER}/{self._tasks}"
-            task = self.board.wait(key, most=SHORT)
+            task = self.board.wait_for(key)  # blocks in the store until rank 0 posts it
             self._tasks += 1
             if task["kind"] == "end":
                 if self.board.add(f"read/{key}", 1) == self.world - 1:  # the last reader

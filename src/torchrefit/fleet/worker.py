@@ -6,16 +6,20 @@ relays forwards part ``i`` while it receives part ``i + 1`` (its sending runs on
 of its own): the relay is pipelined along the chain or tree.
 
 Incoming, part after part: wait for the sender's word on the part (go, or skip when it has
-nothing whole to send or was dropped; a skip of the whole edge counts for every part),
-receive it through the part's ``Refitter`` (into the live weights, or the staging copy
-where the replica stages), and where this job relays, tell its rank 0 through the store.
-Then agree with the job's other ranks: only if every rank received every part is the
-version installed (the staging copy copied into the live weights under the replica's
-lock where staged). Outgoing: the job's rank 0 says go on a part only once every rank of
-the job holds it (relays: each rank received that part; others: the job holds the version
-whole), so a relay never forwards a byte of a mix; every rank then sends, edge after edge.
-A failed edge is that edge's failure, never the sender's: its later parts are skipped.
+nothing whole to send or was dropped), receive it through the part's ``Refitter`` (into the
+live weights, or the staging copy where the replica stages), and where this job relays,
+count it held: the rank whose count makes every rank of the job hold the part says go on it
+downstream, so a relay never forwards a byte of a mix; a rank that misses a part says skip
+on it and every later one (the first word on a part holds). Then agree with the job's other
+ranks: only if every rank received every part is the version installed (the staging copy
+copied into the live weights under the replica's lock where staged). Outgoing: every rank
+sends each part on the word it reads (a relay's, above; any other sender's rank 0 says every
+word at once, since it holds the whole version or not). A failed edge is that edge's
+failure, never the sender's: its later parts are skipped.
 The rank's result goes to ``fleet/done/<job>/<n>/<r>``.
+
+Every wait blocks in the store and is woken by the word it waits for (no polling): words
+a relay's sending thread waits for end by its timeout, where it says skip itself.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
 
-from .board import SHORT, Board
+from .board import Board
 from .links import Links
 
 __all__ = ["Worker", "Whole"]
@@ -56,6 +60,7 @@ class Worker:
         self.board, self.links, self.job = board, links, job
         self.rank, self.world, self.timeout = rank, world, timeout
         self.whole, self.on_version, self.stop = whole, on_version, stop
+        self._relay_board: Board | None = None  # the relay thread's own client (it blocks)
 
     def run(self, task: dict[str, Any]) -> dict[str, Any]:
         """Run ``task`` on this rank and publish the result; returns it."""
@@ -63,15 +68,18 @@ class Worker:
         out: dict[str, Any] = {"in": None, "outs": {}}
         outs = task.get("outs", ())
         if task.get("in") and outs:  # a relay: forward each part while receiving the next
-            sending = threading.Thread(target=lambda: out["outs"].update(self._send(task, outs, True)),
+            if self._relay_board is None:
+                self._relay_board = self.board.for_thread()
+            b = self._relay_board
+            sending = threading.Thread(target=lambda: out["outs"].update(self._send(b, task, outs, True)),
                                        name=f"fleet-relay-{self.job}", daemon=True)
             sending.start()
-            out["in"] = self._receive(task, task["in"], relays=True)
+            out["in"] = self._receive(task, task["in"], outs)
             sending.join()
         elif task.get("in"):
-            out["in"] = self._receive(task, task["in"], relays=False)
+            out["in"] = self._receive(task, task["in"], [])
         elif outs:
-            out["outs"] = self._send(task, outs, False)
+            out["outs"] = self._send(self.board, task, outs, False)
         if task["kind"] == "seed":  # seeds are rare: keep no group for them
             for e in [task["in"]] if task.get("in") else outs:
                 self.links.forget(e["tag"])
@@ -81,30 +89,33 @@ class Worker:
         return out
 
     # --------------------------------------------------------------- receiving
-    def _receive(self, task: dict, e: dict, relays: bool) -> dict:
+    def _receive(self, task: dict, e: dict, outs: list[dict]) -> dict:
+        """Receive every part of edge ``e``; a relay (``outs``) tells on each part it holds."""
         t0 = perf_counter()
         res = {"ok": False, "agreed": False, "bytes": 0, "error": "", "from": e["peer"]}
         version, wrote, n = None, False, task["n"]
         for p in range(e["parts"]):
-            word = self._word(e["word"], p)
+            word = self._word(self.board, e["word"], p)
             if word is None or not word["go"]:
                 res["error"] = (f"{e['peer']} did not send: {word['why']}" if word is not None
                                 else "stopped while waiting for the sender")
                 break
             version, wrote = word["version"], True
             try:
-                r = self.links.get(e["tag"], e["peer_world"], e["parts"]).parts[p]
+                r = self.links.get(e["tag"], e["peer_world"], e["parts"], self.board.store).parts[p]
                 res["bytes"] += r.refit(version=version).bytes_received
             except Exception as ex:  # the sender died or timed out: this edge only
                 res["error"] = f"receiving from {e['peer']}: {type(ex).__name__}: {_line(ex)}"
                 self.links.forget(e["tag"])
                 break
-            if relays:
-                self.board.put(f"part/{self.job}/{n}/{p}/{self.rank}", True)
+            if outs:
+                self._held(task, outs, p, version)
         else:
             res["ok"] = True
-        if relays and not res["ok"]:
-            self.board.put(f"part/{self.job}/{n}/{p}/{self.rank}", False)  # no later part follows
+        if outs and not res["ok"]:  # this rank lacks part p: no rank forwards it, nor any later one
+            why = f"{self.job} did not receive version {task['version']} whole"
+            for q in range(p, max(o["parts"] for o in outs)):
+                self._say(self.board, outs, q, task["version"], why)
         res["agreed"] = self._agree(n, res["ok"])
         if res["agreed"]:
             self._install(e, version)
@@ -117,29 +128,30 @@ class Worker:
         res["seconds"] = perf_counter() - t0
         return res
 
-    def _word(self, word: str, part: int) -> dict | None:
-        """The sender's word on ``part`` of an edge, or on the whole edge (a skip, which
-        overrides: the sender was dropped, or its sending failed)."""
-        keys, pause = (f"edge/{word}", f"edge/{word}/{part}"), 0.0005
-        while True:
-            for k in keys:
-                if self.board.has(k):
-                    return self.board.get(k)
-            if self.stop():
-                return None
-            time.sleep(pause)
-            pause = min(2 * pause, SHORT)
+    def _held(self, task: dict, outs: list[dict], p: int, version: int) -> None:
+        """A relay rank received part ``p``: the rank that makes every rank of the job hold
+        it says go on it downstream (one count per part and job, not a word per rank)."""
+        if self.world == 1 or self.board.add(f"held/{self.job}/{task['n']}/{p}", 1) == self.world:
+            self._say(self.board, outs, p, version, None)
+
+    def _word(self, b: Board, word: str, part: int, until: float | None = None) -> dict | None:
+        """The sender's word on ``part`` of an edge (a skip of the whole edge overwrites
+        every part's); None where ``stop()`` says so or ``until`` passed."""
+        return b.wait_for(f"edge/{word}/{part}", until, self.stop)
 
     def _agree(self, n: int, ok: bool) -> bool:
-        """Every rank of this job received its part (siblings tell through the store; one
-        that never tells within the timeout counts as failed)."""
-        self.board.put(f"sib/{self.job}/{n}/{self.rank}", ok)
-        until = time.monotonic() + self.timeout
-        for r in range(self.world):
-            told = self.board.wait(f"sib/{self.job}/{n}/{r}", until, self.stop, SHORT)
-            if not told:
-                return False
-        return True
+        """Every rank of this job received its part: the rank whose count makes all of them
+        says so; a rank that did not, or that waited past its timeout, says no. The first
+        word holds, so every rank installs or none does."""
+        if self.world == 1:
+            return ok
+        key = f"agreed/{self.job}/{n}"
+        if not ok:
+            return bool(self.board.put_once(key, False))
+        if self.board.add(f"got/{self.job}/{n}", 1) == self.world:
+            return bool(self.board.put_once(key, True))
+        told = self.board.wait_for(key, time.monotonic() + self.timeout, self.stop)
+        return bool(told if told is not None else self.board.put_once(key, False))
 
     def _install(self, e: dict, version: int) -> None:
         w = self.whole
@@ -150,56 +162,59 @@ class Worker:
             self.on_version(version)
 
     # ----------------------------------------------------------------- sending
-    def _send(self, task: dict, outs: list[dict], relays: bool) -> dict[str, dict]:
-        """Send every part on every edge of ``outs``. A relay's rank 0 says go on a part once
-        every rank of the job received it, the other ranks follow its word; any other sender
-        holds the whole version or not, so its words are said at once and every rank knows
-        them without asking."""
+    def _send(self, b: Board, task: dict, outs: list[dict], relays: bool) -> dict[str, dict]:
+        """Send every part on every edge of ``outs`` (over ``b``, this thread's client). A
+        relay's words come from the ranks that receive (``_held``); any other sender holds
+        the whole version or not, so its rank 0 says every word at once. The trainer's ranks
+        send on the word they know (go: a trainer holds what it is told to send); a
+        replica's other ranks, and a relay's every rank, on the word they read."""
         t0 = perf_counter()
         res = {e["tag"]: {"ok": True, "bytes": 0, "seconds": 0.0, "error": "", "skipped": False} for e in outs}
-        version, why = (task["version"], None) if relays else self._what_to_send(task)
-        if not relays and self.rank == 0:
-            for p in range(max(e["parts"] for e in outs)):
-                self._say(outs, p, version, why, res)
-        for p in range(max(e["parts"] for e in outs)):
-            if relays and self.rank == 0:
-                why = why or self._part_held(task, p)
-                self._say(outs, p, version, why, res)
+        parts = max(e["parts"] for e in outs)
+        said = None
+        if self.whole is None:  # the trainer holds the version it is told: every rank knows it
+            said = {"go": True, "version": task["version"], "why": None}
+            if self.rank == 0:  # no one else says a word on its edges first
+                b.put_many({f"edge/{e['word']}/{p}": said for e in outs for p in range(e["parts"])})
+        elif not relays and self.rank == 0:  # a seeding peer: a drop's skip may be there already, and holds
+            version, why = self._what_to_send(task)
+            said = {"go": why is None, "version": version, "why": why}
+            for p in range(parts):
+                self._say(b, outs, p, version, why)
+        for p in range(parts):
             for e in outs:
                 if p < e["parts"] and res[e["tag"]]["ok"]:
-                    word = None if relays and self.rank else {"go": why is None, "version": version, "why": why}
-                    self._send_part(e, p, res[e["tag"]], word)
+                    self._send_part(b, task, e, p, res[e["tag"]], said, relays)
         for r in res.values():
             r["seconds"] = perf_counter() - t0
         return res
 
-    def _say(self, outs: list[dict], p: int, version: int, why: str | None, res: dict) -> None:
+    def _say(self, b: Board, outs: list[dict], p: int, version: int, why: str | None) -> None:
         for e in outs:
-            if p < e["parts"] and res[e["tag"]]["ok"]:
-                self.board.put_once(f"edge/{e['word']}/{p}", {"go": why is None, "version": version, "why": why})
+            if p < e["parts"]:
+                b.put_once(f"edge/{e['word']}/{p}", {"go": why is None, "version": version, "why": why})
 
-    def _send_part(self, e: dict, p: int, res: dict, word: dict | None) -> None:
-        word = word or self._word(e["word"], p)
+    def _send_part(self, b: Board, task: dict, e: dict, p: int, res: dict, said: dict | None,
+                   relays: bool) -> None:
+        word = said
+        if word is None:
+            word = self._word(b, e["word"], p, time.monotonic() + self.timeout if relays else None)
+            if word is None and relays:  # the job's ranks did not all hold it in time: skip it
+                why = f"{self.job} did not receive version {task['version']} whole within {self.timeout:g} s"
+                word = b.put_once(f"edge/{e['word']}/{p}", {"go": False, "version": 0, "why": why})
         if word is None or not word["go"]:
             res.update(ok=False, skipped=True, error=word["why"] if word else "stopped")
             return
         try:
-            r = self.links.get(e["tag"], e["peer_world"], e["parts"]).parts[p]
+            r = self.links.get(e["tag"], e["peer_world"], e["parts"], b.store).parts[p]
             res["bytes"] += r.refit(version=word["version"]).bytes_sent
         except Exception as ex:  # the receiver died or timed out: this edge only
             self.links.forget(e["tag"])
             res.update(ok=False, error=f"sending to {e['peer']}: {type(ex).__name__}: {_line(ex)}")
             if self.rank == 0:  # the receivers' later parts: skipped, not waited for
-                self.board.put_once(f"edge/{e['word']}", {"go": False, "version": 0, "why": res["error"]})
-
-    def _part_held(self, task: dict, p: int) -> str | None:
-        """A relay's rank 0: None once every rank of the job received part ``p``, else why not."""
-        until = time.monotonic() + self.timeout
-        for r in range(self.world):
-            told = self.board.wait(f"part/{self.job}/{task['n']}/{p}/{r}", until, self.stop, SHORT)
-            if not told:
-                return f"{self.job} did not receive version {task['version']} whole"
-        return None
+                skip = {"go": False, "version": 0, "why": res["error"]}
+                if p + 1 < e["parts"]:
+                    b.put_many({f"edge/{e['word']}/{q}": skip for q in range(p + 1, e["parts"])})
 
     def _what_to_send(self, task: dict) -> tuple[int, str | None]:
         """The version this job sends, and why it sends nothing (None: it sends)."""
