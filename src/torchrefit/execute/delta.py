@@ -41,6 +41,7 @@ from ..plan.types import RankPlan
 from ..transport.base import RoundsTransport
 from ..transport.collectives import collective, collective_device
 from . import delta_native
+from .kernels import delta_blocks
 from .views import Views
 
 __all__ = ["DeltaRounds", "DeltaStats", "compile_delta", "gather_offers", "BLOCK", "DENSE", "SPARSE",
@@ -107,6 +108,17 @@ class _Scratch:
         if buf is None or buf.dtype != dtype or buf.device != device:
             buf = self._kept[name] = torch.empty(0, dtype=dtype, device=device)
         return buf[:0]
+
+    def buffer(self, name, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``n`` elements of a kept buffer (grown where shorter)."""
+        buf = self._kept.get(("buffer", name))
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
+            buf = self._kept[("buffer", name)] = torch.empty(max(n, 1), dtype=dtype, device=device)
+        return buf[:n]
+
+    def kept(self, device: torch.device):
+        """``buffer`` on ``device``, as ``kernels.delta_blocks`` asks for it."""
+        return lambda name, n, dtype: self.buffer(name, n, dtype, device)
 
     def payload(self, key: tuple[int, int], n: int, device: torch.device) -> torch.Tensor:
         buf = self._kept.get(("payload", key))
@@ -321,10 +333,12 @@ def _sample_at(numel: int, device: torch.device) -> torch.Tensor:
     return (starts[:, None] + torch.arange(_RUN, device=device)).reshape(-1)
 
 
-def _sampled_density(msg: _Message) -> float:
-    """The share of elements changed in evenly spaced runs of each large part (contiguous
-    runs: a small part of the memory a strided sample would touch). -1: too small to say."""
-    seen = changed = 0
+def _sampled_changes(msg: _Message) -> tuple[torch.Tensor | None, int]:
+    """The changed elements (a tensor on the parts' device, not yet read: the caller
+    reads it with whatever else it needs from there) in evenly spaced runs of each large
+    part (contiguous runs: a small part of the memory a strided sample would touch), and
+    how many elements were sampled (0: too small to say)."""
+    seen, changed = 0, None
     for part in msg.parts:
         if part.numel < 4 * _RUNS * _RUN:
             continue
@@ -333,9 +347,17 @@ def _sampled_density(msg: _Message) -> float:
         idx = _sample_at(part.numel, cur.device)
         a = cur.view(it).index_select(0, idx) if cur.is_contiguous() else cur.view(it)[idx]
         b = ref.view(it).index_select(0, idx.to(ref.device)).to(a.device)
-        changed += int((a != b).sum())
+        here = (a != b).sum()
+        changed = here if changed is None else changed + here
         seen += idx.numel()
-    return changed / seen if seen else -1.0
+    return changed, seen
+
+
+def _sampled_density(msg: _Message) -> float:
+    """The share of elements changed in the sample (``_sampled_changes``); -1: too small
+    to say."""
+    changed, seen = _sampled_changes(msg)
+    return int(changed) / seen if seen else -1.0
 
 
 def _encode(msg: _Message, key: tuple[int, int] = (0, 0), scratch: _Scratch | None = None,
@@ -348,6 +370,9 @@ def _encode(msg: _Message, key: tuple[int, int] = (0, 0), scratch: _Scratch | No
     scratch = scratch or _Scratch()
     if dense_above is None:
         dense_above = settings.current().delta_dense_above
+    currents = _triton_currents(msg)
+    if currents is not None:
+        return _encode_triton(msg, currents, key, scratch, dense_above)
     if _sampled_density(msg) > dense_above:
         return DENSE, [0] * len(msg.parts), _fill(msg)
     kern = delta_native.kernels() if msg.ref.device.type == "cpu" else None
@@ -390,6 +415,52 @@ def _encode_native(kern, msg: _Message, currents: list[torch.Tensor], key: tuple
     return SPARSE, counts, out[:size]
 
 
+def _triton(device: torch.device) -> bool:
+    return settings.current().triton_delta and delta_blocks.available(device.type)
+
+
+def _triton_currents(msg: _Message) -> list[torch.Tensor] | None:
+    """The parts' local views where the Triton diff takes the message: every part
+    contiguous on the reference's device, a cast (if any) one the kernel makes."""
+    dev = msg.ref.device
+    if not _triton(dev):
+        return None
+    for part in msg.parts:
+        v = part.view
+        if v.device != dev or not v.is_contiguous() or not delta_blocks.fusable_cast(v.dtype, part.wire):
+            return None
+    return [part.view for part in msg.parts]
+
+
+def _encode_triton(msg: _Message, currents: list[torch.Tensor], key: tuple[int, int], scratch: _Scratch,
+                   dense_above: float) -> tuple[int, list[int], torch.Tensor]:
+    """``_encode`` with the Triton kernels (``kernels.delta_blocks``): the sample, one
+    pass of the diff over every part, one copy of the counts to the host, then the
+    gather of the changed parts into the payload. The same choice and payload bytes as
+    the torch ops; where the message goes dense its reference already holds the source."""
+    dev = msg.ref.device
+    kept = scratch.kept(dev)
+    numel = sum(p.numel for p in msg.parts)
+    cap = int(dense_above * numel)
+    sampled, seen = _sampled_changes(msg)  # before the diff brings the reference up to date
+    diffed = delta_blocks.diff_parts(currents, [_ref_part(msg, p) for p in msg.parts],
+                                     [p.wire for p in msg.parts], cap, kept)
+    head = diffed.totals if sampled is None else torch.cat([diffed.totals, sampled.reshape(1).to(torch.int64)])
+    host = head.tolist()  # the one copy to the host: the counts size the payload
+    counts = host[len(delta_blocks.CLASSES): len(delta_blocks.CLASSES) + len(msg.parts)]
+    sizes = [sparse_nbytes(p.numel, k, p.wire.itemsize) for p, k in zip(msg.parts, counts)]
+    sampled_dense = seen and host[-1] / seen > dense_above
+    if sampled_dense or not (sum(sizes) < msg.nbytes and sum(counts) <= cap):
+        return DENSE, [0] * len(msg.parts), msg.ref
+    out = scratch.payload(key, sum(sizes), dev)
+    at = 0
+    for i, (part, k, size) in enumerate(zip(msg.parts, counts, sizes)):
+        if k:
+            delta_blocks.gather_part(diffed, i, part.numel, part.wire, k, out[at: at + size], kept)
+        at += size
+    return SPARSE, counts, out
+
+
 def _fill(msg: _Message) -> torch.Tensor:
     """The reference overwritten with the message's current bytes (its dense payload)."""
     for part in msg.parts:
@@ -404,8 +475,14 @@ def _apply(msg: _Message, counts: list[int], payload: torch.Tensor, scratch: _Sc
     scratch = scratch or _Scratch()
     dev, at = payload.device, 0
     kern = delta_native.kernels() if dev.type == "cpu" else None
+    fused = _triton(dev)
     for part, k in zip(msg.parts, counts):
         if not k:
+            continue
+        v = part.view
+        if fused and v.device == dev and v.dtype == part.wire and v.is_contiguous():
+            delta_blocks.apply_part(payload, at, v, k, scratch.kept(dev))
+            at += sparse_nbytes(part.numel, k, part.wire.itemsize)
             continue
         if kern is not None and delta_native.appliable(part.view, part.wire):
             delta_native.apply_part(kern, payload, at, part.view, k)
