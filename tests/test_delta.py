@@ -462,6 +462,7 @@ def test_native_and_torch_ops_read_each_other(delta_cache: str, sender: str, mon
     spread over threads)."""
     from torchrefit.execute import delta as d
     monkeypatch.setenv(settings.ENV["kernel_cache"], delta_cache)
+    settings.reload()  # the cache just set, and nothing an earlier test configured
     g = torch.Generator().manual_seed(11)
     shapes = {torch.bfloat16: 70001, torch.float32: 65537, torch.uint8: 131075, torch.float64: 33, torch.bool: 9}
     src = [torch.randint(0, 2, (n,), generator=g).to(t) if t == torch.bool else

@@ -42,6 +42,7 @@ from ..transport.base import RoundsTransport
 from ..transport.collectives import collective, collective_device
 from . import delta_native
 from .kernels import delta_blocks
+from .rounds import pinned_pools
 from .views import Views
 
 __all__ = ["DeltaRounds", "DeltaStats", "compile_delta", "gather_offers", "BLOCK", "DENSE", "SPARSE",
@@ -119,6 +120,13 @@ class _Scratch:
     def kept(self, device: torch.device):
         """``buffer`` on ``device``, as ``kernels.delta_blocks`` asks for it."""
         return lambda name, n, dtype: self.buffer(name, n, dtype, device)
+
+    def pinned(self, name, n: int) -> torch.Tensor:
+        """``n`` bytes of a kept buffer in pinned host memory (grown where shorter)."""
+        buf = self._kept.get(("pinned", name))
+        if buf is None or buf.numel() < n:
+            buf = self._kept[("pinned", name)] = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        return buf[:n]
 
     def payload(self, key: tuple[int, int], n: int, device: torch.device) -> torch.Tensor:
         buf = self._kept.get(("payload", key))
@@ -504,9 +512,10 @@ def _apply(msg: _Message, counts: list[int], payload: torch.Tensor, scratch: _Sc
         at += sparse_nbytes(part.numel, k, part.wire.itemsize)
 
 
-def _unpack(msg: _Message, payload: torch.Tensor) -> None:
+def _unpack(msg: _Message, payload: torch.Tensor, non_blocking: bool = False) -> None:
     for part in msg.parts:
-        part.view.copy_(payload[part.offset: part.offset + part.nbytes].view(part.wire).view(part.view.shape))
+        part.view.copy_(payload[part.offset: part.offset + part.nbytes].view(part.wire).view(part.view.shape),
+                        non_blocking=non_blocking)
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -533,10 +542,11 @@ def run_delta(d: DeltaRounds, transport: RoundsTransport) -> DeltaStats:
     plans = _receive_plans(d, dict(headers_in))
     rounds = max([len(ms) for ms in (*d.sends.values(), *d.recvs.values())], default=0)
     sparse = dense = 0
+    staged = pinned_pools(d.wire, d.device)
     for m in range(rounds):
-        sends = [(p, _on(encoded[p][m][2], d.wire)) for p in sorted(encoded)
-                 if m < len(encoded[p]) and encoded[p][m][2].numel()]
-        recvs = _receive_buffers(d, plans, m)
+        sends = _send_buffers(d, [(p, encoded[p][m][2]) for p in sorted(encoded)
+                                  if m < len(encoded[p]) and encoded[p][m][2].numel()], staged)
+        recvs = _receive_buffers(d, plans, m, staged)
         if sends or recvs:
             transport.finish(transport.start(sends, recvs))
         sent += sum(b.numel() for _, b in sends)
@@ -549,12 +559,14 @@ def run_delta(d: DeltaRounds, transport: RoundsTransport) -> DeltaStats:
             msg = d.recvs[p][m]
             if enc == DENSE:
                 if _in_place(msg, d.wire) is None:  # else received straight into the destination
-                    _unpack(msg, _on(got[p], d.device))
+                    _unpack(msg, got[p], non_blocking=staged)
                 dense += 1
             else:
                 if size:
-                    _apply(msg, counts, _on(got[p], d.device), d.scratch)
+                    _apply(msg, counts, got[p].to(d.device, non_blocking=staged), d.scratch)
                 sparse += 1
+        if staged and recvs:  # the copies out of the pinned pool landed: the next round reuses it
+            torch.cuda.current_stream(d.device).synchronize()
     d.last = DeltaStats(sent, received, sparse, dense)
     return d.last
 
@@ -570,10 +582,35 @@ def _in_place(msg: _Message, wire: torch.device) -> torch.Tensor | None:
     return v.reshape(-1).view(torch.uint8)
 
 
-def _receive_buffers(d: DeltaRounds, plans, m: int) -> list[tuple[int, torch.Tensor]]:
+def _send_buffers(d: DeltaRounds, payloads: list[tuple[int, torch.Tensor]],
+                  staged: bool) -> list[tuple[int, torch.Tensor]]:
+    """Round ``m``'s payloads on the wire's device. Where the wire is the host and the
+    payloads are on a GPU (gloo with CUDA tensors), they are copied into pinned host
+    memory kept across calls, all on the stream and waited for once: a copy into a fresh
+    pageable buffer per message (pages faulted in, the driver's bounce buffer) cost
+    several times the wire's own time for dense messages."""
+    if not staged:
+        return [(p, _on(b, d.wire)) for p, b in payloads]
+    far = [b.numel() for _, b in payloads if b.device != d.wire]
+    if not far:
+        return payloads
+    buf = d.scratch.pinned(("send",), sum(_align(n) for n in far))
+    out, at = [], 0
+    for p, b in payloads:
+        if b.device == d.wire:
+            out.append((p, b))
+            continue
+        out.append((p, buf[at: at + b.numel()].copy_(b, non_blocking=True)))
+        at += _align(b.numel())
+    torch.cuda.current_stream(d.device).synchronize()  # the bytes are in host memory before gloo reads them
+    return out
+
+
+def _receive_buffers(d: DeltaRounds, plans, m: int, staged: bool = False) -> list[tuple[int, torch.Tensor]]:
     """Round ``m``'s receive buffers: dense messages into the destination where they can
     be, the rest in one pool kept across calls (a fresh allocation per call would fault
-    its pages in every time on CPU)."""
+    its pages in every time on CPU); pinned where ``staged`` (the wire is the host, the
+    tensors on a GPU: the copies out of it run on the stream)."""
     out, offsets, at = [], {}, 0
     for p in sorted(plans):
         if m < len(plans[p]) and plans[p][m][2]:
@@ -586,7 +623,7 @@ def _receive_buffers(d: DeltaRounds, plans, m: int) -> list[tuple[int, torch.Ten
                 out.append((p, None))
                 at += _align(size)
     if offsets and (d.pool is None or d.pool.numel() < at):
-        d.pool = torch.empty(at, dtype=torch.uint8, device=d.wire)
+        d.pool = torch.empty(at, dtype=torch.uint8, device=d.wire, pin_memory=staged)
     return [(p, b if b is not None else d.pool[offsets[p]: offsets[p] + plans[p][m][2]]) for p, b in out]
 
 
