@@ -12,8 +12,9 @@ bit patterns (NaN payloads, infinities, subnormals, 0.0 against -0.0) in every e
 size, parts that end mid-tile and mid-block, changes at the first and last element,
 at position 65535 of a block and the first of the next, a fused cast (float32 into a
 bfloat16 wire: the bits after the cast are diffed), and the dense threshold: a message
-past ``delta_dense_above`` (one whole block changed in a message whose parts are too
-small to sample) goes dense with its reference fully updated.
+past ``delta_dense_above`` goes dense with its reference fully updated, whether the
+sample of large parts finds it or only the diff does (one whole block changed in a
+message whose parts are too small to sample).
 
 The cast's NaN payloads are left to the GPU test: the interpreter's float32 -> bfloat16
 conversion is numpy's, the device's is its cast instruction, as torch's on that device.
@@ -146,6 +147,12 @@ _CODE = textwrap.dedent("""
         bits(ss[1]).reshape(-1).bitwise_xor_(1)
     case("dense past the threshold", small, [torch.bfloat16] * 3, one_block, want=d.DENSE)
     case("sparse below it", small, [torch.bfloat16] * 3, one_block, above=0.4, want=d.SPARSE)
+    case("dense by the sample", [last], [torch.bfloat16], lambda ss: rand_bits(ss[0], 0.3), want=d.DENSE)
+    def sampled_runs(ss):  # every sampled element, 8% of the part: the sample alone says dense
+        b = bits(ss[0]).reshape(-1)
+        for r in range(32):
+            b[r * (b.numel() // 32): r * (b.numel() // 32) + 512] ^= 1
+    case("dense by the sample only", [last], [torch.bfloat16], sampled_runs, want=d.DENSE)
     print("EXACT" if not bad else f"DIFFERS {bad}")
 """)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -451,14 +452,16 @@ def _encode_triton(msg: _Message, currents: list[torch.Tensor], key: tuple[int, 
     numel = sum(p.numel for p in msg.parts)
     cap = int(dense_above * numel)
     sampled, seen = _sampled_changes(msg)  # before the diff brings the reference up to date
+    limit = kept("limit", 1, torch.int64).fill_(cap)
+    if sampled is not None:  # the sample says dense (changed / seen > dense_above): no change kept
+        flag = kept("flag", 1, torch.int64).copy_(sampled.reshape(1) > math.floor(dense_above * seen))
+        limit.sub_(flag * (cap + 1))
     diffed = delta_blocks.diff_parts(currents, [_ref_part(msg, p) for p in msg.parts],
-                                     [p.wire for p in msg.parts], cap, kept)
-    head = diffed.totals if sampled is None else torch.cat([diffed.totals, sampled.reshape(1).to(torch.int64)])
-    host = head.tolist()  # the one copy to the host: the counts size the payload
+                                     [p.wire for p in msg.parts], cap, kept, limit)
+    host = (diffed.totals if sampled is None else torch.cat([diffed.totals, flag])).tolist()  # the one copy
     counts = host[len(delta_blocks.CLASSES): len(delta_blocks.CLASSES) + len(msg.parts)]
     sizes = [sparse_nbytes(p.numel, k, p.wire.itemsize) for p, k in zip(msg.parts, counts)]
-    sampled_dense = seen and host[-1] / seen > dense_above
-    if sampled_dense or not (sum(sizes) < msg.nbytes and sum(counts) <= cap):
+    if (sampled is not None and host[-1]) or not (sum(sizes) < msg.nbytes and sum(counts) <= cap):
         return DENSE, [0] * len(msg.parts), msg.ref
     out = scratch.payload(key, sum(sizes), dev)
     at = 0

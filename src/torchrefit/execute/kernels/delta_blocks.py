@@ -49,7 +49,7 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def diff_tiles(cur, ref, numel, counts, starts, pos_out, val_out, total, slot, cap,
+    def diff_tiles(cur, ref, numel, counts, starts, pos_out, val_out, total, slot, limit,
                    TILE: tl.constexpr, CAST: tl.constexpr, WIRE: tl.constexpr, BF16_RNE: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         offs = t * TILE + tl.arange(0, TILE)
@@ -68,6 +68,7 @@ def _kernels():
         tl.store(ref + offs, a, mask=changed)
         tl.store(counts + t, n)
         if n > 0:
+            cap = tl.load(limit)
             start = tl.atomic_add(total + slot, n.to(tl.int64))  # room in this element size's scratch
             tl.store(starts + t, start)
             if start + n <= cap:
@@ -151,18 +152,22 @@ class Diffed:
 
 
 def diff_parts(currents: list[torch.Tensor], refs: list[torch.Tensor], wires: list[torch.dtype], cap: int,
-               kept) -> Diffed:
+               kept, limit: torch.Tensor | None = None) -> Diffed:
     """Diff each part (``currents[i]``, contiguous, in its local dtype; ``refs[i]`` its
     reference bytes as a contiguous tensor of the wire dtype) on the current stream,
     bringing the references up to date. ``cap``: the most changes the scratch keeps
-    (more: the message goes dense). ``kept(name, numel, dtype)``: a buffer kept across
-    calls. Nothing is copied to the host."""
+    (more: the message goes dense); ``limit``: where given, an int64 on the device read
+    in place of ``cap`` (-1: the caller knows the message goes dense, nothing need be
+    kept). ``kept(name, numel, dtype)``: a buffer kept across calls. Nothing is copied
+    to the host."""
     diff, _, _ = _kernels()
     sizes = sorted({w.itemsize for w in wires})
     totals = kept("totals", len(CLASSES) + len(refs), torch.int64)
     totals.zero_()
     room = max(cap, 0) + 1
     scratch = {s: (kept(("pos", s), room, torch.int16), kept(("val", s), room, _INT[s])) for s in sizes}
+    if limit is None:
+        limit = kept("limit", 1, torch.int64).fill_(cap)
     counts, starts = [], []
     for i, (cur, ref, wire) in enumerate(zip(currents, refs, wires)):
         tiles = -(-ref.numel() // TILE)
@@ -182,7 +187,7 @@ def diff_parts(currents: list[torch.Tensor], refs: list[torch.Tensor], wires: li
         pos, val = scratch[wire.itemsize]
         b = _bits(ref.reshape(-1))
         diff[(tiles,)](cur.reshape(-1) if cast else _bits(cur.reshape(-1)), b, ref.numel(), c, s, pos, val,
-                       totals, CLASSES.index(wire.itemsize), cap, TILE=TILE, CAST=cast,
+                       totals, CLASSES.index(wire.itemsize), limit, TILE=TILE, CAST=cast,
                        WIRE=_tl_dtype(wire) if cast else None, BF16_RNE=rne, num_warps=8)
         # each part's changed count: a sum of its tiles' (no atomic per tile on one slot)
         torch.sum(c, 0, dtype=torch.int64, out=totals[len(CLASSES) + i])
