@@ -160,3 +160,25 @@ _CODE = textwrap.dedent("""
 def test_triton_delta_kernels_match_the_torch_ops() -> None:
     out = run_interpreted(_CODE, timeout=300)
     assert out.strip().endswith("EXACT"), out
+
+
+_WORLD = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    from test_delta import _dtypes_world, check_dtypes
+    from torchrefit.testing import run_world
+
+    # every dtype, a cast, block-FP8 targets, densities 0 to 100%, NaN payloads and -0.0,
+    # between two processes over gloo; the kernels take every CPU message here
+    check_dtypes(run_world(_dtypes_world, 2, "device", "cpu", "gloo", False, timeout=240))
+    print("EXACT")
+""")
+
+
+def test_refits_through_the_triton_kernels_match_a_full_refit() -> None:
+    """``test_delta``'s every-dtype scenario with the kernels taking every message
+    (under the interpreter they take CPU tensors), against a full refit into a second
+    destination, bit for bit after every call."""
+    import os
+    out = run_interpreted(_WORLD.format(tests=os.path.dirname(os.path.abspath(__file__))), timeout=300)
+    assert out.strip().endswith("EXACT"), out
