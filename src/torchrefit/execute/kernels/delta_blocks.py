@@ -25,6 +25,7 @@ the tests).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -134,6 +135,11 @@ def fusable_cast(local: torch.dtype, wire: torch.dtype) -> bool:
     return local == wire or (local in _FLOATS and wire in _FLOATS)
 
 
+def _on_device(t: torch.Tensor):
+    """Triton launches on the current device: make it the tensors' own."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT[t.element_size()])
 
@@ -186,9 +192,10 @@ def diff_parts(currents: list[torch.Tensor], refs: list[torch.Tensor], wires: li
         rne = cast and wire == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
         pos, val = scratch[wire.itemsize]
         b = _bits(ref.reshape(-1))
-        diff[(tiles,)](cur.reshape(-1) if cast else _bits(cur.reshape(-1)), b, ref.numel(), c, s, pos, val,
-                       totals, CLASSES.index(wire.itemsize), limit, TILE=TILE, CAST=cast,
-                       WIRE=_tl_dtype(wire) if cast else None, BF16_RNE=rne, num_warps=8)
+        with _on_device(b):
+            diff[(tiles,)](cur.reshape(-1) if cast else _bits(cur.reshape(-1)), b, ref.numel(), c, s, pos, val,
+                           totals, CLASSES.index(wire.itemsize), limit, TILE=TILE, CAST=cast,
+                           WIRE=_tl_dtype(wire) if cast else None, BF16_RNE=rne, num_warps=8)
         # each part's changed count: a sum of its tiles' (no atomic per tile on one slot)
         torch.sum(c, 0, dtype=torch.int64, out=totals[len(CLASSES) + i])
     return Diffed(counts, starts, scratch, totals, cap)
@@ -209,8 +216,9 @@ def gather_part(d: Diffed, i: int, numel: int, wire: torch.dtype, k: int, out: t
     prefix.sub_(c[:tiles])
     pos, val = d.scratch[wire.itemsize]
     v0 = c0 + _align(2 * k)
-    gather[(tiles,)](c, d.starts[i], prefix, pos, val, out[c0: c0 + 2 * k].view(torch.int16),
-                     out[v0: v0 + k * wire.itemsize].view(_INT[wire.itemsize]), CHUNK=CHUNK, num_warps=4)
+    with _on_device(out):
+        gather[(tiles,)](c, d.starts[i], prefix, pos, val, out[c0: c0 + 2 * k].view(torch.int16),
+                         out[v0: v0 + k * wire.itemsize].view(_INT[wire.itemsize]), CHUNK=CHUNK, num_warps=4)
 
 
 def apply_part(payload: torch.Tensor, at: int, view: torch.Tensor, k: int, kept) -> None:
@@ -226,6 +234,7 @@ def apply_part(payload: torch.Tensor, at: int, view: torch.Tensor, k: int, kept)
     torch.cumsum(counts, 0, out=prefix)
     prefix.sub_(counts)
     v0 = at + c0 + _align(2 * k)
-    apply[(blocks,)](counts, prefix, payload[at + c0: at + c0 + 2 * k].view(torch.int16),
-                     payload[v0: v0 + k * size].view(_INT[size]), _bits(view.reshape(-1)), CHUNK=CHUNK,
-                     num_warps=4)
+    with _on_device(view):
+        apply[(blocks,)](counts, prefix, payload[at + c0: at + c0 + 2 * k].view(torch.int16),
+                         payload[v0: v0 + k * size].view(_INT[size]), _bits(view.reshape(-1)), CHUNK=CHUNK,
+                         num_warps=4)
