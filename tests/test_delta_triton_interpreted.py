@@ -133,6 +133,22 @@ _CODE = textwrap.dedent("""
     case("position 65535 only", [last], [torch.bfloat16],
          lambda ss: bits(ss[0]).reshape(-1).__setitem__(65535, 0x0001), want=d.SPARSE)
 
+    few = [torch.randn(65536, generator=g).to(torch.bfloat16), torch.randn(65537, generator=g).to(torch.bfloat16),
+           torch.randint(0, 255, (1000,), generator=g).to(torch.uint8), torch.randn(5000, generator=g),
+           torch.randint(0, 255, (3,), generator=g).to(torch.uint8), torch.randn(5000, generator=g),
+           torch.randn(100, generator=g).double(), torch.randint(0, 2, (7,), generator=g).bool()]
+    def scatter(ss):  # parts of one block or less go through one launch per kind
+        rand_bits(ss[0], 0.01, must=(65535,))
+        rand_bits(ss[1], 0.01, must=(65536,))
+        rand_bits(ss[2], 0.05, must=(999,))
+        bits(ss[4]).reshape(-1)[2] ^= 1
+        ss[5][4999] += 1.0
+        ss[5][:50] *= 1.01
+        rand_bits(ss[6], 0.1, must=(99,))
+        ss[7][6] = ~ss[7][6]
+    case("small parts together", few, [torch.bfloat16, torch.bfloat16, torch.uint8, torch.float32, torch.uint8,
+                                       torch.bfloat16, torch.float64, torch.bool], scatter, want=d.SPARSE)
+
     master = torch.randn(65536 + 300, generator=g)
     master[:4] = torch.tensor([float("inf"), -0.0, 1e-40, -float("inf")])
     def nudge(ss):

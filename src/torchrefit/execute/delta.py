@@ -464,11 +464,8 @@ def _encode_triton(msg: _Message, currents: list[torch.Tensor], key: tuple[int, 
     if (sampled is not None and host[-1]) or not (sum(sizes) < msg.nbytes and sum(counts) <= cap):
         return DENSE, [0] * len(msg.parts), msg.ref
     out = scratch.payload(key, sum(sizes), dev)
-    at = 0
-    for i, (part, k, size) in enumerate(zip(msg.parts, counts, sizes)):
-        if k:
-            delta_blocks.gather_part(diffed, i, part.numel, part.wire, k, out[at: at + size], kept)
-        at += size
+    ats = list(itertools.accumulate(sizes, initial=0))
+    delta_blocks.gather(diffed, [(p.numel, p.wire, k, a) for p, k, a in zip(msg.parts, counts, ats)], out, kept)
     return SPARSE, counts, out
 
 
@@ -487,12 +484,13 @@ def _apply(msg: _Message, counts: list[int], payload: torch.Tensor, scratch: _Sc
     dev, at = payload.device, 0
     kern = delta_native.kernels() if dev.type == "cpu" else None
     fused = _triton(dev)
+    kernel_parts = []  # applied together after the loop: a launch per large part, one per kind of small ones
     for part, k in zip(msg.parts, counts):
         if not k:
             continue
         v = part.view
         if fused and v.device == dev and v.dtype == part.wire and v.is_contiguous():
-            delta_blocks.apply_part(payload, at, v, k, scratch.kept(dev))
+            kernel_parts.append((at, v, k))
             at += sparse_nbytes(part.numel, k, part.wire.itemsize)
             continue
         if kern is not None and delta_native.appliable(part.view, part.wire):
@@ -513,6 +511,8 @@ def _apply(msg: _Message, counts: list[int], payload: torch.Tensor, scratch: _Sc
             vals = vals.to(part.view.dtype)
         _flat_put(part.view, pos, vals)
         at += sparse_nbytes(part.numel, k, part.wire.itemsize)
+    if kernel_parts:
+        delta_blocks.apply(payload, kernel_parts, scratch.kept(dev))
 
 
 def _unpack(msg: _Message, payload: torch.Tensor, non_blocking: bool = False) -> None:

@@ -19,6 +19,12 @@ The apply is one program per block of a part: it reads the block's count and whe
 changes start (a prefix of the payload's block counts) and writes each value at its
 position.
 
+Parts of at most one block (``SMALL``: biases, norms, small projections) are diffed,
+gathered and applied together, one launch per kind (element size, and the cast) for all
+of a message's: a table of byte offsets from one base tensor (uploaded without waiting)
+says where each part's source, reference, payload sections and destination lie. Large
+parts get a launch each, on their own typed pointers.
+
 Runs on CUDA tensors, and on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``,
 the tests).
 """
@@ -32,7 +38,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["available", "TILE", "CLASSES", "Diffed", "diff_parts", "gather_part", "apply_part", "fusable_cast"]
+__all__ = ["available", "TILE", "PER", "SMALL", "CLASSES", "Diffed", "diff_parts", "gather", "apply", "fusable_cast"]
 
 #: elements one diff program compares; the wire format's block is a whole number of tiles
 TILE = 4096
@@ -46,70 +52,8 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 @lru_cache(maxsize=1)
 def _kernels():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def diff_tiles(cur, ref, numel, counts, starts, pos_out, val_out, total, slot, limit,
-                   TILE: tl.constexpr, CAST: tl.constexpr, WIRE: tl.constexpr, BF16_RNE: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        offs = t * TILE + tl.arange(0, TILE)
-        inside = offs < numel
-        b = tl.load(ref + offs, mask=inside, other=0)
-        a = tl.load(cur + offs, mask=inside, other=0)
-        if BF16_RNE:  # the interpreter: bfloat16 rounded to nearest even in integers, as torch on CPU
-            u = a.to(tl.float32).to(tl.uint32, bitcast=True)
-            r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-            r = tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
-            a = r.to(tl.uint16).to(tl.int16, bitcast=True)
-        elif CAST:  # the wire dtype's bits of the cast: the device's cast instruction, as torch's
-            a = a.to(WIRE).to(b.dtype, bitcast=True)
-        changed = (a != b) & inside
-        n = tl.sum(changed.to(tl.int32), axis=0)
-        tl.store(ref + offs, a, mask=changed)
-        tl.store(counts + t, n)
-        if n > 0:
-            cap = tl.load(limit)
-            start = tl.atomic_add(total + slot, n.to(tl.int64))  # room in this element size's scratch
-            tl.store(starts + t, start)
-            if start + n <= cap:
-                at = start + tl.cumsum(changed.to(tl.int32), axis=0) - 1
-                tl.store(pos_out + at, (offs & 0xFFFF).to(tl.int16), mask=changed)
-                tl.store(val_out + at, a, mask=changed)
-
-    @triton.jit
-    def gather_tiles(counts, starts, prefix, pos_in, val_in, pos_out, val_out, CHUNK: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        n = tl.load(counts + t)
-        if n > 0:
-            src = tl.load(starts + t)
-            dst = tl.load(prefix + t)
-            i = tl.arange(0, CHUNK)
-            j = n * 0
-            while j < n:  # while, not range(): the interpreter takes no loaded bound
-                k = j + i
-                m = k < n
-                tl.store(pos_out + dst + k, tl.load(pos_in + src + k, mask=m), mask=m)
-                tl.store(val_out + dst + k, tl.load(val_in + src + k, mask=m), mask=m)
-                j += CHUNK
-
-    @triton.jit
-    def apply_blocks(counts, prefix, pos_in, val_in, dst, CHUNK: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64)
-        n = tl.load(counts + b)
-        if n > 0:
-            at = tl.load(prefix + b)
-            i = tl.arange(0, CHUNK)
-            j = n * 0
-            while j < n:
-                k = j + i
-                m = k < n
-                low = tl.load(pos_in + at + k, mask=m, other=0).to(tl.int32) & 0xFFFF
-                v = tl.load(val_in + at + k, mask=m)
-                tl.store(dst + (b * 65536 + low), v, mask=m)
-                j += CHUNK
-
-    return diff_tiles, gather_tiles, apply_blocks
+    from . import _delta_blocks_triton as k
+    return k.diff_tiles, k.gather_tiles, k.apply_blocks, k.diff_small, k.gather_small, k.apply_small
 
 
 def available(device_type: str) -> bool:
@@ -144,29 +88,65 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT[t.element_size()])
 
 
+def _table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """A small int64 table on ``device``, copied from pinned memory without waiting (the
+    host allocator keeps the pinned block until the copy ran)."""
+    host = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
+def _tl_int(size: int):
+    import triton.language as tl
+    return {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}[size]
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+#: tiles per block: a part of one block at most has PER tiles in the grouped launches
+PER = 65536 // TILE
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Parts of at most one block (``SMALL``) diffed in one launch: their indices, and
+    PER tiles' counts and scratch starts each."""
+
+    parts: tuple[int, ...]
+    size: int
+    counts: torch.Tensor
+    starts: torch.Tensor
+
+
 @dataclass
 class Diffed:
-    """What one message's diff left on the device: per part, its tiles' counts and
-    scratch starts; per element size, the scratch; ``totals``: reservations per element
-    size (``CLASSES``), then the changed count of each part."""
+    """What one message's diff left on the device: per large part its tiles' counts and
+    scratch starts, the small parts' groups; per element size, the scratch; ``totals``:
+    reservations per element size (``CLASSES``), then the changed count of each part."""
 
-    counts: list[torch.Tensor]
-    starts: list[torch.Tensor]
+    tiles: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    groups: list[_Group]
     scratch: dict[int, tuple[torch.Tensor, torch.Tensor]]
     totals: torch.Tensor
     cap: int
+
+
+#: a part of at most this many elements (one block) is diffed, gathered and applied with
+#: others of its kind in one launch (a launch per small tensor would cost more than its bytes)
+SMALL = 65536
 
 
 def diff_parts(currents: list[torch.Tensor], refs: list[torch.Tensor], wires: list[torch.dtype], cap: int,
                kept, limit: torch.Tensor | None = None) -> Diffed:
     """Diff each part (``currents[i]``, contiguous, in its local dtype; ``refs[i]`` its
     reference bytes as a contiguous tensor of the wire dtype) on the current stream,
-    bringing the references up to date. ``cap``: the most changes the scratch keeps
-    (more: the message goes dense); ``limit``: where given, an int64 on the device read
-    in place of ``cap`` (-1: the caller knows the message goes dense, nothing need be
-    kept). ``kept(name, numel, dtype)``: a buffer kept across calls. Nothing is copied
-    to the host."""
-    diff, _, _ = _kernels()
+    bringing the references up to date: one launch per large part, one per kind of small
+    parts. ``cap``: the most changes the scratch keeps (more: the message goes dense);
+    ``limit``: where given, an int64 on the device read in place of ``cap`` (-1: the
+    caller knows the message goes dense, nothing need be kept). ``kept(name, numel,
+    dtype)``: a buffer kept across calls. Nothing is copied to the host."""
+    diff, _, _, small_diff, _, _ = _kernels()
     sizes = sorted({w.itemsize for w in wires})
     totals = kept("totals", len(CLASSES) + len(refs), torch.int64)
     totals.zero_()
@@ -174,57 +154,122 @@ def diff_parts(currents: list[torch.Tensor], refs: list[torch.Tensor], wires: li
     scratch = {s: (kept(("pos", s), room, torch.int16), kept(("val", s), room, _INT[s])) for s in sizes}
     if limit is None:
         limit = kept("limit", 1, torch.int64).fill_(cap)
-    counts, starts = [], []
+    tiles_of, kinds = {}, {}
     for i, (cur, ref, wire) in enumerate(zip(currents, refs, wires)):
+        if ref.numel() <= SMALL:
+            if ref.numel():
+                kinds.setdefault((cur.dtype if cur.dtype != wire else None, wire), []).append(i)
+            continue
         tiles = -(-ref.numel() // TILE)
-        per_block = 65536 // TILE
-        padded = -(-tiles // per_block) * per_block
+        padded = -(-tiles // PER) * PER
         c = kept(("counts", i), padded, torch.int32)
         if padded > tiles:
             c[tiles:].zero_()
         s = kept(("starts", i), tiles, torch.int64)
-        counts.append(c)
-        starts.append(s)
-        if not tiles:
-            continue
+        tiles_of[i] = (c, s)
         cast = cur.dtype != wire
-        # the interpreter's float32 -> bfloat16 conversion truncates; a GPU's rounds as torch's
-        rne = cast and wire == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
         pos, val = scratch[wire.itemsize]
         b = _bits(ref.reshape(-1))
         with _on_device(b):
             diff[(tiles,)](cur.reshape(-1) if cast else _bits(cur.reshape(-1)), b, ref.numel(), c, s, pos, val,
                            totals, CLASSES.index(wire.itemsize), limit, TILE=TILE, CAST=cast,
-                           WIRE=_tl_dtype(wire) if cast else None, BF16_RNE=rne, num_warps=8)
+                           WIRE=_tl_dtype(wire) if cast else None, BF16_RNE=_rne(cast, wire), num_warps=8)
         # each part's changed count: a sum of its tiles' (no atomic per tile on one slot)
         torch.sum(c, 0, dtype=torch.int64, out=totals[len(CLASSES) + i])
-    return Diffed(counts, starts, scratch, totals, cap)
+    groups = []
+    for g, ((src_dtype, wire), idx) in enumerate(sorted(kinds.items(), key=lambda kv: kv[1][0])):
+        size = wire.itemsize
+        src0, ref0 = _flat_bytes(currents[idx[0]]), _flat_bytes(refs[idx[0]])
+        table = _table([[currents[i].data_ptr() - src0.data_ptr(), refs[i].data_ptr() - ref0.data_ptr(),
+                         refs[i].numel()] for i in idx], ref0.device)
+        c = kept(("small counts", g), PER * len(idx), torch.int32)
+        s = kept(("small starts", g), PER * len(idx), torch.int64)
+        pos, val = scratch[size]
+        cast = src_dtype is not None
+        with _on_device(ref0):
+            small_diff[(PER * len(idx),)](src0, ref0, table, c, s, pos, val, totals, CLASSES.index(size), limit,
+                                          SRC=_tl_dtype(src_dtype) if cast else _tl_int(size), ELEM=_tl_int(size),
+                                          TILE=TILE, CAST=cast, WIRE=_tl_dtype(wire) if cast else None,
+                                          BF16_RNE=_rne(cast, wire), num_warps=8)
+        where = _table([[len(CLASSES) + i] for i in idx], ref0.device).view(-1)
+        totals.index_copy_(0, where, c.view(len(idx), PER).sum(1, dtype=torch.int64))
+        groups.append(_Group(tuple(idx), size, c, s))
+    return Diffed(tiles_of, groups, scratch, totals, cap)
 
 
-def gather_part(d: Diffed, i: int, numel: int, wire: torch.dtype, k: int, out: torch.Tensor, kept) -> None:
-    """Part ``i``'s sparse encoding (``k`` changes, ``numel`` elements) into ``out``
-    (uint8, its bytes in the wire format: block counts, positions, values)."""
-    _, gather, _ = _kernels()
+def _rne(cast: bool, wire: torch.dtype) -> bool:
+    """The interpreter's float32 -> bfloat16 conversion truncates; a GPU's rounds as torch's."""
+    return cast and wire == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def gather(d: Diffed, parts: list[tuple[int, torch.dtype, int, int]], out: torch.Tensor, kept) -> None:
+    """Every changed part's sparse encoding into the payload ``out`` (uint8): ``parts[i]``
+    is part i's (elements, wire dtype, changes, byte offset of its encoding in ``out``)."""
+    _, gather_big, _, _, gather_few, _ = _kernels()
+    from ..delta import BLOCK, _align
+    for i, (c, s) in d.tiles.items():
+        numel, wire, k, at = parts[i]
+        if k:
+            _gather_part(gather_big, c, s, d.scratch[wire.itemsize], numel, wire, k, out[at:], kept)
+    for g in d.groups:
+        rows = []
+        for i in g.parts:
+            numel, wire, k, at = parts[i]
+            c0 = at + _align(4 * -(-numel // BLOCK))
+            rows.append([at, c0, c0 + _align(2 * k)] if k else [-1, -1, -1])
+        if all(r[0] < 0 for r in rows):
+            continue
+        pos, val = d.scratch[g.size]
+        with _on_device(out):
+            gather_few[(PER * len(g.parts),)](g.counts, g.starts, _table(rows, out.device), pos, val, out,
+                                              ELEM=_tl_int(g.size), PER=PER, CHUNK=CHUNK, num_warps=4)
+
+
+def _gather_part(kernel, c: torch.Tensor, starts: torch.Tensor, scratch, numel: int, wire: torch.dtype, k: int,
+                 out: torch.Tensor, kept) -> None:
+    """A large part's encoding (``k`` changes) at the start of ``out``: block counts, the
+    prefix of its tiles' counts, one program per tile."""
     from ..delta import BLOCK, _align
     blocks = -(-numel // BLOCK)
     tiles = -(-numel // TILE)
-    c = d.counts[i]
     c0 = _align(4 * blocks)
     torch.sum(c.view(blocks, BLOCK // TILE), 1, dtype=torch.int32, out=out[: 4 * blocks].view(torch.int32))
     prefix = kept(("prefix",), tiles, torch.int64)
     torch.cumsum(c[:tiles], 0, out=prefix)
     prefix.sub_(c[:tiles])
-    pos, val = d.scratch[wire.itemsize]
+    pos, val = scratch
     v0 = c0 + _align(2 * k)
     with _on_device(out):
-        gather[(tiles,)](c, d.starts[i], prefix, pos, val, out[c0: c0 + 2 * k].view(torch.int16),
+        kernel[(tiles,)](c, starts, prefix, pos, val, out[c0: c0 + 2 * k].view(torch.int16),
                          out[v0: v0 + k * wire.itemsize].view(_INT[wire.itemsize]), CHUNK=CHUNK, num_warps=4)
 
 
-def apply_part(payload: torch.Tensor, at: int, view: torch.Tensor, k: int, kept) -> None:
-    """One part's sparse encoding at byte ``at`` of ``payload`` (on ``view``'s device)
-    written into ``view`` (contiguous, in the wire dtype), on the current stream."""
-    _, _, apply = _kernels()
+def apply(payload: torch.Tensor, parts: list[tuple[int, torch.Tensor, int]], kept) -> None:
+    """Sparse encodings in ``payload`` (on the views' device) written into their views,
+    on the current stream: ``parts`` holds (byte offset of the encoding, view: contiguous,
+    in the wire dtype, changes). A launch per large part, one per element size of the
+    small ones."""
+    _, _, apply_big, _, _, apply_few = _kernels()
+    from ..delta import BLOCK, _align
+    few: dict[int, list[tuple[int, torch.Tensor, int]]] = {}
+    for at, view, k in parts:
+        if view.numel() <= SMALL:
+            few.setdefault(view.element_size(), []).append((at, view, k))
+        else:
+            _apply_part(apply_big, payload, at, view, k, kept)
+    for size, items in sorted(few.items()):
+        dst0 = _flat_bytes(items[0][1])
+        rows = []
+        for at, view, k in items:
+            c0 = at + _align(4 * -(-view.numel() // BLOCK))
+            rows.append([at, c0, c0 + _align(2 * k), view.data_ptr() - dst0.data_ptr()])
+        with _on_device(dst0):
+            apply_few[(len(items),)](payload, _table(rows, payload.device), dst0, ELEM=_tl_int(size), CHUNK=CHUNK,
+                                     num_warps=4)
+
+
+def _apply_part(kernel, payload: torch.Tensor, at: int, view: torch.Tensor, k: int, kept) -> None:
+    """A large part's encoding at byte ``at`` of ``payload`` into ``view``: a program per block."""
     from ..delta import BLOCK, _align
     numel, size = view.numel(), view.element_size()
     blocks = -(-numel // BLOCK)
@@ -235,6 +280,6 @@ def apply_part(payload: torch.Tensor, at: int, view: torch.Tensor, k: int, kept)
     prefix.sub_(counts)
     v0 = at + c0 + _align(2 * k)
     with _on_device(view):
-        apply[(blocks,)](counts, prefix, payload[at + c0: at + c0 + 2 * k].view(torch.int16),
-                         payload[v0: v0 + k * size].view(_INT[size]), _bits(view.reshape(-1)), CHUNK=CHUNK,
-                         num_warps=4)
+        kernel[(blocks,)](counts, prefix, payload[at + c0: at + c0 + 2 * k].view(torch.int16),
+                          payload[v0: v0 + k * size].view(_INT[size]), _bits(view.reshape(-1)), CHUNK=CHUNK,
+                          num_warps=4)
