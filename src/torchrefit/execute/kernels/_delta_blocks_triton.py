@@ -42,40 +42,40 @@ def diff_tiles(cur, ref, numel, counts, starts, pos_out, val_out, total, slot, l
               CAST, WIRE, BF16_RNE)
 
 @triton.jit
-def diff_small(src, ref, table, counts, starts, pos_out, val_out, total, slot, limit, SRC: tl.constexpr,
+def diff_small(table, counts, starts, pos_out, val_out, total, slot, limit, SRC: tl.constexpr,
                ELEM: tl.constexpr, TILE: tl.constexpr, CAST: tl.constexpr, WIRE: tl.constexpr,
                BF16_RNE: tl.constexpr):
     # parts of one block at most, PER tiles each (the last ones empty): table rows of
-    # (source byte offset from src, reference byte offset from ref, elements)
+    # (source address, reference address, elements)
     PER: tl.constexpr = 65536 // TILE
     t = tl.program_id(0).to(tl.int64)
     p = t // PER
     offs = (t - p * PER) * TILE + tl.arange(0, TILE)
-    cur = (src + tl.load(table + p * 3)).to(tl.pointer_type(SRC))
-    mine = (ref + tl.load(table + p * 3 + 1)).to(tl.pointer_type(ELEM))
+    cur = tl.load(table + p * 3).to(tl.pointer_type(SRC))
+    mine = tl.load(table + p * 3 + 1).to(tl.pointer_type(ELEM))
     diff_tile(cur, mine, offs, offs < tl.load(table + p * 3 + 2), t, counts, starts, pos_out, val_out, total,
               slot, limit, CAST, WIRE, BF16_RNE)
 
 @triton.jit
-def gather_small(counts, starts, table, pos_in, val_in, payload, ELEM: tl.constexpr, PER: tl.constexpr,
+def gather_small(counts, starts, table, pos_in, val_in, ELEM: tl.constexpr, PER: tl.constexpr,
                  CHUNK: tl.constexpr):
-    # table rows: byte offsets in payload of the part's block count, positions, values
-    # (-1: the part did not change)
+    # table rows: addresses of the part's block count, positions and values in the
+    # payload (0: the part did not change)
     t = tl.program_id(0).to(tl.int64)
     p = t // PER
     lt = t - p * PER
-    c_off = tl.load(table + p * 3)
-    if c_off >= 0:
+    c_at = tl.load(table + p * 3)
+    if c_at != 0:
         r = tl.arange(0, PER)
         cs = tl.load(counts + p * PER + r)
         if lt == 0:
-            tl.store((payload + c_off).to(tl.pointer_type(tl.int32)), tl.sum(cs, axis=0))
+            tl.store(c_at.to(tl.pointer_type(tl.int32)), tl.sum(cs, axis=0))
         n = tl.load(counts + t)
         if n > 0:
             dst = tl.sum(tl.where(r < lt, cs, 0), axis=0)  # the part's changes in tiles before this one
             src = tl.load(starts + t)
-            pos_out = (payload + tl.load(table + p * 3 + 1)).to(tl.pointer_type(tl.int16))
-            val_out = (payload + tl.load(table + p * 3 + 2)).to(tl.pointer_type(ELEM))
+            pos_out = tl.load(table + p * 3 + 1).to(tl.pointer_type(tl.int16))
+            val_out = tl.load(table + p * 3 + 2).to(tl.pointer_type(ELEM))
             i = tl.arange(0, CHUNK)
             j = n * 0
             while j < n:
@@ -86,14 +86,14 @@ def gather_small(counts, starts, table, pos_in, val_in, payload, ELEM: tl.conste
                 j += CHUNK
 
 @triton.jit
-def apply_small(payload, table, dst, ELEM: tl.constexpr, CHUNK: tl.constexpr):
-    # one part of one block each; table rows: byte offsets in payload of its block
-    # count, positions and values, and of its destination from dst
+def apply_small(table, ELEM: tl.constexpr, CHUNK: tl.constexpr):
+    # one part of one block each; table rows: addresses of its block count, positions
+    # and values in the payload, and of its destination
     p = tl.program_id(0).to(tl.int64)
-    n = tl.load((payload + tl.load(table + p * 4)).to(tl.pointer_type(tl.int32)))
-    pos_in = (payload + tl.load(table + p * 4 + 1)).to(tl.pointer_type(tl.int16))
-    val_in = (payload + tl.load(table + p * 4 + 2)).to(tl.pointer_type(ELEM))
-    out = (dst + tl.load(table + p * 4 + 3)).to(tl.pointer_type(ELEM))
+    n = tl.load(tl.load(table + p * 4).to(tl.pointer_type(tl.int32)))
+    pos_in = tl.load(table + p * 4 + 1).to(tl.pointer_type(tl.int16))
+    val_in = tl.load(table + p * 4 + 2).to(tl.pointer_type(ELEM))
+    out = tl.load(table + p * 4 + 3).to(tl.pointer_type(ELEM))
     i = tl.arange(0, CHUNK)
     j = n * 0
     while j < n:

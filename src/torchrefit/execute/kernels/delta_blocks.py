@@ -21,8 +21,8 @@ position.
 
 Parts of at most one block (``SMALL``: biases, norms, small projections) are diffed,
 gathered and applied together, one launch per kind (element size, and the cast) for all
-of a message's: a table of byte offsets from one base tensor (uploaded without waiting)
-says where each part's source, reference, payload sections and destination lie. Large
+of a message's: a table of addresses (uploaded without waiting) says where each part's
+source, reference, payload sections and destination lie. Large
 parts get a launch each, on their own typed pointers.
 
 Runs on CUDA tensors, and on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``,
@@ -100,10 +100,6 @@ def _tl_int(size: int):
     return {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}[size]
 
 
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
-
-
 #: tiles per block: a part of one block at most has PER tiles in the grouped launches
 PER = 65536 // TILE
 
@@ -179,15 +175,14 @@ def diff_parts(currents: list[torch.Tensor], refs: list[torch.Tensor], wires: li
     groups = []
     for g, ((src_dtype, wire), idx) in enumerate(sorted(kinds.items(), key=lambda kv: kv[1][0])):
         size = wire.itemsize
-        src0, ref0 = _flat_bytes(currents[idx[0]]), _flat_bytes(refs[idx[0]])
-        table = _table([[currents[i].data_ptr() - src0.data_ptr(), refs[i].data_ptr() - ref0.data_ptr(),
-                         refs[i].numel()] for i in idx], ref0.device)
+        ref0 = refs[idx[0]]
+        table = _table([[currents[i].data_ptr(), refs[i].data_ptr(), refs[i].numel()] for i in idx], ref0.device)
         c = kept(("small counts", g), PER * len(idx), torch.int32)
         s = kept(("small starts", g), PER * len(idx), torch.int64)
         pos, val = scratch[size]
         cast = src_dtype is not None
         with _on_device(ref0):
-            small_diff[(PER * len(idx),)](src0, ref0, table, c, s, pos, val, totals, CLASSES.index(size), limit,
+            small_diff[(PER * len(idx),)](table, c, s, pos, val, totals, CLASSES.index(size), limit,
                                           SRC=_tl_dtype(src_dtype) if cast else _tl_int(size), ELEM=_tl_int(size),
                                           TILE=TILE, CAST=cast, WIRE=_tl_dtype(wire) if cast else None,
                                           BF16_RNE=_rne(cast, wire), num_warps=8)
@@ -212,16 +207,16 @@ def gather(d: Diffed, parts: list[tuple[int, torch.dtype, int, int]], out: torch
         if k:
             _gather_part(gather_big, c, s, d.scratch[wire.itemsize], numel, wire, k, out[at:], kept)
     for g in d.groups:
-        rows = []
+        rows, base = [], out.data_ptr()
         for i in g.parts:
             numel, wire, k, at = parts[i]
             c0 = at + _align(4 * -(-numel // BLOCK))
-            rows.append([at, c0, c0 + _align(2 * k)] if k else [-1, -1, -1])
-        if all(r[0] < 0 for r in rows):
+            rows.append([base + at, base + c0, base + c0 + _align(2 * k)] if k else [0, 0, 0])
+        if not any(r[0] for r in rows):
             continue
         pos, val = d.scratch[g.size]
         with _on_device(out):
-            gather_few[(PER * len(g.parts),)](g.counts, g.starts, _table(rows, out.device), pos, val, out,
+            gather_few[(PER * len(g.parts),)](g.counts, g.starts, _table(rows, out.device), pos, val,
                                               ELEM=_tl_int(g.size), PER=PER, CHUNK=CHUNK, num_warps=4)
 
 
@@ -257,15 +252,14 @@ def apply(payload: torch.Tensor, parts: list[tuple[int, torch.Tensor, int]], kep
             few.setdefault(view.element_size(), []).append((at, view, k))
         else:
             _apply_part(apply_big, payload, at, view, k, kept)
+    base = payload.data_ptr()
     for size, items in sorted(few.items()):
-        dst0 = _flat_bytes(items[0][1])
         rows = []
         for at, view, k in items:
             c0 = at + _align(4 * -(-view.numel() // BLOCK))
-            rows.append([at, c0, c0 + _align(2 * k), view.data_ptr() - dst0.data_ptr()])
-        with _on_device(dst0):
-            apply_few[(len(items),)](payload, _table(rows, payload.device), dst0, ELEM=_tl_int(size), CHUNK=CHUNK,
-                                     num_warps=4)
+            rows.append([base + at, base + c0, base + c0 + _align(2 * k), view.data_ptr()])
+        with _on_device(payload):
+            apply_few[(len(items),)](_table(rows, payload.device), ELEM=_tl_int(size), CHUNK=CHUNK, num_warps=4)
 
 
 def _apply_part(kernel, payload: torch.Tensor, at: int, view: torch.Tensor, k: int, kept) -> None:
