@@ -43,11 +43,10 @@ def diff_tiles(cur, ref, numel, counts, starts, pos_out, val_out, total, slot, l
 
 @triton.jit
 def diff_small(table, counts, starts, pos_out, val_out, total, slot, limit, SRC: tl.constexpr,
-               ELEM: tl.constexpr, TILE: tl.constexpr, CAST: tl.constexpr, WIRE: tl.constexpr,
+               ELEM: tl.constexpr, TILE: tl.constexpr, PER: tl.constexpr, CAST: tl.constexpr, WIRE: tl.constexpr,
                BF16_RNE: tl.constexpr):
-    # parts of one block at most, PER tiles each (the last ones empty): table rows of
+    # parts of one block at most, PER (a block's) tiles each (the last ones empty): table rows of
     # (source address, reference address, elements)
-    PER: tl.constexpr = 65536 // TILE
     t = tl.program_id(0).to(tl.int64)
     p = t // PER
     offs = (t - p * PER) * TILE + tl.arange(0, TILE)

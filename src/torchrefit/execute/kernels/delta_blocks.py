@@ -184,7 +184,7 @@ def diff_parts(currents: list[torch.Tensor], refs: list[torch.Tensor], wires: li
         with _on_device(ref0):
             small_diff[(PER * len(idx),)](table, c, s, pos, val, totals, CLASSES.index(size), limit,
                                           SRC=_tl_dtype(src_dtype) if cast else _tl_int(size), ELEM=_tl_int(size),
-                                          TILE=TILE, CAST=cast, WIRE=_tl_dtype(wire) if cast else None,
+                                          TILE=TILE, PER=PER, CAST=cast, WIRE=_tl_dtype(wire) if cast else None,
                                           BF16_RNE=_rne(cast, wire), num_warps=8)
         where = _table([[len(CLASSES) + i] for i in idx], ref0.device).view(-1)
         totals.index_copy_(0, where, c.view(len(idx), PER).sum(1, dtype=torch.int64))
