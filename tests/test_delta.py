@@ -153,10 +153,11 @@ def _native_used() -> bool:
 
 
 def _dtypes_world(rank: int, world: int, delta: str, device: str = "cpu", transport: str = "auto",
-                  native: bool = True) -> dict:
+                  native: bool = True, triton: bool = True) -> dict:
     """Also run on GPUs by tests/test_gpu_delta.py (``device="cuda"``). ``native``: the
-    native CPU kernels where built (the test's cache), else the torch ops."""
-    settings.configure(native_delta=native)
+    native CPU kernels where built (the test's cache), else the torch ops; ``triton``: the
+    Triton kernels for CUDA tensors (``settings.triton_delta``)."""
+    settings.configure(native_delta=native, triton_delta=triton)
     if device == "cuda":
         device = f"cuda:{rank % torch.cuda.device_count()}"
         torch.cuda.set_device(device)

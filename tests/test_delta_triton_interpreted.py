@@ -32,6 +32,7 @@ _CODE = textwrap.dedent("""
     from torchrefit.execute import delta as d
 
     settings.configure(native_delta=False)
+    DEV = "DEVICE"  # cpu under the interpreter; tests/test_gpu_delta.py runs it on cuda
     INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     g = torch.Generator().manual_seed(3)
     bad = []
@@ -60,16 +61,19 @@ _CODE = textwrap.dedent("""
             at += size
         return out
 
-    def case(name, srcs, wires, change, above=0.1, want=None):
+    def case(name, host, wires, change, above=0.1, want=None):
+        srcs = [h.to(DEV) for h in host]  # changed on the host, copied in
         parts, nbytes = message(srcs, wires)
-        dsts = [torch.zeros(s.shape, dtype=w) for s, w in zip(srcs, wires)]
-        ref_t = torch.zeros(nbytes, dtype=torch.uint8)
+        dsts = [torch.zeros(s.shape, dtype=w, device=DEV) for s, w in zip(srcs, wires)]
+        ref_t = torch.zeros(nbytes, dtype=torch.uint8, device=DEV)
         send = d._Message(1, parts, nbytes, ref_t)
         d._encode(send, dense_above=above)  # the first call: everything changed, dense
         for p, t in zip(parts, dsts):
             t.copy_(p.view)
         ref_o = ref_t.clone()
-        change(srcs)
+        change(host)
+        for s, h in zip(srcs, host):
+            s.copy_(h)
         recv = [d._Message(0, tuple(d._Part(t, w, p.offset, p.numel) for t, w, p in zip(ds, wires, parts)),
                            nbytes, None) for ds in (dsts, [t.clone() for t in dsts])]
         enc_t, counts_t, pay_t = d._encode(send, dense_above=above)
@@ -151,6 +155,8 @@ _CODE = textwrap.dedent("""
 
     master = torch.randn(65536 + 300, generator=g)
     master[:4] = torch.tensor([float("inf"), -0.0, 1e-40, -float("inf")])
+    if DEV == "cuda":  # NaN payloads through the cast: the kernel's cast instruction, as torch's there
+        master.view(torch.int32)[4:8] = torch.tensor([0x7F800001, -4194303, 0x7FFFFFFF, -8388317], dtype=torch.int32)
     def nudge(ss):
         m = torch.rand(ss[0].numel(), generator=g) < 0.05
         ss[0][m] *= 1.0 + 1e-3 * torch.rand(int(m.sum()), generator=g)
@@ -174,7 +180,7 @@ _CODE = textwrap.dedent("""
 
 
 def test_triton_delta_kernels_match_the_torch_ops() -> None:
-    out = run_interpreted(_CODE, timeout=300)
+    out = run_interpreted(_CODE.replace("DEVICE", "cpu"), timeout=300)
     assert out.strip().endswith("EXACT"), out
 
 
