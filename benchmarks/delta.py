@@ -6,7 +6,7 @@ floor. One JSON row per line (``delta_density``, ``wire_bytes``, ``full_bytes``,
     python benchmarks/delta.py --part densities [--layers 2 --vocab 32768 | --full-size]
     python benchmarks/delta.py --part wire [--tensors 8 --rows 4096 --cols 2048 --iters 5]
                                [--kernels native|torch] [--threads 1]
-    python benchmarks/delta.py --part gpu                  # CUDA: one GPU
+    python benchmarks/delta.py --part gpu [--kernels triton,torch] [--cast]   # CUDA: one GPU
     python benchmarks/delta.py --part gloo-cuda            # CUDA: 2 processes, GPU tensors, gloo
     python benchmarks/delta.py --part nccl                 # CUDA: 2 GPUs, 2 processes
     python benchmarks/delta.py --part all --json OUT       # every part this machine runs
@@ -34,8 +34,10 @@ def main() -> None:
     p.add_argument("--cols", type=int, default=2048)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--reference", default="device", choices=["device", "host"])
-    p.add_argument("--kernels", default="native", choices=["native", "torch"],
-                   help="CPU diff and apply: the native kernels (built now if missing) or torch ops")
+    p.add_argument("--kernels", default=None,
+                   help="wire: native (default: built now if missing) or torch (ops); gpu: any of triton,torch "
+                        "(default both, in one run against one copy floor)")
+    p.add_argument("--cast", action="store_true", help="gpu: float32 master weights into a bfloat16 wire")
     p.add_argument("--threads", type=int, default=1, help="delta_threads: threads one native diff uses")
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args()
@@ -49,7 +51,7 @@ def main() -> None:
                                   device="cuda" if cuda else "cpu")
         elif part == "wire":
             got = delta.wire(args.tensors, args.rows, args.cols, iters=args.iters, delta=args.reference,
-                             threads=args.threads, native=args.kernels == "native")
+                             threads=args.threads, native=(args.kernels or "native") == "native")
         elif part == "gloo-cuda":
             got = delta.wire(args.tensors, args.rows, args.cols, iters=args.iters, delta=args.reference,
                              cuda=True)
@@ -57,7 +59,8 @@ def main() -> None:
             got = delta.wire(args.tensors, args.rows, args.cols, iters=args.iters, delta=args.reference,
                              transport="nccl")
         else:
-            got = delta.gpu(iters=args.iters)
+            got = delta.gpu(iters=args.iters, kernels=tuple((args.kernels or "triton,torch").split(",")),
+                            cast=args.cast)
         for row in got:
             print(json.dumps(row), flush=True)
         rows += got

@@ -153,10 +153,11 @@ def _native_used() -> bool:
 
 
 def _dtypes_world(rank: int, world: int, delta: str, device: str = "cpu", transport: str = "auto",
-                  native: bool = True) -> dict:
+                  native: bool = True, triton: bool = True) -> dict:
     """Also run on GPUs by tests/test_gpu_delta.py (``device="cuda"``). ``native``: the
-    native CPU kernels where built (the test's cache), else the torch ops."""
-    settings.configure(native_delta=native)
+    native CPU kernels where built (the test's cache), else the torch ops; ``triton``: the
+    Triton kernels for CUDA tensors (``settings.triton_delta``)."""
+    settings.configure(native_delta=native, triton_delta=triton)
     if device == "cuda":
         device = f"cuda:{rank % torch.cuda.device_count()}"
         torch.cuda.set_device(device)
@@ -462,6 +463,7 @@ def test_native_and_torch_ops_read_each_other(delta_cache: str, sender: str, mon
     spread over threads)."""
     from torchrefit.execute import delta as d
     monkeypatch.setenv(settings.ENV["kernel_cache"], delta_cache)
+    settings.reload()  # the cache just set, and nothing an earlier test configured
     g = torch.Generator().manual_seed(11)
     shapes = {torch.bfloat16: 70001, torch.float32: 65537, torch.uint8: 131075, torch.float64: 33, torch.bool: 9}
     src = [torch.randint(0, 2, (n,), generator=g).to(t) if t == torch.bool else

@@ -63,6 +63,10 @@ name                    default     environment override                      wh
 ``delta_threads``       1           --                                        threads one native diff spreads over: more
                                                                               read bandwidth where the sender has idle
                                                                               cores while its receivers wait
+``triton_delta``        True        --                                        delta refits diff and apply CUDA tensors with
+                                                                              Triton kernels (one pass over the source and
+                                                                              its reference); off, or without Triton: the
+                                                                              torch ops (same bytes on the wire)
 ======================  ==========  ========================================  ============================================
 """
 
@@ -115,6 +119,8 @@ class Settings:
     native_delta: bool = True
     #: threads one native delta diff spreads over
     delta_threads: int = 1
+    #: delta refits diff and apply CUDA tensors with the Triton kernels
+    triton_delta: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.branches <= MAX_BRANCHES:

@@ -213,20 +213,22 @@ def wire(tensors: int = 8, rows: int = 4096, cols: int = 2048, dens=(0.001, 0.01
 
 
 # --------------------------------------------------------------------------- GPU
-def gpu(numel: int = 1 << 28, dens=(0.001, 0.01, 0.05, 0.2, 0.5), iters: int = 10,
-        device: str = "cuda") -> list[dict]:
+def gpu(numel: int = 1 << 28, dens=(0.001, 0.01, 0.05, 0.2, 0.5), iters: int = 10, device: str = "cuda",
+        kernels=("triton", "torch"), cast: bool = False) -> list[dict]:
     """One GPU: encode (diff against the reference, sparse payload, reference update) and
     apply (scatter into the destination) against the copy floor (one device copy of the
-    full bytes), bf16, one message of ``numel`` elements."""
+    full bytes, timed in the same run), one message of ``numel`` bfloat16 elements, for
+    each of ``kernels``: the Triton kernels (``settings.triton_delta``) and the torch ops.
+    ``cast``: the source is float32 master weights cast to the bfloat16 wire (the floor
+    then copies the float32 source into bfloat16). Every row checks the destination
+    against the source, bit for bit."""
+    from .. import settings
     from ..execute import delta as d
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(0)
-    src = torch.randn(numel, device=dev, generator=g).to(torch.bfloat16)
-    dst = src.clone()
-    ref = src.clone().view(torch.uint8)
-    msg_s = d._Message(1, (d._Part(src, torch.bfloat16, 0, numel),), src.nbytes, ref)
-    msg_r = d._Message(0, (d._Part(dst, torch.bfloat16, 0, numel),), src.nbytes, None)
-    floor_dst = torch.empty_like(src)
+    master = torch.randn(numel, device=dev, generator=g)
+    src = master if cast else master.to(torch.bfloat16)
+    floor_dst = torch.empty(numel, dtype=torch.bfloat16, device=dev)
 
     def clock(fn) -> float:
         times = []
@@ -240,24 +242,35 @@ def gpu(numel: int = 1 << 28, dens=(0.001, 0.01, 0.05, 0.2, 0.5), iters: int = 1
 
     floor = clock(lambda: floor_dst.copy_(src))
     rows = []
-    for p in dens:
-        times, wires = [], []
-        for _ in range(iters):
-            k = int(p * numel)  # the trainer's step, not timed
-            idx = torch.randint(0, numel, (k,), device=dev, generator=g)
-            src[idx] = (src[idx].float() + 0.01).to(torch.bfloat16)
-            _sync()
-            t0 = time.perf_counter()
-            enc, counts, payload = d._encode(msg_s)
-            if enc == d.SPARSE:
-                d._apply(msg_r, counts, payload)
-            else:
-                d._unpack(msg_r, payload)
-            _sync()
-            times.append((time.perf_counter() - t0) * 1e3)
-            wires.append(payload.numel())
-        assert torch.equal(dst.view(torch.int16), src.view(torch.int16))
-        rows.append({"part": "gpu", "delta_density": p, "wire_bytes": max(wires), "full_bytes": src.nbytes,
-                     "delta_ms": statistics.median(times), "full_ms": floor, "to_floor": statistics.median(times) / floor,
-                     "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"})
+    for kind in kernels:
+        dst = src.to(torch.bfloat16)
+        ref = dst.clone().view(torch.uint8)
+        msg_s = d._Message(1, (d._Part(src, torch.bfloat16, 0, numel),), dst.nbytes, ref)
+        msg_r = d._Message(0, (d._Part(dst, torch.bfloat16, 0, numel),), dst.nbytes, None)
+        sent, got = d._Scratch(), d._Scratch()  # kept across calls, as a program keeps them
+        with settings.overridden(triton_delta=kind == "triton"):
+            for p in dens:
+                times, wires = [], []
+                for _ in range(iters):
+                    k = int(p * numel)  # the trainer's step, not timed
+                    idx = torch.randint(0, numel, (k,), device=dev, generator=g)
+                    src[idx] = (src[idx].float() + 0.01).to(src.dtype)
+                    _sync()
+                    t0 = time.perf_counter()
+                    enc, counts, payload = d._encode(msg_s, (0, 0), sent)
+                    if enc == d.SPARSE:
+                        d._apply(msg_r, counts, payload, got)
+                    else:
+                        d._unpack(msg_r, payload)
+                    _sync()
+                    times.append((time.perf_counter() - t0) * 1e3)
+                    wires.append(payload.numel())
+                exact = torch.equal(dst.view(torch.int16), src.to(torch.bfloat16).view(torch.int16)) and \
+                    torch.equal(ref.view(torch.int16), dst.view(torch.int16))
+                assert exact, f"{kind} at {p}: the destination or the reference differs from the source"
+                ms = statistics.median(times)
+                rows.append({"part": "gpu", "kernels": kind, "cast": cast, "delta_density": p,
+                             "wire_bytes": max(wires), "full_bytes": dst.nbytes, "delta_ms": ms,
+                             "full_ms": floor, "floor_ms": floor, "to_floor": ms / floor, "exact": exact,
+                             "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"})
     return rows

@@ -165,9 +165,10 @@ def _run_delta(args) -> int:
     rows = delta.wire(iters=args.iters if args.iters != 30 else 5, transport="nccl" if two_gpus else "gloo")
     if torch.cuda.is_available():
         rows += delta.gpu(iters=10)
-    print(f"{'part':6} {'changed':>8} {'wire':>10} {'full':>10} {'wire/full':>9} {'delta ms':>9} {'full ms':>9}")
+    print(f"{'part':12} {'changed':>8} {'wire':>10} {'full':>10} {'wire/full':>9} {'delta ms':>9} {'full ms':>9}")
     for r in rows:
-        print(f"{r['part']:6} {r['delta_density']:8.1%} {format_bytes(r['wire_bytes']):>10} "
+        part = r["part"] + (f"/{r['kernels']}" if "kernels" in r else "")  # gpu/triton, gpu/torch
+        print(f"{part:12} {r['delta_density']:8.1%} {format_bytes(r['wire_bytes']):>10} "
               f"{format_bytes(r['full_bytes']):>10} {r['wire_bytes'] / r['full_bytes']:9.3f} "
               f"{r['delta_ms']:9.2f} {r['full_ms']:9.2f}")
     if args.json:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -41,6 +42,8 @@ from ..plan.types import RankPlan
 from ..transport.base import RoundsTransport
 from ..transport.collectives import collective, collective_device
 from . import delta_native
+from .kernels import delta_blocks
+from .rounds import pinned_pools
 from .views import Views
 
 __all__ = ["DeltaRounds", "DeltaStats", "compile_delta", "gather_offers", "BLOCK", "DENSE", "SPARSE",
@@ -107,6 +110,24 @@ class _Scratch:
         if buf is None or buf.dtype != dtype or buf.device != device:
             buf = self._kept[name] = torch.empty(0, dtype=dtype, device=device)
         return buf[:0]
+
+    def buffer(self, name, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``n`` elements of a kept buffer (grown where shorter)."""
+        buf = self._kept.get(("buffer", name))
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
+            buf = self._kept[("buffer", name)] = torch.empty(max(n, 1), dtype=dtype, device=device)
+        return buf[:n]
+
+    def kept(self, device: torch.device):
+        """``buffer`` on ``device``, as ``kernels.delta_blocks`` asks for it."""
+        return lambda name, n, dtype: self.buffer(name, n, dtype, device)
+
+    def pinned(self, name, n: int) -> torch.Tensor:
+        """``n`` bytes of a kept buffer in pinned host memory (grown where shorter)."""
+        buf = self._kept.get(("pinned", name))
+        if buf is None or buf.numel() < n:
+            buf = self._kept[("pinned", name)] = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        return buf[:n]
 
     def payload(self, key: tuple[int, int], n: int, device: torch.device) -> torch.Tensor:
         buf = self._kept.get(("payload", key))
@@ -321,10 +342,12 @@ def _sample_at(numel: int, device: torch.device) -> torch.Tensor:
     return (starts[:, None] + torch.arange(_RUN, device=device)).reshape(-1)
 
 
-def _sampled_density(msg: _Message) -> float:
-    """The share of elements changed in evenly spaced runs of each large part (contiguous
-    runs: a small part of the memory a strided sample would touch). -1: too small to say."""
-    seen = changed = 0
+def _sampled_changes(msg: _Message) -> tuple[torch.Tensor | None, int]:
+    """The changed elements (a tensor on the parts' device, not yet read: the caller
+    reads it with whatever else it needs from there) in evenly spaced runs of each large
+    part (contiguous runs: a small part of the memory a strided sample would touch), and
+    how many elements were sampled (0: too small to say)."""
+    seen, changed = 0, None
     for part in msg.parts:
         if part.numel < 4 * _RUNS * _RUN:
             continue
@@ -333,9 +356,17 @@ def _sampled_density(msg: _Message) -> float:
         idx = _sample_at(part.numel, cur.device)
         a = cur.view(it).index_select(0, idx) if cur.is_contiguous() else cur.view(it)[idx]
         b = ref.view(it).index_select(0, idx.to(ref.device)).to(a.device)
-        changed += int((a != b).sum())
+        here = (a != b).sum()
+        changed = here if changed is None else changed + here
         seen += idx.numel()
-    return changed / seen if seen else -1.0
+    return changed, seen
+
+
+def _sampled_density(msg: _Message) -> float:
+    """The share of elements changed in the sample (``_sampled_changes``); -1: too small
+    to say."""
+    changed, seen = _sampled_changes(msg)
+    return int(changed) / seen if seen else -1.0
 
 
 def _encode(msg: _Message, key: tuple[int, int] = (0, 0), scratch: _Scratch | None = None,
@@ -348,6 +379,9 @@ def _encode(msg: _Message, key: tuple[int, int] = (0, 0), scratch: _Scratch | No
     scratch = scratch or _Scratch()
     if dense_above is None:
         dense_above = settings.current().delta_dense_above
+    currents = _triton_currents(msg)
+    if currents is not None:
+        return _encode_triton(msg, currents, key, scratch, dense_above)
     if _sampled_density(msg) > dense_above:
         return DENSE, [0] * len(msg.parts), _fill(msg)
     kern = delta_native.kernels() if msg.ref.device.type == "cpu" else None
@@ -390,6 +424,51 @@ def _encode_native(kern, msg: _Message, currents: list[torch.Tensor], key: tuple
     return SPARSE, counts, out[:size]
 
 
+def _triton(device: torch.device) -> bool:
+    return settings.current().triton_delta and delta_blocks.available(device.type)
+
+
+def _triton_currents(msg: _Message) -> list[torch.Tensor] | None:
+    """The parts' local views where the Triton diff takes the message: every part
+    contiguous on the reference's device, a cast (if any) one the kernel makes."""
+    dev = msg.ref.device
+    if not _triton(dev):
+        return None
+    for part in msg.parts:
+        v = part.view
+        if v.device != dev or not v.is_contiguous() or not delta_blocks.fusable_cast(v.dtype, part.wire):
+            return None
+    return [part.view for part in msg.parts]
+
+
+def _encode_triton(msg: _Message, currents: list[torch.Tensor], key: tuple[int, int], scratch: _Scratch,
+                   dense_above: float) -> tuple[int, list[int], torch.Tensor]:
+    """``_encode`` with the Triton kernels (``kernels.delta_blocks``): the sample, one
+    pass of the diff over every part, one copy of the counts to the host, then the
+    gather of the changed parts into the payload. The same choice and payload bytes as
+    the torch ops; where the message goes dense its reference already holds the source."""
+    dev = msg.ref.device
+    kept = scratch.kept(dev)
+    numel = sum(p.numel for p in msg.parts)
+    cap = int(dense_above * numel)
+    sampled, seen = _sampled_changes(msg)  # before the diff brings the reference up to date
+    limit = kept("limit", 1, torch.int64).fill_(cap)
+    if sampled is not None:  # the sample says dense (changed / seen > dense_above): no change kept
+        flag = kept("flag", 1, torch.int64).copy_(sampled.reshape(1) > math.floor(dense_above * seen))
+        limit.sub_(flag * (cap + 1))
+    diffed = delta_blocks.diff_parts(currents, [_ref_part(msg, p) for p in msg.parts],
+                                     [p.wire for p in msg.parts], cap, kept, limit)
+    host = (diffed.totals if sampled is None else torch.cat([diffed.totals, flag])).tolist()  # the one copy
+    counts = host[len(delta_blocks.CLASSES): len(delta_blocks.CLASSES) + len(msg.parts)]
+    sizes = [sparse_nbytes(p.numel, k, p.wire.itemsize) for p, k in zip(msg.parts, counts)]
+    if (sampled is not None and host[-1]) or not (sum(sizes) < msg.nbytes and sum(counts) <= cap):
+        return DENSE, [0] * len(msg.parts), msg.ref
+    out = scratch.payload(key, sum(sizes), dev)
+    ats = list(itertools.accumulate(sizes, initial=0))
+    delta_blocks.gather(diffed, [(p.numel, p.wire, k, a) for p, k, a in zip(msg.parts, counts, ats)], out, kept)
+    return SPARSE, counts, out
+
+
 def _fill(msg: _Message) -> torch.Tensor:
     """The reference overwritten with the message's current bytes (its dense payload)."""
     for part in msg.parts:
@@ -404,8 +483,15 @@ def _apply(msg: _Message, counts: list[int], payload: torch.Tensor, scratch: _Sc
     scratch = scratch or _Scratch()
     dev, at = payload.device, 0
     kern = delta_native.kernels() if dev.type == "cpu" else None
+    fused = _triton(dev)
+    kernel_parts = []  # applied together after the loop: a launch per large part, one per kind of small ones
     for part, k in zip(msg.parts, counts):
         if not k:
+            continue
+        v = part.view
+        if fused and v.device == dev and v.dtype == part.wire and v.is_contiguous():
+            kernel_parts.append((at, v, k))
+            at += sparse_nbytes(part.numel, k, part.wire.itemsize)
             continue
         if kern is not None and delta_native.appliable(part.view, part.wire):
             delta_native.apply_part(kern, payload, at, part.view, k)
@@ -425,11 +511,14 @@ def _apply(msg: _Message, counts: list[int], payload: torch.Tensor, scratch: _Sc
             vals = vals.to(part.view.dtype)
         _flat_put(part.view, pos, vals)
         at += sparse_nbytes(part.numel, k, part.wire.itemsize)
+    if kernel_parts:
+        delta_blocks.apply(payload, kernel_parts, scratch.kept(dev))
 
 
-def _unpack(msg: _Message, payload: torch.Tensor) -> None:
+def _unpack(msg: _Message, payload: torch.Tensor, non_blocking: bool = False) -> None:
     for part in msg.parts:
-        part.view.copy_(payload[part.offset: part.offset + part.nbytes].view(part.wire).view(part.view.shape))
+        part.view.copy_(payload[part.offset: part.offset + part.nbytes].view(part.wire).view(part.view.shape),
+                        non_blocking=non_blocking)
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -456,10 +545,11 @@ def run_delta(d: DeltaRounds, transport: RoundsTransport) -> DeltaStats:
     plans = _receive_plans(d, dict(headers_in))
     rounds = max([len(ms) for ms in (*d.sends.values(), *d.recvs.values())], default=0)
     sparse = dense = 0
+    staged = pinned_pools(d.wire, d.device)
     for m in range(rounds):
-        sends = [(p, _on(encoded[p][m][2], d.wire)) for p in sorted(encoded)
-                 if m < len(encoded[p]) and encoded[p][m][2].numel()]
-        recvs = _receive_buffers(d, plans, m)
+        sends = _send_buffers(d, [(p, encoded[p][m][2]) for p in sorted(encoded)
+                                  if m < len(encoded[p]) and encoded[p][m][2].numel()], staged)
+        recvs = _receive_buffers(d, plans, m, staged)
         if sends or recvs:
             transport.finish(transport.start(sends, recvs))
         sent += sum(b.numel() for _, b in sends)
@@ -472,12 +562,14 @@ def run_delta(d: DeltaRounds, transport: RoundsTransport) -> DeltaStats:
             msg = d.recvs[p][m]
             if enc == DENSE:
                 if _in_place(msg, d.wire) is None:  # else received straight into the destination
-                    _unpack(msg, _on(got[p], d.device))
+                    _unpack(msg, got[p], non_blocking=staged)
                 dense += 1
             else:
                 if size:
-                    _apply(msg, counts, _on(got[p], d.device), d.scratch)
+                    _apply(msg, counts, got[p].to(d.device, non_blocking=staged), d.scratch)
                 sparse += 1
+        if staged and recvs:  # the copies out of the pinned pool landed: the next round reuses it
+            torch.cuda.current_stream(d.device).synchronize()
     d.last = DeltaStats(sent, received, sparse, dense)
     return d.last
 
@@ -493,10 +585,35 @@ def _in_place(msg: _Message, wire: torch.device) -> torch.Tensor | None:
     return v.reshape(-1).view(torch.uint8)
 
 
-def _receive_buffers(d: DeltaRounds, plans, m: int) -> list[tuple[int, torch.Tensor]]:
+def _send_buffers(d: DeltaRounds, payloads: list[tuple[int, torch.Tensor]],
+                  staged: bool) -> list[tuple[int, torch.Tensor]]:
+    """Round ``m``'s payloads on the wire's device. Where the wire is the host and the
+    payloads are on a GPU (gloo with CUDA tensors), they are copied into pinned host
+    memory kept across calls, all on the stream and waited for once: a copy into a fresh
+    pageable buffer per message (pages faulted in, the driver's bounce buffer) cost
+    several times the wire's own time for dense messages."""
+    if not staged:
+        return [(p, _on(b, d.wire)) for p, b in payloads]
+    far = [b.numel() for _, b in payloads if b.device != d.wire]
+    if not far:
+        return payloads
+    buf = d.scratch.pinned(("send",), sum(_align(n) for n in far))
+    out, at = [], 0
+    for p, b in payloads:
+        if b.device == d.wire:
+            out.append((p, b))
+            continue
+        out.append((p, buf[at: at + b.numel()].copy_(b, non_blocking=True)))
+        at += _align(b.numel())
+    torch.cuda.current_stream(d.device).synchronize()  # the bytes are in host memory before gloo reads them
+    return out
+
+
+def _receive_buffers(d: DeltaRounds, plans, m: int, staged: bool = False) -> list[tuple[int, torch.Tensor]]:
     """Round ``m``'s receive buffers: dense messages into the destination where they can
     be, the rest in one pool kept across calls (a fresh allocation per call would fault
-    its pages in every time on CPU)."""
+    its pages in every time on CPU); pinned where ``staged`` (the wire is the host, the
+    tensors on a GPU: the copies out of it run on the stream)."""
     out, offsets, at = [], {}, 0
     for p in sorted(plans):
         if m < len(plans[p]) and plans[p][m][2]:
@@ -509,7 +626,7 @@ def _receive_buffers(d: DeltaRounds, plans, m: int) -> list[tuple[int, torch.Ten
                 out.append((p, None))
                 at += _align(size)
     if offsets and (d.pool is None or d.pool.numel() < at):
-        d.pool = torch.empty(at, dtype=torch.uint8, device=d.wire)
+        d.pool = torch.empty(at, dtype=torch.uint8, device=d.wire, pin_memory=staged)
     return [(p, b if b is not None else d.pool[offsets[p]: offsets[p] + plans[p][m][2]]) for p, b in out]
 
 
