@@ -352,9 +352,10 @@ def _sampled_changes(msg: _Message) -> tuple[torch.Tensor | None, int]:
         if part.numel < 4 * _RUNS * _RUN:
             continue
         it = _INT[part.wire.itemsize]
-        cur, ref = _current(part).reshape(-1), _ref_part(msg, part).reshape(-1)
+        cur, ref = part.view.reshape(-1), _ref_part(msg, part).reshape(-1)
         idx = _sample_at(part.numel, cur.device)
-        a = cur.view(it).index_select(0, idx) if cur.is_contiguous() else cur.view(it)[idx]
+        a = cur.index_select(0, idx) if cur.dtype != torch.bool else cur[idx]
+        a = a.to(part.wire).view(it)  # only the sampled elements cast, not the whole part
         b = ref.view(it).index_select(0, idx.to(ref.device)).to(a.device)
         here = (a != b).sum()
         changed = here if changed is None else changed + here
