@@ -444,25 +444,26 @@ def _triton_currents(msg: _Message) -> list[torch.Tensor] | None:
 
 def _encode_triton(msg: _Message, currents: list[torch.Tensor], key: tuple[int, int], scratch: _Scratch,
                    dense_above: float) -> tuple[int, list[int], torch.Tensor]:
-    """``_encode`` with the Triton kernels (``kernels.delta_blocks``): the sample, one
-    pass of the diff over every part, one copy of the counts to the host, then the
-    gather of the changed parts into the payload. The same choice and payload bytes as
-    the torch ops; where the message goes dense its reference already holds the source."""
+    """``_encode`` with the Triton kernels (``kernels.delta_blocks``): the sample (a message
+    it says is dense is filled as by the torch ops: one copy, not a diff pass that would
+    cost more), one pass of the diff over every part, one copy of the counts to the host,
+    then the gather of the changed parts into the payload. The same choice and payload
+    bytes as the torch ops; where the diff alone makes the message dense its reference
+    already holds the source."""
     dev = msg.ref.device
     kept = scratch.kept(dev)
     numel = sum(p.numel for p in msg.parts)
     cap = int(dense_above * numel)
     sampled, seen = _sampled_changes(msg)  # before the diff brings the reference up to date
+    if sampled is not None and int(sampled) > math.floor(dense_above * seen):  # the torch ops' rule
+        return DENSE, [0] * len(msg.parts), _fill(msg)
     limit = kept("limit", 1, torch.int64).fill_(cap)
-    if sampled is not None:  # the sample says dense (changed / seen > dense_above): no change kept
-        flag = kept("flag", 1, torch.int64).copy_(sampled.reshape(1) > math.floor(dense_above * seen))
-        limit.sub_(flag * (cap + 1))
     diffed = delta_blocks.diff_parts(currents, [_ref_part(msg, p) for p in msg.parts],
                                      [p.wire for p in msg.parts], cap, kept, limit)
-    host = (diffed.totals if sampled is None else torch.cat([diffed.totals, flag])).tolist()  # the one copy
+    host = diffed.totals.tolist()  # the one copy
     counts = host[len(delta_blocks.CLASSES): len(delta_blocks.CLASSES) + len(msg.parts)]
     sizes = [sparse_nbytes(p.numel, k, p.wire.itemsize) for p, k in zip(msg.parts, counts)]
-    if (sampled is not None and host[-1]) or not (sum(sizes) < msg.nbytes and sum(counts) <= cap):
+    if not (sum(sizes) < msg.nbytes and sum(counts) <= cap):
         return DENSE, [0] * len(msg.parts), msg.ref
     out = scratch.payload(key, sum(sizes), dev)
     ats = list(itertools.accumulate(sizes, initial=0))
