@@ -36,6 +36,7 @@ import vllm_driver as vd  # noqa: E402
 EXTENSION = "torchrefit.engines.vllm_fleet.FleetWorkerExtension"
 SECRET = "vllm-fleet-test-secret"
 KILL_AT, LAST = 4, 6
+PROBE = 3.0  # seconds a generation asked for during the blocked install is given
 
 
 _T0 = time.monotonic()
@@ -102,8 +103,13 @@ def engine(name: str, port: int, secret_file: str, cfg_json: str, conn) -> None:
     while True:
         cmd = conn.recv()
         try:
-            if cmd[0] == "stop":
-                break
+            if cmd[0] == "stop":  # leave the fleet; the launcher then kills the engine
+                llm.collective_rpc("leave_fleet")
+                conn.send({"left": True})
+                continue
+            if cmd[0] == "probe":
+                conn.send({"finished": _probe(llm, cmd[1])})
+                continue
             if cmd[0] == "gate":  # by reference: the engine's worker imports this module
                 import vllm_fleet_driver
 
@@ -114,7 +120,18 @@ def engine(name: str, port: int, secret_file: str, cfg_json: str, conn) -> None:
                 conn.send({"state": state, "verdict": judge(llm, cfg, cmd[2])})
         except Exception:
             conn.send({"error": traceback.format_exc()})
-    conn.send({"stopped": True})
+
+
+def _probe(llm, seconds: float) -> bool:
+    """Whether a generation asked for now finishes within ``seconds``."""
+    done = threading.Event()
+
+    def generate() -> None:
+        vd._generate(llm)
+        done.set()
+
+    threading.Thread(target=generate, daemon=True).start()
+    return done.wait(seconds)
 
 
 def _wait_version(llm, version: int, limit: float = 60.0) -> dict:
@@ -153,10 +170,9 @@ class Engine:
     def stop(self) -> None:
         if self.proc.is_alive():
             try:
-                self.ask("stop", limit=60)
+                self.ask("stop", limit=30)
             except Exception:
                 pass
-            self.proc.join(30)
         self.kill()
 
     def kill(self) -> None:
@@ -192,8 +208,9 @@ def run(out: dict, workdir: str) -> None:
     engines = {"a": Engine(ctx, "a", port, secret_file, cfg_json),
                "b": Engine(ctx, "b", port, secret_file, cfg_json)}
     out["engines"] = {}
-    out["checks"] = []  # (engine, version, state, verdict)
+    out["checks"] = []  # per judged engine and version: its fleet state and the oracle's verdict
     out["reports"] = []
+    out["model_bytes"] = sum(t.numel() * t.element_size() for t in model.parameters())
     try:
         for key, e in engines.items():
             out["engines"][key] = e.wait_joined(300)
@@ -207,47 +224,52 @@ def run(out: dict, workdir: str) -> None:
             for k in keys:
                 got = engines[k].ask("check", version, version)
                 out["checks"].append({"engine": k, "name": names[k], "version": version, **got})
-            say(f"engine {k} at version {version}: {got}")
+                say(f"engine {k} at version {version}: {got}")
 
-        for v in range(1, KILL_AT):
+        def update(v):
             vd.step(model, v)
             out["reports"].append(_report(fleet.update(v)))
             say(out["reports"][-1]["text"])
+
+        for v in range(1, KILL_AT):
+            update(v)
             check(("a", "b"), v)
-        # version KILL_AT: B is killed inside its install, the update in flight
+        # the victim: the engine the trainer fed (the relay the other one hangs from)
+        fed = {x["name"]: x["source"] for x in out["reports"][-1]["replicas"]}
+        victim = next(k for k in names if fed[names[k]] == "trainer")
+        survivor = next(k for k in names if k != victim)
+        out["victim"], out["survivor"] = names[victim], names[survivor]
+        # version KILL_AT: the victim is killed inside its install, the update in flight
         gate = os.path.join(workdir, "gate")
-        engines["b"].ask("gate", KILL_AT, gate)
+        engines[victim].ask("gate", KILL_AT, gate)
         killed: dict = {}
-        killer = threading.Thread(target=_kill_at_gate, args=(gate, engines["b"], killed), daemon=True)
+        killer = threading.Thread(target=_kill_at_gate, args=(gate, engines[victim], killed), daemon=True)
         killer.start()
-        vd.step(model, KILL_AT)
         t0 = time.monotonic()
         try:
-            out["reports"].append(_report(fleet.update(KILL_AT)))
+            update(KILL_AT)
         except Exception:
             out["update_raised"] = traceback.format_exc()
+            say(out["update_raised"])
         out["kill_update_seconds"] = time.monotonic() - t0
-        say(f"update {KILL_AT}: {out['reports'][-1]['text'] if 'update_raised' not in out else out['update_raised']}")
         killer.join(30)
         out["killed"] = killed
-        check(("a",), KILL_AT)
-        # B restarts: a new join, seeded by A
+        say(f"killed: {killed}")
+        check((survivor,), KILL_AT)
+        # the victim restarts: a new join, seeded by the survivor
         t0 = time.monotonic()
-        engines["b"] = Engine(ctx, "b", port, secret_file, cfg_json)
-        out["engines"]["b-restart"] = engines["b"].wait_joined(300)
-        names["b"] = engines["b"].joined["joined"]["name"]
-        say(f"engine b restarted: {engines['b'].joined}")
-        _wait_table(fleet, {names["b"]}, {"ready"}, 60)
+        engines[victim] = Engine(ctx, victim, port, secret_file, cfg_json)
+        out["engines"]["restart"] = engines[victim].wait_joined(300)
+        names[victim] = out["restart"] = engines[victim].joined["joined"]["name"]
+        say(f"engine {victim} restarted: {engines[victim].joined}")
+        _wait_table(fleet, {names[victim]}, {"ready"}, 60)
         out["restart_seconds"] = time.monotonic() - t0
         out["seeds"] = [list(s) for s in fleet.coordinator.seeds]
         say(f"seeds: {out['seeds']}")
-        check(("b",), KILL_AT)
+        check((victim,), KILL_AT)
         for v in range(KILL_AT + 1, LAST + 1):
-            vd.step(model, v)
-            out["reports"].append(_report(fleet.update(v)))
-            say(out["reports"][-1]["text"])
+            update(v)
             check(("a", "b"), v)
-        out["table"] = [vars(m) if hasattr(m, "__dict__") else m._asdict() for m in fleet.replicas()]
     finally:
         for e in engines.values():
             e.stop()
@@ -256,8 +278,9 @@ def run(out: dict, workdir: str) -> None:
 
 
 def _kill_at_gate(gate: str, eng: Engine, killed: dict, limit: float = 120.0) -> None:
-    """SIGKILL B's worker (the fleet member) and its front process once its install is
-    blocked at the gate."""
+    """Once the victim's install is blocked at the gate: ask it for a generation (which
+    must not finish: the install holds the lock its steps take), then SIGKILL its worker
+    (the fleet member) and the rest of the engine."""
     deadline = time.monotonic() + limit
     while not os.path.exists(gate) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -266,6 +289,10 @@ def _kill_at_gate(gate: str, eng: Engine, killed: dict, limit: float = 120.0) ->
         return
     with open(gate) as f:
         worker = int(f.read())
+    try:  # a step asked for now must wait: the install holds the replica's lock
+        killed["probe"] = eng.ask("probe", PROBE)
+    except Exception as e:
+        killed["probe"] = {"error": repr(e)}
     os.kill(worker, signal.SIGKILL)
     eng.kill()
     killed.update(worker_pid=worker, at=time.monotonic())
