@@ -92,10 +92,12 @@ def engine(name: str, port: int, secret_file: str, cfg_json: str, conn) -> None:
     from vllm import LLM
 
     os.setsid()  # its own process group: the launcher kills the engine and its engine core at once
+    threading.Thread(target=_orphaned, args=(os.getppid(),), daemon=True).start()
     cfg = json.loads(cfg_json)
     t0 = time.monotonic()
     llm = LLM(model=vd.model_dir(cfg), load_format="dummy", skip_tokenizer_init=True, dtype="float32",
-              enforce_eager=True, max_model_len=128, worker_extension_cls=EXTENSION)
+              enforce_eager=True, max_model_len=128, worker_extension_cls=EXTENSION,
+              gpu_memory_utilization=0.3)  # on CPU: the share of memory it wants free (two engines)
     started = time.monotonic() - t0
     state = llm.collective_rpc("join_fleet", kwargs=dict(address="127.0.0.1", port=str(port), name=name,
                                                          secret_file=secret_file, timeout="60"))[0]
@@ -120,6 +122,13 @@ def engine(name: str, port: int, secret_file: str, cfg_json: str, conn) -> None:
                 conn.send({"state": state, "verdict": judge(llm, cfg, cmd[2])})
         except Exception:
             conn.send({"error": traceback.format_exc()})
+
+
+def _orphaned(launcher: int) -> None:
+    """The launcher died (a test's timeout, say): take the engine's whole group with it."""
+    while os.getppid() == launcher:
+        time.sleep(1.0)
+    os.killpg(0, signal.SIGKILL)
 
 
 def _probe(llm, seconds: float) -> bool:
@@ -252,9 +261,11 @@ def run(out: dict, workdir: str) -> None:
             out["update_raised"] = traceback.format_exc()
             say(out["update_raised"])
         out["kill_update_seconds"] = time.monotonic() - t0
-        killer.join(30)
+        killer.join(PROBE + 30)
         out["killed"] = killed
         say(f"killed: {killed}")
+        if "worker_pid" not in killed:
+            raise RuntimeError(f"the victim was not killed inside its install: {killed}")
         check((survivor,), KILL_AT)
         # the victim restarts: a new join, seeded by the survivor
         t0 = time.monotonic()
@@ -277,7 +288,7 @@ def run(out: dict, workdir: str) -> None:
         dist.destroy_process_group()
 
 
-def _kill_at_gate(gate: str, eng: Engine, killed: dict, limit: float = 120.0) -> None:
+def _kill_at_gate(gate: str, eng: Engine, killed: dict, limit: float = 60.0) -> None:
     """Once the victim's install is blocked at the gate: ask it for a generation (which
     must not finish: the install holds the lock its steps take), then SIGKILL its worker
     (the fleet member) and the rest of the engine."""
