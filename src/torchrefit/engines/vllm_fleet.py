@@ -21,7 +21,9 @@ would be, under ``replica.lock``: vLLM's layerwise reload, the model's ``load_we
 over the mirror's tensors, vLLM's post-load steps (``engines/vllm.py``'s
 ``repack_after_reload``). The worker's ``execute_model`` holds the same lock, and keeps
 it until ``sample_tokens`` where the step's logits wait for it, so no forward pass (nor
-the logits it leaves for sampling) runs on half a version.
+the logits it leaves for sampling) runs on half a version. An install that fails (in
+``load_weights``) may leave vLLM's model holding layers of two versions: the worker
+records the error (``fleet_state``) and leaves the fleet; its launcher restarts it.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from ..fleet import Replica, join
 from ..layout._described import named_refit_tensors
 from .vllm import repack_after_reload
 
-__all__ = ["FleetWorkerExtension", "EngineMember", "hf_mirror"]
+__all__ = ["FleetWorkerExtension", "EngineMember", "hf_mirror", "load_into_vllm"]
 
 _log = logging.getLogger(__name__)
 
