@@ -115,3 +115,47 @@ def test_the_run_is_short(run):
 
 def _key(run: dict, name: str) -> str:
     return next(k for k, e in run["engines"].items() if e["joined"]["name"] == name)
+
+
+def test_the_step_guard_holds_the_lock_from_execute_model_to_sample_tokens():
+    """Without an engine: a worker whose ``execute_model`` leaves logits for
+    ``sample_tokens`` holds the replica's lock until they are sampled; one that returns its
+    output at once releases it; an exception releases it; a second ``execute_model``
+    before sampling does not deadlock."""
+    import threading
+    from types import SimpleNamespace
+
+    from torchrefit.engines.vllm_fleet import EngineMember
+
+    lock = threading.Lock()
+    seen = []
+    runner = SimpleNamespace(execute_model_state=None)
+
+    def execute(defer: bool, fail: bool = False):
+        seen.append(("execute", lock.locked()))
+        if fail:
+            raise ValueError("injected")
+        runner.execute_model_state = "logits" if defer else None
+        return None if defer else "output"
+
+    def sample():
+        seen.append(("sample", lock.locked()))
+        runner.execute_model_state = None
+        return "sampled"
+
+    worker = SimpleNamespace(execute_model=execute, sample_tokens=sample, model_runner=runner)
+    member = EngineMember.__new__(EngineMember)
+    member.worker, member.replica, member._stepping = worker, SimpleNamespace(lock=lock), False
+    member._guard()
+    assert worker.execute_model(True) is None and lock.locked()  # logits wait for sampling
+    assert worker.sample_tokens() == "sampled" and not lock.locked()
+    assert worker.execute_model(False) == "output" and not lock.locked()
+    with pytest.raises(ValueError):
+        worker.execute_model(False, fail=True)
+    assert not lock.locked()
+    worker.execute_model(True)
+    worker.execute_model(True)  # no sampling between: still one hold, no deadlock
+    assert lock.locked()
+    worker.sample_tokens()
+    assert not lock.locked()
+    assert all(held for _, held in seen), seen  # the engine's code always ran under the lock

@@ -104,15 +104,16 @@ class EngineMember:
         execute, sample = worker.execute_model, worker.sample_tokens
 
         def execute_model(*args, **kwargs):
-            lock.acquire()
+            if not self._stepping:  # (held already where a step's sampling never came: not twice)
+                lock.acquire()
             try:
                 out = execute(*args, **kwargs)
             except BaseException:
+                self._stepping = False
                 lock.release()
                 raise
-            if out is None and getattr(worker.model_runner, "execute_model_state", None) is not None:
-                self._stepping = True  # released by sample_tokens
-            else:
+            self._stepping = out is None and getattr(worker.model_runner, "execute_model_state", None) is not None
+            if not self._stepping:  # else released by sample_tokens, once the logits are used
                 lock.release()
             return out
 
