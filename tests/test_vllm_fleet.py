@@ -154,8 +154,10 @@ def test_the_step_guard_holds_the_lock_from_execute_model_to_sample_tokens():
         worker.execute_model(False, fail=True)
     assert not lock.locked()
     worker.execute_model(True)
-    worker.execute_model(True)  # no sampling between: still one hold, no deadlock
-    assert lock.locked()
+    again = threading.Thread(target=worker.execute_model, args=(True,), daemon=True)
+    again.start()  # no sampling between: still one hold, no deadlock
+    again.join(5)
+    assert not again.is_alive() and lock.locked()
     worker.sample_tokens()
     assert not lock.locked()
     assert all(held for _, held in seen), seen  # the engine's code always ran under the lock
