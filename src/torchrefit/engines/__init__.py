@@ -8,4 +8,6 @@ imported only where that engine is installed:
 * :mod:`torchrefit.engines.vllm`: vLLM's weight-transfer backend ``"torchrefit"``
   (worker and trainer sides; registered through the ``vllm.general_plugins`` entry
   point and on import).
+* :mod:`torchrefit.engines.vllm_fleet`: vLLM engines as replicas of a ``tr.Fleet``
+  (a worker extension whose ``join_fleet`` a launcher calls through ``collective_rpc``).
 """
