@@ -34,6 +34,18 @@ def diff_tile(cur, ref, offs, inside, t, counts, starts, pos_out, val_out, total
             tl.store(val_out + at, a, mask=changed)
 
 @triton.jit
+def copy_run(pos_in, val_in, pos_out, val_out, n, CHUNK: tl.constexpr):
+    # n positions and values from one place of the scratch to one of the payload
+    i = tl.arange(0, CHUNK)
+    j = n * 0
+    while j < n:  # while, not range(): the interpreter takes no loaded bound
+        k = j + i
+        m = k < n
+        tl.store(pos_out + k, tl.load(pos_in + k, mask=m), mask=m)
+        tl.store(val_out + k, tl.load(val_in + k, mask=m), mask=m)
+        j += CHUNK
+
+@triton.jit
 def diff_tiles(cur, ref, numel, counts, starts, pos_out, val_out, total, slot, limit,
                TILE: tl.constexpr, CAST: tl.constexpr, WIRE: tl.constexpr, BF16_RNE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -75,14 +87,7 @@ def gather_small(counts, starts, table, pos_in, val_in, ELEM: tl.constexpr, PER:
             src = tl.load(starts + t)
             pos_out = tl.load(table + p * 3 + 1).to(tl.pointer_type(tl.int16))
             val_out = tl.load(table + p * 3 + 2).to(tl.pointer_type(ELEM))
-            i = tl.arange(0, CHUNK)
-            j = n * 0
-            while j < n:
-                k = j + i
-                m = k < n
-                tl.store(pos_out + dst + k, tl.load(pos_in + src + k, mask=m), mask=m)
-                tl.store(val_out + dst + k, tl.load(val_in + src + k, mask=m), mask=m)
-                j += CHUNK
+            copy_run(pos_in + src, val_in + src, pos_out + dst, val_out + dst, n, CHUNK)
 
 @triton.jit
 def apply_small(table, ELEM: tl.constexpr, CHUNK: tl.constexpr):
@@ -109,14 +114,7 @@ def gather_tiles(counts, starts, prefix, pos_in, val_in, pos_out, val_out, CHUNK
     if n > 0:
         src = tl.load(starts + t)
         dst = tl.load(prefix + t)
-        i = tl.arange(0, CHUNK)
-        j = n * 0
-        while j < n:  # while, not range(): the interpreter takes no loaded bound
-            k = j + i
-            m = k < n
-            tl.store(pos_out + dst + k, tl.load(pos_in + src + k, mask=m), mask=m)
-            tl.store(val_out + dst + k, tl.load(val_in + src + k, mask=m), mask=m)
-            j += CHUNK
+        copy_run(pos_in + src, val_in + src, pos_out + dst, val_out + dst, n, CHUNK)
 
 @triton.jit
 def apply_blocks(counts, prefix, pos_in, val_in, dst, CHUNK: tl.constexpr):
