@@ -31,14 +31,11 @@ no real ``sgl_kernel`` is installed;
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
+from engine_runs import drive
 
 HERE = Path(__file__).resolve().parent
 DRIVER = HERE / "sglang_driver.py"
@@ -66,16 +63,7 @@ def run(scenario: str, tmp_path_factory) -> dict:
         return _RESULTS[scenario]
     out = tmp_path_factory.mktemp("sglang") / f"{scenario}.json"
     stub = [] if importlib.util.find_spec("sgl_kernel") else [str(STUB)]  # never shadow a real one
-    paths = [str(HERE.parent / "src"), *stub, os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=os.pathsep.join(paths))
-    proc = subprocess.run([sys.executable, str(DRIVER), scenario, str(out)], env=env,
-                          capture_output=True, text=True, timeout=900)
-    if not out.exists():
-        pytest.fail(f"the SGLang driver wrote nothing (rc {proc.returncode}):\n"
-                    f"{proc.stderr[-4000:]}")
-    result = json.loads(out.read_text())
-    if "error" in result:
-        pytest.fail(f"{scenario}: {result['error']}\n{proc.stderr[-3000:]}")
+    result, _ = drive(DRIVER, [scenario], out, f"SGLang {scenario}", 900, stub, {"SGLANG_USE_CPU_ENGINE": "1"})
     _RESULTS[scenario] = result
     return result
 

@@ -37,14 +37,11 @@ megatron-core's own forward on vLLM's tokens.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
+from engine_runs import VLLM_ENV, drive
 
 HERE = Path(__file__).resolve().parent
 DRIVER = HERE / "vllm_driver.py"
@@ -71,18 +68,8 @@ def run(scenario: str, tmp_path_factory) -> dict:
     if scenario in _RESULTS:
         return _RESULTS[scenario]
     out = tmp_path_factory.mktemp("vllm") / f"{scenario}.json"
-    paths = [str(HERE.parent / "src")]
-    if scenario == "plain":
-        paths.append(str(PLAIN_PLUGIN))
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-               PYTHONPATH=os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(DRIVER), scenario, str(out)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    if not out.exists():
-        pytest.fail(f"the vLLM driver wrote nothing (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    result = json.loads(out.read_text())
-    if "error" in result:
-        pytest.fail(f"{scenario}: {result['error']}\n{proc.stderr[-3000:]}")
+    plugin = [str(PLAIN_PLUGIN)] if scenario == "plain" else []
+    result, _ = drive(DRIVER, [scenario], out, f"vLLM {scenario}", 600, plugin, VLLM_ENV)
     _RESULTS[scenario] = result
     return result
 

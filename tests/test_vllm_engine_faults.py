@@ -25,13 +25,10 @@ One engine (``tests/vllm_faults_driver.py``, dense Qwen2-shaped model, float32) 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from engine_runs import VLLM_ENV, drive
 from test_vllm_engine import _why_not, assert_fails_oracle, assert_matches_oracle
 
 HERE = Path(__file__).resolve().parent
@@ -59,16 +56,7 @@ pytestmark = pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
 @pytest.fixture(scope="module")
 def record(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("vllm-faults") / "faults.json"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-               PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), str(HERE),
-                                           os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(DRIVER), str(out)], env=env,
-                          capture_output=True, text=True, timeout=900)
-    if not out.exists():
-        pytest.fail(f"the driver wrote nothing (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    result = json.loads(out.read_text())
-    if "error" in result:
-        pytest.fail(f"{result['error']}\n{proc.stderr[-3000:]}")
+    result, proc = drive(DRIVER, [], out, "vLLM faults", 900, [str(HERE)], VLLM_ENV)
     # the worker's own traceback (vLLM logs it to stdout): its RPC error keeps no class
     result["engine_log"] = proc.stdout + proc.stderr
     return result

@@ -19,13 +19,10 @@ exact there; versions 5-6 on both. Each update's bytes leave the trainer once.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from engine_runs import VLLM_ENV, drive
 from test_vllm_engine import TOL, _why_not, assert_fails_oracle, assert_matches_oracle
 
 HERE = Path(__file__).resolve().parent
@@ -38,16 +35,7 @@ pytestmark = pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("vllm-fleet") / "fleet.json"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-               PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), str(HERE),
-                                           os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(DRIVER), str(out)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    if not out.exists():
-        pytest.fail(f"the fleet driver wrote nothing (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    result = json.loads(out.read_text())
-    if "error" in result:
-        pytest.fail(f"{result['error']}\n{proc.stderr[-3000:]}")
+    result, _ = drive(DRIVER, [], out, "vLLM fleet", 600, [str(HERE)], VLLM_ENV)
     return result
 
 
