@@ -37,11 +37,13 @@ import torch.distributed as dist
 from .. import settings
 from ..layout._types import dtype_from_name
 from ..plan.delta_chain import UNKNOWN, Chain, delta_pairs
-from ..plan.messages import ALIGN, cut_messages, rows_of
+from ..plan.messages import cut_messages, rows_of
 from ..plan.types import RankPlan
 from ..transport.base import RoundsTransport
 from ..transport.collectives import collective, collective_device
 from . import delta_native
+from .delta_wire import BLOCK, DENSE, SPARSE, sparse_nbytes
+from .delta_wire import align as _align
 from .kernels import delta_blocks
 from .rounds import pinned_pools
 from .views import Views
@@ -49,22 +51,8 @@ from .views import Views
 __all__ = ["DeltaRounds", "DeltaStats", "compile_delta", "gather_offers", "BLOCK", "DENSE", "SPARSE",
            "sparse_nbytes", "run_chained"]
 
-#: elements per position block: positions travel as 16 bits within their block
-BLOCK = 1 << 16
-DENSE, SPARSE = 0, 1
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _tokens = itertools.count(1)
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def sparse_nbytes(numel: int, changed: int, itemsize: int) -> int:
-    """Bytes of one part's sparse encoding: block counts, 16-bit positions, values."""
-    if not changed:
-        return 0
-    return _align(4 * -(-numel // BLOCK)) + _align(2 * changed) + _align(itemsize * changed)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .._native import delta as native
+from .delta_wire import sparse_nbytes
 
 __all__ = ["encodable", "encode_parts", "appliable", "apply_part", "kernels"]
 
@@ -31,8 +32,6 @@ def encode_parts(kern: native.Kernels, currents: list[torch.Tensor], ref: torch.
     count per part, payload bytes), or None where more than ``cap`` elements changed in
     all or the payload outgrew ``out`` (the message then goes dense, which overwrites
     ``ref`` whole)."""
-    from .delta import sparse_nbytes  # the layout's one definition
-
     counts, at, left = [], 0, cap
     base, room, ref_at = out.data_ptr(), out.numel(), ref.data_ptr()
     for cur, offset in zip(currents, offsets):

@@ -38,6 +38,8 @@ from functools import lru_cache
 
 import torch
 
+from ..delta_wire import BLOCK, align
+
 __all__ = ["available", "TILE", "PER", "SMALL", "CLASSES", "Diffed", "diff_parts", "gather", "apply", "fusable_cast"]
 
 #: elements one diff program compares; the wire format's block is a whole number of tiles
@@ -201,7 +203,6 @@ def gather(d: Diffed, parts: list[tuple[int, torch.dtype, int, int]], out: torch
     """Every changed part's sparse encoding into the payload ``out`` (uint8): ``parts[i]``
     is part i's (elements, wire dtype, changes, byte offset of its encoding in ``out``)."""
     _, gather_big, _, _, gather_few, _ = _kernels()
-    from ..delta import BLOCK, _align
     for i, (c, s) in d.tiles.items():
         numel, wire, k, at = parts[i]
         if k:
@@ -210,8 +211,8 @@ def gather(d: Diffed, parts: list[tuple[int, torch.dtype, int, int]], out: torch
         rows, base = [], out.data_ptr()
         for i in g.parts:
             numel, wire, k, at = parts[i]
-            c0 = at + _align(4 * -(-numel // BLOCK))
-            rows.append([base + at, base + c0, base + c0 + _align(2 * k)] if k else [0, 0, 0])
+            c0 = at + align(4 * -(-numel // BLOCK))
+            rows.append([base + at, base + c0, base + c0 + align(2 * k)] if k else [0, 0, 0])
         if not any(r[0] for r in rows):
             continue
         pos, val = d.scratch[g.size]
@@ -224,16 +225,15 @@ def _gather_part(kernel, c: torch.Tensor, starts: torch.Tensor, scratch, numel: 
                  out: torch.Tensor, kept) -> None:
     """A large part's encoding (``k`` changes) at the start of ``out``: block counts, the
     prefix of its tiles' counts, one program per tile."""
-    from ..delta import BLOCK, _align
     blocks = -(-numel // BLOCK)
     tiles = -(-numel // TILE)
-    c0 = _align(4 * blocks)
+    c0 = align(4 * blocks)
     torch.sum(c.view(blocks, BLOCK // TILE), 1, dtype=torch.int32, out=out[: 4 * blocks].view(torch.int32))
     prefix = kept(("prefix",), tiles, torch.int64)
     torch.cumsum(c[:tiles], 0, out=prefix)
     prefix.sub_(c[:tiles])
     pos, val = scratch
-    v0 = c0 + _align(2 * k)
+    v0 = c0 + align(2 * k)
     with _on_device(out):
         kernel[(tiles,)](c, starts, prefix, pos, val, out[c0: c0 + 2 * k].view(torch.int16),
                          out[v0: v0 + k * wire.itemsize].view(_INT[wire.itemsize]), CHUNK=CHUNK, num_warps=4)
@@ -245,7 +245,6 @@ def apply(payload: torch.Tensor, parts: list[tuple[int, torch.Tensor, int]], kep
     in the wire dtype, changes). A launch per large part, one per element size of the
     small ones."""
     _, _, apply_big, _, _, apply_few = _kernels()
-    from ..delta import BLOCK, _align
     few: dict[int, list[tuple[int, torch.Tensor, int]]] = {}
     for at, view, k in parts:
         if view.numel() <= SMALL:
@@ -256,23 +255,22 @@ def apply(payload: torch.Tensor, parts: list[tuple[int, torch.Tensor, int]], kep
     for size, items in sorted(few.items()):
         rows = []
         for at, view, k in items:
-            c0 = at + _align(4 * -(-view.numel() // BLOCK))
-            rows.append([base + at, base + c0, base + c0 + _align(2 * k), view.data_ptr()])
+            c0 = at + align(4 * -(-view.numel() // BLOCK))
+            rows.append([base + at, base + c0, base + c0 + align(2 * k), view.data_ptr()])
         with _on_device(payload):
             apply_few[(len(items),)](_table(rows, payload.device), ELEM=_tl_int(size), CHUNK=CHUNK, num_warps=4)
 
 
 def _apply_part(kernel, payload: torch.Tensor, at: int, view: torch.Tensor, k: int, kept) -> None:
     """A large part's encoding at byte ``at`` of ``payload`` into ``view``: a program per block."""
-    from ..delta import BLOCK, _align
     numel, size = view.numel(), view.element_size()
     blocks = -(-numel // BLOCK)
-    c0 = _align(4 * blocks)
+    c0 = align(4 * blocks)
     counts = payload[at: at + 4 * blocks].view(torch.int32)
     prefix = kept(("aprefix",), blocks, torch.int64)
     torch.cumsum(counts, 0, out=prefix)
     prefix.sub_(counts)
-    v0 = at + c0 + _align(2 * k)
+    v0 = at + c0 + align(2 * k)
     with _on_device(view):
         kernel[(blocks,)](counts, prefix, payload[at + c0: at + c0 + 2 * k].view(torch.int16),
                           payload[v0: v0 + k * size].view(_INT[size]), _bits(view.reshape(-1)), CHUNK=CHUNK,
