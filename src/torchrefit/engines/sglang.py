@@ -65,6 +65,7 @@ from ._source_maps import (
     source_map_from,
     vllm_part,
 )
+from .sglang_http_client import HTTPClient
 
 __all__ = ["DIRECT", "LOAD_WEIGHTS", "Route", "decide_routes", "register", "EngineClient",
            "SGLangInitInfo", "SGLangSender", "init_sender"]
@@ -479,7 +480,7 @@ def _client(engine):
                                                            "set_weight_version")):
         return engine
     if isinstance(engine, str):
-        from .sglang_http import HTTPClient
+
 
         return HTTPClient(engine)
     return EngineClient(engine)
