@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -85,13 +84,20 @@ class _Scratch:
     storage when a result needs more, and later calls reuse it."""
 
     def __init__(self) -> None:
-        self._mask: torch.Tensor | None = None
         self._kept: dict[tuple, torch.Tensor] = {}
 
+    def buffer(self, name, n: int, dtype: torch.dtype, device: torch.device,
+               pinned: bool = False) -> torch.Tensor:
+        """``n`` elements of a kept buffer (grown where shorter); ``pinned``: in pinned
+        host memory."""
+        key = ("buffer", name)
+        buf = self._kept.get(key)
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
+            buf = self._kept[key] = torch.empty(max(n, 1), dtype=dtype, device=device, pin_memory=pinned)
+        return buf[:n]
+
     def mask(self, n: int, device: torch.device) -> torch.Tensor:
-        if self._mask is None or self._mask.numel() < n or self._mask.device != device:
-            self._mask = torch.empty(n, dtype=torch.bool, device=device)
-        return self._mask[:n]
+        return self.buffer("mask", n, torch.bool, device)
 
     def out(self, name: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         buf = self._kept.get(name)
@@ -99,29 +105,16 @@ class _Scratch:
             buf = self._kept[name] = torch.empty(0, dtype=dtype, device=device)
         return buf[:0]
 
-    def buffer(self, name, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """``n`` elements of a kept buffer (grown where shorter)."""
-        buf = self._kept.get(("buffer", name))
-        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
-            buf = self._kept[("buffer", name)] = torch.empty(max(n, 1), dtype=dtype, device=device)
-        return buf[:n]
-
     def kept(self, device: torch.device):
         """``buffer`` on ``device``, as ``kernels.delta_blocks`` asks for it."""
         return lambda name, n, dtype: self.buffer(name, n, dtype, device)
 
     def pinned(self, name, n: int) -> torch.Tensor:
-        """``n`` bytes of a kept buffer in pinned host memory (grown where shorter)."""
-        buf = self._kept.get(("pinned", name))
-        if buf is None or buf.numel() < n:
-            buf = self._kept[("pinned", name)] = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-        return buf[:n]
+        """``n`` bytes of a kept buffer in pinned host memory."""
+        return self.buffer(("pinned", name), n, torch.uint8, torch.device("cpu"), pinned=True)
 
     def payload(self, key: tuple[int, int], n: int, device: torch.device) -> torch.Tensor:
-        buf = self._kept.get(("payload", key))
-        if buf is None or buf.numel() < n or buf.device != device:
-            buf = self._kept[("payload", key)] = torch.empty(n, dtype=torch.uint8, device=device)
-        return buf[:n]
+        return self.buffer(("payload", key), n, torch.uint8, device)
 
 
 @dataclass(frozen=True)
@@ -330,11 +323,9 @@ def _sample_at(numel: int, device: torch.device) -> torch.Tensor:
     return (starts[:, None] + torch.arange(_RUN, device=device)).reshape(-1)
 
 
-def _sampled_changes(msg: _Message) -> tuple[torch.Tensor | None, int]:
-    """The changed elements (a tensor on the parts' device, not yet read: the caller
-    reads it with whatever else it needs from there) in evenly spaced runs of each large
-    part (contiguous runs: a small part of the memory a strided sample would touch), and
-    how many elements were sampled (0: too small to say)."""
+def _sampled_density(msg: _Message) -> float:
+    """The share of elements changed in evenly spaced runs of each large part (contiguous
+    runs: a small part of the memory a strided sample would touch). -1: too small to say."""
     seen, changed = 0, None
     for part in msg.parts:
         if part.numel < 4 * _RUNS * _RUN:
@@ -345,16 +336,9 @@ def _sampled_changes(msg: _Message) -> tuple[torch.Tensor | None, int]:
         a = cur.index_select(0, idx) if cur.dtype != torch.bool else cur[idx]
         a = a.to(part.wire).view(it)  # only the sampled elements cast, not the whole part
         b = ref.view(it).index_select(0, idx.to(ref.device)).to(a.device)
-        here = (a != b).sum()
+        here = (a != b).sum()  # summed on the device: one read of the total below
         changed = here if changed is None else changed + here
         seen += idx.numel()
-    return changed, seen
-
-
-def _sampled_density(msg: _Message) -> float:
-    """The share of elements changed in the sample (``_sampled_changes``); -1: too small
-    to say."""
-    changed, seen = _sampled_changes(msg)
     return int(changed) / seen if seen else -1.0
 
 
@@ -368,11 +352,11 @@ def _encode(msg: _Message, key: tuple[int, int] = (0, 0), scratch: _Scratch | No
     scratch = scratch or _Scratch()
     if dense_above is None:
         dense_above = settings.current().delta_dense_above
+    if _sampled_density(msg) > dense_above:  # a fill: one copy, cheaper than any diff pass
+        return DENSE, [0] * len(msg.parts), _fill(msg)
     currents = _triton_currents(msg)
     if currents is not None:
         return _encode_triton(msg, currents, key, scratch, dense_above)
-    if _sampled_density(msg) > dense_above:
-        return DENSE, [0] * len(msg.parts), _fill(msg)
     kern = delta_native.kernels() if msg.ref.device.type == "cpu" else None
     if kern is not None:
         currents = [_current(part) for part in msg.parts]
@@ -432,22 +416,17 @@ def _triton_currents(msg: _Message) -> list[torch.Tensor] | None:
 
 def _encode_triton(msg: _Message, currents: list[torch.Tensor], key: tuple[int, int], scratch: _Scratch,
                    dense_above: float) -> tuple[int, list[int], torch.Tensor]:
-    """``_encode`` with the Triton kernels (``kernels.delta_blocks``): the sample (a message
-    it says is dense is filled as by the torch ops: one copy, not a diff pass that would
-    cost more), one pass of the diff over every part, one copy of the counts to the host,
-    then the gather of the changed parts into the payload. The same choice and payload
-    bytes as the torch ops; where the diff alone makes the message dense its reference
-    already holds the source."""
+    """``_encode`` with the Triton kernels (``kernels.delta_blocks``), once the sample did
+    not find the message dense: one pass of the diff over every part, one copy of the
+    counts to the host, then the gather of the changed parts into the payload. The same
+    choice and payload bytes as the torch ops; where the diff makes the message dense its
+    reference already holds the source."""
     dev = msg.ref.device
     kept = scratch.kept(dev)
     numel = sum(p.numel for p in msg.parts)
     cap = int(dense_above * numel)
-    sampled, seen = _sampled_changes(msg)  # before the diff brings the reference up to date
-    if sampled is not None and int(sampled) > math.floor(dense_above * seen):  # the torch ops' rule
-        return DENSE, [0] * len(msg.parts), _fill(msg)
-    limit = kept("limit", 1, torch.int64).fill_(cap)
     diffed = delta_blocks.diff_parts(currents, [_ref_part(msg, p) for p in msg.parts],
-                                     [p.wire for p in msg.parts], cap, kept, limit)
+                                     [p.wire for p in msg.parts], cap, kept)
     host = diffed.totals.tolist()  # the one copy
     counts = host[len(delta_blocks.CLASSES): len(delta_blocks.CLASSES) + len(msg.parts)]
     sizes = [sparse_nbytes(p.numel, k, p.wire.itemsize) for p, k in zip(msg.parts, counts)]

@@ -136,22 +136,19 @@ SMALL = 65536
 
 
 def diff_parts(currents: list[torch.Tensor], refs: list[torch.Tensor], wires: list[torch.dtype], cap: int,
-               kept, limit: torch.Tensor | None = None) -> Diffed:
+               kept) -> Diffed:
     """Diff each part (``currents[i]``, contiguous, in its local dtype; ``refs[i]`` its
     reference bytes as a contiguous tensor of the wire dtype) on the current stream,
     bringing the references up to date: one launch per large part, one per kind of small
-    parts. ``cap``: the most changes the scratch keeps (more: the message goes dense);
-    ``limit``: where given, an int64 on the device read in place of ``cap`` (-1: the
-    caller knows the message goes dense, nothing need be kept). ``kept(name, numel,
-    dtype)``: a buffer kept across calls. Nothing is copied to the host."""
+    parts. ``cap``: the most changes the scratch keeps (more: the message goes dense).
+    ``kept(name, numel, dtype)``: a buffer kept across calls. Nothing is copied to the host."""
     diff, _, _, small_diff, _, _ = _kernels()
     sizes = sorted({w.itemsize for w in wires})
     totals = kept("totals", len(CLASSES) + len(refs), torch.int64)
     totals.zero_()
     room = max(cap, 0) + 1
     scratch = {s: (kept(("pos", s), room, torch.int16), kept(("val", s), room, _INT[s])) for s in sizes}
-    if limit is None:
-        limit = kept("limit", 1, torch.int64).fill_(cap)
+    limit = kept("limit", 1, torch.int64).fill_(cap)  # the kernels read it on the device
     tiles_of, kinds = {}, {}
     for i, (cur, ref, wire) in enumerate(zip(currents, refs, wires)):
         if ref.numel() <= SMALL:
