@@ -34,3 +34,24 @@ def drive(driver: Path, args: list[str], out: Path, what: str, timeout: int, pat
     if "error" in result:
         pytest.fail(f"{what}: {result['error']}\n{proc.stderr[-3000:]}")
     return result, proc
+
+
+def wait_healthy(url: str, server, what: str, limit: float = 400.0, every: float = 1.0) -> None:
+    """Inside a driver: wait until the HTTP server ``server`` (a ``Popen``) that ``what``
+    started answers ``url``'s ``/health`` with 200; raises if it exits first or ``limit``
+    seconds pass."""
+    import time
+
+    import requests
+
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"{what} exited with {server.returncode}")
+        try:
+            if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(every)
+    raise RuntimeError(f"{what} was not healthy within {limit:g} s")

@@ -31,6 +31,7 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from engine_runs import wait_healthy  # noqa: E402
 from vllm_driver import (  # noqa: E402  (the same models, steps and oracle scoring)
     MAX_TOKENS,
     PROMPTS,
@@ -91,29 +92,13 @@ def start_server(cfg: dict, tp: int, mem_fraction_static: float = 0.2) -> tuple[
     server = subprocess.Popen(cmd, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, server)
+        wait_healthy(url, server, "sglang.launch_server")
     except BaseException:
         import signal
 
         os.killpg(server.pid, signal.SIGKILL)
         raise
     return url, server
-
-
-def _wait_healthy(url: str, server, limit: float = 400.0) -> None:
-    import requests
-
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"sglang.launch_server exited with {server.returncode}")
-        try:
-            if requests.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"sglang.launch_server was not healthy within {limit:g} s")
 
 
 # ------------------------------------------------------------------------- oracle

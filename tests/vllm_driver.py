@@ -25,6 +25,8 @@ import sys
 import time
 import traceback
 
+from engine_runs import wait_healthy
+
 SCENARIOS = {
     "dense": dict(model="dense", trainers=1, tp=1, plain=False),
     "tied-fsdp": dict(model="tied", trainers=2, tp=1, plain=False),
@@ -683,7 +685,7 @@ def http(out_path: str) -> None:
         env=env, stdout=subprocess.DEVNULL, stderr=open(out_path + ".server.log", "w"))
     result: dict = {"cases": {}}
     try:
-        _wait_healthy(base, server)
+        wait_healthy(base, server, "vllm serve", every=2.0)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port + 1}", rank=0,
                                 world_size=1)
         model = hf_model(cfg, seed=0)
@@ -733,22 +735,6 @@ def _paused_update(base: str, workdir: str, sender, model, result: dict) -> None
         "weight_version"]
     case["resumed"] = not requests.get(f"{base}/is_paused", timeout=30).json()["is_paused"]
     result["cases"]["version_2"] = case
-
-
-def _wait_healthy(base: str, server, limit: float = 400.0) -> None:
-    import requests
-
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {server.returncode}")
-        try:
-            if requests.get(f"{base}/health", timeout=5).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(2)
-    raise RuntimeError(f"vllm serve was not healthy within {limit:g} s")
 
 
 # --------------------------------------------------------------------------- main

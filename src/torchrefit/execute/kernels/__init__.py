@@ -7,3 +7,19 @@
 * ``region_checksums``: ``verify()``'s checksum of many regions in one launch (Triton);
 * ``image_cache``: compiled kernel images kept on disk for later processes.
 """
+
+import os
+from collections.abc import Callable
+
+
+def triton_runs(device_type: str, load: Callable[[], object]) -> bool:
+    """Whether Triton kernels run on this device type: CUDA, or any device under Triton's
+    interpreter (``TRITON_INTERPRET=1``, tests), and ``load()`` (which imports the
+    kernels) succeeds, so Triton is installed."""
+    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        load()
+    except Exception:  # no triton
+        return False
+    return True

@@ -39,6 +39,7 @@ from functools import lru_cache
 import torch
 
 from ..delta_wire import BLOCK, align
+from . import triton_runs
 
 __all__ = ["available", "TILE", "PER", "SMALL", "CLASSES", "Diffed", "diff_parts", "gather", "apply", "fusable_cast"]
 
@@ -61,13 +62,7 @@ def _kernels():
 def available(device_type: str) -> bool:
     """Whether the kernels run on this device type: CUDA with Triton, or any device under
     Triton's interpreter (``TRITON_INTERPRET=1``, tests)."""
-    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    try:
-        _kernels()
-    except Exception:  # no triton
-        return False
-    return True
+    return triton_runs(device_type, _kernels)
 
 
 def _tl_dtype(dtype: torch.dtype):

@@ -15,10 +15,11 @@ tensors (they may lie below ``base``: offsets are signed).
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 import torch
+
+from . import triton_runs
 
 __all__ = ["available", "launch", "TILES", "FIELDS", "VECTOR"]
 
@@ -111,13 +112,7 @@ def _kernel():
 def available(device_type: str) -> bool:
     """Whether the kernel can run on this device type: CUDA with Triton, or any device
     under Triton's interpreter (``TRITON_INTERPRET=1``, tests)."""
-    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    try:
-        _kernel()
-    except Exception:  # no triton
-        return False
-    return True
+    return triton_runs(device_type, _kernel)
 
 
 def launch(base: torch.Tensor, base_word: int, table: torch.Tensor, roww: torch.Tensor, colw: torch.Tensor,
