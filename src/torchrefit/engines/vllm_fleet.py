@@ -174,7 +174,7 @@ class FleetWorkerExtension:
                    secret_file: str | None = None, timeout: float | str = 60.0,
                    device: str = "cpu") -> dict[str, Any]:
         """Join the fleet at ``address:port`` (every worker rank; returns once admitted,
-        the seed or first update follows on the fleet's thread). ``device``: where the
+        its first version, from a peer or the trainer, follows on the fleet's thread). ``device``: where the
         mirror and the fleet's staging copy live (host memory by default)."""
         if getattr(self, "_torchrefit_fleet", None) is not None:
             raise RuntimeError("join_fleet: this engine is already in a fleet (leave_fleet first)")
