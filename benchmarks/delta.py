@@ -5,7 +5,7 @@ floor. One JSON row per line (``delta_density``, ``wire_bytes``, ``full_bytes``,
 
     python benchmarks/delta.py --part densities [--layers 2 --vocab 32768 | --full-size]
     python benchmarks/delta.py --part wire [--tensors 8 --rows 4096 --cols 2048 --iters 5]
-                               [--kernels native|torch] [--threads 1]
+                               [--kernels native|torch] [--threads 0]
     python benchmarks/delta.py --part gpu [--kernels triton,torch] [--cast]   # CUDA: one GPU
     python benchmarks/delta.py --part gloo-cuda            # CUDA: 2 processes, GPU tensors, gloo
     python benchmarks/delta.py --part nccl                 # CUDA: 2 GPUs, 2 processes
@@ -38,7 +38,8 @@ def main() -> None:
                    help="wire: native (default: built now if missing) or torch (ops); gpu: any of triton,torch "
                         "(default both, in one run against one copy floor)")
     p.add_argument("--cast", action="store_true", help="gpu: float32 master weights into a bfloat16 wire")
-    p.add_argument("--threads", type=int, default=1, help="delta_threads: threads one native diff uses")
+    p.add_argument("--threads", type=int, default=0,
+                   help="delta_threads: threads one native diff or apply uses (0, the default: torch's intra-op threads)")
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args()
     cuda = torch.cuda.is_available()

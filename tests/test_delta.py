@@ -494,6 +494,37 @@ def test_native_and_torch_ops_read_each_other(delta_cache: str, sender: str, mon
         assert _same(dict(enumerate(src)), dict(enumerate(dst))) == [], step
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_native_apply_spread_over_threads(delta_cache: str, threads: int, monkeypatch) -> None:
+    """The native apply splits a part's blocks among threads, each starting at its first
+    block's prefix of changes: a payload the torch ops encoded (an independent writer)
+    rebuilds the source exactly, with blocks that hold no change between changed ones and
+    a change in the last element."""
+    from torchrefit.execute import delta as d
+    monkeypatch.setenv(settings.ENV["kernel_cache"], delta_cache)
+    settings.reload()
+    g = torch.Generator().manual_seed(5)
+    n = 16 * d.BLOCK + 123
+    src = torch.randint(-9, 9, (n,), generator=g).to(torch.bfloat16)
+    dst = src.clone()
+    ref = src.clone().view(torch.uint8)
+    bits = _bits(src)
+    mask = torch.rand(n, generator=g) < 0.45
+    for blk in (0, 5, 6, 11):  # blocks with nothing to write, at a thread's edges and inside
+        mask[blk * d.BLOCK: (blk + 1) * d.BLOCK] = False
+    mask[-1] = True
+    bits[mask] = bits[mask] ^ 1
+    send = d._Message(1, (d._Part(src, torch.bfloat16, 0, n),), src.nbytes, ref)
+    recv = d._Message(0, (d._Part(dst, torch.bfloat16, 0, n),), src.nbytes, None)
+    with settings.overridden(native_delta=False, delta_dense_above=0.5):
+        enc, counts, payload = d._encode(send)
+    assert enc == d.SPARSE and counts[0] >= 3 * 65536  # enough changes for three threads
+    with settings.overridden(delta_threads=threads):
+        assert _native_used()
+        d._apply(recv, counts, payload)
+    assert torch.equal(_bits(dst), bits)
+
+
 @pytest.mark.parametrize("kernels", ["native", "torch ops"], indirect=True)
 def test_a_tiny_message_unchanged_sends_nothing(kernels: str) -> None:
     """A message too small for ``delta_dense_above`` to allow a single change still

@@ -60,9 +60,11 @@ name                    default     environment override                      wh
                                                                               about a second on a thread the first time);
                                                                               off: torch ops (same bytes, slower per
                                                                               changed element), no compiler started
-``delta_threads``       1           --                                        threads one native diff spreads over: more
-                                                                              read bandwidth where the sender has idle
-                                                                              cores while its receivers wait
+``delta_threads``       0           --                                        threads one native diff or apply spreads
+                                                                              over; 0: torch's intra-op threads in this
+                                                                              process (``torch.get_num_threads()``: its
+                                                                              cores, or 1 where a launcher such as
+                                                                              torchrun gives several ranks a host)
 ``triton_delta``        True        --                                        delta refits diff and apply CUDA tensors with
                                                                               Triton kernels (one pass over the source and
                                                                               its reference); off, or without Triton: the
@@ -117,8 +119,8 @@ class Settings:
     delta_dense_above: float = 0.1
     #: delta refits diff and apply CPU tensors with the native kernels where built
     native_delta: bool = True
-    #: threads one native delta diff spreads over
-    delta_threads: int = 1
+    #: threads one native delta diff or apply spreads over (0: torch's intra-op threads)
+    delta_threads: int = 0
     #: delta refits diff and apply CUDA tensors with the Triton kernels
     triton_delta: bool = True
 
@@ -131,8 +133,9 @@ class Settings:
         if not 0.0 <= self.delta_dense_above <= 1.0:
             raise ValueError(f"torchrefit settings: delta_dense_above must be a share of elements from 0 to 1, "
                              f"not {self.delta_dense_above!r}")
-        if not 1 <= self.delta_threads <= 64:
-            raise ValueError(f"torchrefit settings: delta_threads must be 1 to 64, not {self.delta_threads!r}")
+        if not 0 <= self.delta_threads <= 64:
+            raise ValueError(f"torchrefit settings: delta_threads must be 0 (torch's intra-op threads) to 64, "
+                             f"not {self.delta_threads!r}")
         if self.batched_copy not in BATCHED_COPY_MODES:
             raise ValueError(f"torchrefit settings: batched_copy must be one of {', '.join(BATCHED_COPY_MODES)}, "
                              f"not {self.batched_copy!r}")

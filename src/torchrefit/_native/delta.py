@@ -211,14 +211,11 @@ int64_t encode(const uint8_t* cur, uint8_t* ref, int64_t numel, uint8_t* out, in
   return k;
 }
 
+// Blocks [b0, b1) of one part's encoding, whose first change is the i-th of the part.
 template <int S>
-void apply(const uint8_t* part, int64_t numel, int64_t k, uint8_t* dst) {
-  const int64_t nblocks = (numel + kBlock - 1) / kBlock;
-  const int32_t* counts = reinterpret_cast<const int32_t*>(part);
-  const uint8_t* pos8 = part + align16(4 * nblocks);
-  const uint8_t* vals = pos8 + align16(2 * k);
-  int64_t i = 0;
-  for (int64_t blk = 0; blk < nblocks && i < k; ++blk) {
+void apply_blocks(const int32_t* counts, const uint8_t* pos8, const uint8_t* vals, int64_t b0, int64_t b1,
+                  int64_t i, uint8_t* dst) {
+  for (int64_t blk = b0; blk < b1; ++blk) {
     uint8_t* base = dst + blk * kBlock * S;
     for (int64_t j = 0, m = counts[blk]; j < m; ++j, ++i) {
       uint16_t p;
@@ -226,6 +223,35 @@ void apply(const uint8_t* part, int64_t numel, int64_t k, uint8_t* dst) {
       std::memcpy(base + int64_t(p) * S, vals + i * S, S);
     }
   }
+}
+
+// Blocks are independent: each thread takes a run of them, starting at the change its
+// first block's count prefix names (scattered writes: latency-bound, so threads add up).
+template <int S>
+void apply(const uint8_t* part, int64_t numel, int64_t k, uint8_t* dst, int threads) {
+  const int64_t nblocks = (numel + kBlock - 1) / kBlock;
+  const int32_t* counts = reinterpret_cast<const int32_t*>(part);
+  const uint8_t* pos8 = part + align16(4 * nblocks);
+  const uint8_t* vals = pos8 + align16(2 * k);
+  // a thread per 64k changes at least: fewer would spend more starting than writing
+  const int t = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({threads, nblocks, k / 65536})));
+  if (t == 1) {
+    apply_blocks<S>(counts, pos8, vals, 0, nblocks, 0, dst);
+    return;
+  }
+  std::vector<int64_t> first(t + 1, 0);
+  std::vector<int64_t> bounds(t + 1);
+  for (int i = 0; i <= t; ++i) bounds[i] = nblocks * i / t;
+  for (int i = 0; i < t; ++i) {
+    int64_t n = 0;
+    for (int64_t blk = bounds[i]; blk < bounds[i + 1]; ++blk) n += counts[blk];
+    first[i + 1] = first[i] + n;
+  }
+  std::vector<std::thread> pool;
+  for (int i = 1; i < t; ++i)
+    pool.emplace_back([&, i] { apply_blocks<S>(counts, pos8, vals, bounds[i], bounds[i + 1], first[i], dst); });
+  apply_blocks<S>(counts, pos8, vals, bounds[0], bounds[1], 0, dst);
+  for (auto& th : pool) th.join();
 }
 }  // namespace
 
@@ -244,14 +270,14 @@ int64_t torchrefit_delta_encode(const void* cur, void* ref, int64_t numel, int i
   return -2;
 }
 
-int torchrefit_delta_apply(const void* part, int64_t numel, int itemsize, int64_t k, void* dst) {
+int torchrefit_delta_apply(const void* part, int64_t numel, int itemsize, int64_t k, void* dst, int threads) {
   auto p = static_cast<const uint8_t*>(part);
   auto d = static_cast<uint8_t*>(dst);
   switch (itemsize) {
-    case 1: apply<1>(p, numel, k, d); return 0;
-    case 2: apply<2>(p, numel, k, d); return 0;
-    case 4: apply<4>(p, numel, k, d); return 0;
-    case 8: apply<8>(p, numel, k, d); return 0;
+    case 1: apply<1>(p, numel, k, d, threads); return 0;
+    case 2: apply<2>(p, numel, k, d, threads); return 0;
+    case 4: apply<4>(p, numel, k, d, threads); return 0;
+    case 8: apply<8>(p, numel, k, d, threads); return 0;
   }
   return -2;
 }
@@ -295,7 +321,7 @@ class Kernels:
         self._encode.argtypes = [vp, vp, i64, ci, vp, i64, i64, ci]
         self._encode.restype = i64
         self._apply = lib.torchrefit_delta_apply
-        self._apply.argtypes = [vp, i64, ci, i64, vp]
+        self._apply.argtypes = [vp, i64, ci, i64, vp, ci]
         self._apply.restype = ci
         self._floor = lib.torchrefit_delta_read_floor
         self._floor.argtypes = [vp, vp, i64, ci]
@@ -311,9 +337,10 @@ class Kernels:
         overwrites it)."""
         return self._encode(cur, ref, numel, itemsize, out, out_cap, cap, threads)
 
-    def apply(self, part: int, numel: int, itemsize: int, changed: int, dst: int) -> None:
-        """Write one part's sparse encoding at ``part`` into the contiguous ``dst``."""
-        self._apply(part, numel, itemsize, changed, dst)
+    def apply(self, part: int, numel: int, itemsize: int, changed: int, dst: int, threads: int = 1) -> None:
+        """Write one part's sparse encoding at ``part`` into the contiguous ``dst``, its
+        blocks spread over up to ``threads`` threads."""
+        self._apply(part, numel, itemsize, changed, dst, threads)
 
     def read_floor(self, a: int, b: int, nbytes: int, threads: int = 1) -> int:
         """One read pass over ``nbytes`` at ``a`` and at ``b`` (the diff's physical floor)."""

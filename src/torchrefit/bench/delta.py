@@ -21,6 +21,7 @@ Three parts, each printing JSON rows (keys ``delta_density``, ``wire_bytes``,
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections import defaultdict
@@ -140,11 +141,15 @@ def _clock(fn) -> float:
 
 
 def _wire_world(rank: int, world: int, tensors: int, rows: int, cols: int, dens: list[float], iters: int,
-                delta: str, transport: str, cuda: bool, threads: int = 1, native_on: bool = True) -> list[dict]:
+                delta: str, transport: str, cuda: bool, threads: int = 0, native_on: bool = True) -> list[dict]:
     import torchrefit as tr
 
     from .._native import delta as native
+    from ..execute import delta_native
+    if not threads:  # the trainer and the engine are processes of their own: torch's default threads
+        torch.set_num_threads(os.cpu_count() or 1)  # (the spawning harness gives its ranks one)
     tr.settings.configure(delta_threads=threads, native_delta=native_on)
+    threads = delta_native.threads()  # what 0 (the default) came to here
     native_used = native.wait() is not None  # built now: the run measures one path throughout
     dev = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if dev.type == "cuda":
@@ -185,10 +190,10 @@ def _wire_world(rank: int, world: int, tensors: int, rows: int, cols: int, dens:
 
 def wire(tensors: int = 8, rows: int = 4096, cols: int = 2048, dens=(0.001, 0.01, 0.05, 0.2, 0.5),
          iters: int = 5, delta: str = "device", transport: str = "gloo", cuda: bool = False,
-         threads: int = 1, native: bool = True) -> list[dict]:
+         threads: int = 0, native: bool = True) -> list[dict]:
     """Delta against full refits, 2 processes, non-collocated, in one run: over gloo with
     CPU tensors (or ``cuda``: both processes' tensors on GPUs, messages through host
-    memory), or over nccl with one GPU per process. ``threads``: ``delta_threads``;
+    memory), or over nccl with one GPU per process. ``threads``: ``delta_threads`` (0: the default);
     ``native``: the native CPU kernels (built now where missing), else torch ops."""
     cuda = cuda or transport == "nccl"
     from ..testing import run_world

@@ -390,7 +390,7 @@ def _encode_native(kern, msg: _Message, currents: list[torch.Tensor], key: tuple
     room = sum(sparse_nbytes(p.numel, max(1, min(p.numel, cap)), p.wire.itemsize) for p in msg.parts)
     out = scratch.payload(key, room, msg.ref.device)
     got = delta_native.encode_parts(kern, currents, msg.ref, [p.offset for p in msg.parts], out, cap,
-                                    settings.current().delta_threads)
+                                    delta_native.threads())
     if got is None or got[1] >= msg.nbytes:  # more changed than sparse pays for: dense, as the torch path
         return DENSE, [0] * len(msg.parts), _fill(msg)
     counts, size = got

@@ -12,12 +12,20 @@ from __future__ import annotations
 
 import torch
 
+from .. import settings
 from .._native import delta as native
 from .delta_wire import sparse_nbytes
 
-__all__ = ["encodable", "encode_parts", "appliable", "apply_part", "kernels"]
+__all__ = ["encodable", "encode_parts", "appliable", "apply_part", "kernels", "threads"]
 
 kernels = native.kernels
+
+
+def threads() -> int:
+    """Threads one native diff or apply spreads over: ``settings.delta_threads``, or where
+    that is 0, torch's intra-op threads here (a launcher that gives several ranks one host
+    sets those to 1, so ranks sharing cores do not oversubscribe them)."""
+    return settings.current().delta_threads or max(1, min(64, torch.get_num_threads()))
 
 
 def encodable(currents: list[torch.Tensor], ref: torch.Tensor) -> bool:
@@ -52,4 +60,4 @@ def appliable(view: torch.Tensor, wire: torch.dtype) -> bool:
 
 def apply_part(kern: native.Kernels, payload: torch.Tensor, at: int, view: torch.Tensor, changed: int) -> None:
     """One part's sparse encoding at byte ``at`` of ``payload`` into ``view``."""
-    kern.apply(payload.data_ptr() + at, view.numel(), view.element_size(), changed, view.data_ptr())
+    kern.apply(payload.data_ptr() + at, view.numel(), view.element_size(), changed, view.data_ptr(), threads())
