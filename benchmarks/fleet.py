@@ -15,7 +15,7 @@ seeded by a peer: its seed time (group, plan and transfer, cold) against the col
 update of k = 1 (the trainer feeding one replica for the first time: group, plan and
 transfer) and the warm single-replica update::
 
-    python benchmarks/fleet.py [--device cpu --transport gloo] [--size small] [--json out.json]
+    python benchmarks/fleet.py [--device cpu --transport gloo] [--size small] [--chunks 4] [--fanout 1] [--json out.json]
     python benchmarks/fleet.py --device cuda --transport ipc --size large   # one GPU
     python benchmarks/fleet.py --size tiny     # bytes negligible: the coordination alone
 
@@ -91,10 +91,10 @@ def replica(rank: int, world: int, port: int, size: str, device: str, transport:
 
 
 def trainer(rank: int, world: int, port: int, size: str, device: str, transport: str, k: int,
-            updates: int, newcomer: str | None, chunks: int) -> dict:
+            updates: int, newcomer: str | None, chunks: int, fanout: int = 1) -> dict:
     model = _model(size, Mesh(tp=world, ranks=world), rank, device)
     f = fleet.Fleet(model, rank, world, "127.0.0.1", port, secret=SECRET, timeout=TIMEOUT,
-                    drop_after=30.0, chunks=chunks, refitter_args={"transport": transport})
+                    drop_after=30.0, chunks=chunks, fanout=fanout, refitter_args={"transport": transport})
     if f.coordinator is not None:  # every replica's ranks started: the first update feeds them
         while sum(m.state != "arming" for m in f.replicas()) < k:
             time.sleep(0.05)
@@ -131,7 +131,8 @@ def run_fleet(args, k: int, newcomer: bool) -> dict:
     port = free_ports(1)[0]
     flag = os.path.join(tempfile.mkdtemp(), "newcomer") if newcomer else None
     jobs = [Job(replica, 2, port, args.size, args.device, args.transport, args.updates) for _ in range(k)]
-    t = Job(trainer, 2, port, args.size, args.device, args.transport, k, args.updates, flag, args.chunks)
+    t = Job(trainer, 2, port, args.size, args.device, args.transport, k, args.updates, flag, args.chunks,
+            args.fanout)
     late = None
     while not t.finished():
         if flag is not None and late is None and os.path.exists(flag):
@@ -183,6 +184,7 @@ def main() -> None:
     ap.add_argument("--size", default="small", choices=sorted(SIZES))
     ap.add_argument("--updates", type=int, default=10)
     ap.add_argument("--chunks", type=int, default=4, help="parts each update moves in (1: store-and-forward)")
+    ap.add_argument("--fanout", type=int, default=1, help="replicas each replica relays to (1: a chain)")
     ap.add_argument("--json")
     args = ap.parse_args()
     rows, out = [], {}
@@ -201,7 +203,8 @@ def main() -> None:
         out[k]["copy_floor_s"] = copy_floor(out[1]["replica_bytes"], k, args.device)
     base, floor1 = out[1]["median_s"], out[1]["copy_floor_s"]
     cores = len(os.sched_getaffinity(0))
-    print(f"{cores} cores; {args.chunks} chunk(s) per update; {out[1]['replica_bytes'] / 1e6:.1f} MB per "
+    print(f"{cores} cores; {args.chunks} chunk(s) per update, fanout {args.fanout}; "
+          f"{out[1]['replica_bytes'] / 1e6:.1f} MB per "
           f"replica per update on {args.device} over {args.transport}")
     print(f"| replicas | update ms (median of {args.updates}) | x 1 replica | copy floor ms | floor x 1 replica "
           "| CPU floor ms | mean / CPU floor | trainer egress / one replica's bytes |")
