@@ -71,24 +71,57 @@ struct Found {
   bool over = false;
 };
 
+// Bit i set where element i of a 64-byte line (elements of S bytes) differs: one vector
+// compare per 16 bytes, so a line costs the same few instructions whatever changed in it.
+template <int S> uint64_t changed64(const uint8_t* a, const uint8_t* b);
 #if defined(__SSE2__)
 #include <emmintrin.h>
-inline bool same64(const uint8_t* a, const uint8_t* b) {
-  __m128i x = _mm_xor_si128(_mm_loadu_si128((const __m128i*)a), _mm_loadu_si128((const __m128i*)b));
-  x = _mm_or_si128(x, _mm_xor_si128(_mm_loadu_si128((const __m128i*)(a + 16)), _mm_loadu_si128((const __m128i*)(b + 16))));
-  x = _mm_or_si128(x, _mm_xor_si128(_mm_loadu_si128((const __m128i*)(a + 32)), _mm_loadu_si128((const __m128i*)(b + 32))));
-  x = _mm_or_si128(x, _mm_xor_si128(_mm_loadu_si128((const __m128i*)(a + 48)), _mm_loadu_si128((const __m128i*)(b + 48))));
-  return _mm_movemask_epi8(_mm_cmpeq_epi8(x, _mm_setzero_si128())) == 0xFFFF;
+inline __m128i at16(const uint8_t* p, int i) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i)); }
+template <> inline uint64_t changed64<1>(const uint8_t* a, const uint8_t* b) {
+  uint64_t eq = 0;
+  for (int i = 0; i < 4; ++i)
+    eq |= uint64_t(uint32_t(_mm_movemask_epi8(_mm_cmpeq_epi8(at16(a, i), at16(b, i))))) << (16 * i);
+  return ~eq;
+}
+template <> inline uint64_t changed64<2>(const uint8_t* a, const uint8_t* b) {
+  // equal lanes are all ones: packed to bytes (saturating), one mask bit per element
+  const __m128i lo = _mm_packs_epi16(_mm_cmpeq_epi16(at16(a, 0), at16(b, 0)), _mm_cmpeq_epi16(at16(a, 1), at16(b, 1)));
+  const __m128i hi = _mm_packs_epi16(_mm_cmpeq_epi16(at16(a, 2), at16(b, 2)), _mm_cmpeq_epi16(at16(a, 3), at16(b, 3)));
+  const uint64_t eq = uint32_t(_mm_movemask_epi8(lo)) | (uint64_t(uint32_t(_mm_movemask_epi8(hi))) << 16);
+  return ~eq & 0xFFFFFFFFull;
+}
+template <> inline uint64_t changed64<4>(const uint8_t* a, const uint8_t* b) {
+  const __m128i lo = _mm_packs_epi32(_mm_cmpeq_epi32(at16(a, 0), at16(b, 0)), _mm_cmpeq_epi32(at16(a, 1), at16(b, 1)));
+  const __m128i hi = _mm_packs_epi32(_mm_cmpeq_epi32(at16(a, 2), at16(b, 2)), _mm_cmpeq_epi32(at16(a, 3), at16(b, 3)));
+  return ~uint64_t(uint32_t(_mm_movemask_epi8(_mm_packs_epi16(lo, hi)))) & 0xFFFFull;
 }
 #else
-inline bool same64(const uint8_t* a, const uint8_t* b) {
-  uint64_t x[8], y[8], acc = 0;
-  std::memcpy(x, a, 64);
-  std::memcpy(y, b, 64);
-  for (int j = 0; j < 8; ++j) acc |= x[j] ^ y[j];
-  return acc == 0;
+template <> inline uint64_t changed64<1>(const uint8_t* a, const uint8_t* b) {
+  uint64_t m = 0;
+  for (int i = 0; i < 64; ++i) m |= uint64_t(a[i] != b[i]) << i;
+  return m;
+}
+template <> inline uint64_t changed64<2>(const uint8_t* a, const uint8_t* b) {
+  uint64_t m = 0;
+  for (int i = 0; i < 32; ++i) m |= uint64_t(std::memcmp(a + 2 * i, b + 2 * i, 2) != 0) << i;
+  return m;
+}
+template <> inline uint64_t changed64<4>(const uint8_t* a, const uint8_t* b) {
+  uint64_t m = 0;
+  for (int i = 0; i < 16; ++i) m |= uint64_t(std::memcmp(a + 4 * i, b + 4 * i, 4) != 0) << i;
+  return m;
 }
 #endif
+template <> inline uint64_t changed64<8>(const uint8_t* a, const uint8_t* b) {
+  uint64_t m = 0;
+  for (int i = 0; i < 8; ++i) {
+    uint64_t x, y;
+    std::memcpy(&x, a + 8 * i, 8);
+    std::memcpy(&y, b + 8 * i, 8);
+    m |= uint64_t(x != y) << i;
+  }
+  return m;
+}
 
 template <int S> struct Int;
 template <> struct Int<1> { using T = uint8_t; };
@@ -133,16 +166,17 @@ void scan(const uint8_t* cur, uint8_t* ref, int64_t numel, int64_t b0, int64_t b
     const int64_t nw = n / per;
     int64_t w = 0;
     for (; w + 8 <= nw; w += 8) {  // a cache line at a time: most lines hold no change
-      if (same64(c + 8 * w, r + 8 * w)) continue;
-      for (int j = 0; j < 8; ++j) {
-        uint64_t a, b;
-        std::memcpy(&a, c + 8 * (w + j), 8);
-        std::memcpy(&b, r + 8 * (w + j), 8);
-        if (a != b) {
-          std::memcpy(r + 8 * (w + j), &a, 8);
-          lanes<S>(a, b, (w + j) * per, pos, vals, k);
-        }
-      }
+      uint64_t m = changed64<S>(c + 8 * w, r + 8 * w);
+      if (!m) continue;
+      std::memcpy(r + 8 * w, c + 8 * w, 64);  // the whole line: its unchanged elements are equal
+      const int64_t at = w * per;
+      do {  // one step per changed element
+        const int i = __builtin_ctzll(m);
+        pos[k] = static_cast<uint16_t>(at + i);
+        std::memcpy(vals + k * S, c + 8 * w + i * S, S);
+        ++k;
+        m &= m - 1;
+      } while (m);
     }
     for (; w < nw; ++w) {
       uint64_t a, b;
@@ -233,8 +267,8 @@ void apply(const uint8_t* part, int64_t numel, int64_t k, uint8_t* dst, int thre
   const int32_t* counts = reinterpret_cast<const int32_t*>(part);
   const uint8_t* pos8 = part + align16(4 * nblocks);
   const uint8_t* vals = pos8 + align16(2 * k);
-  // a thread per 64k changes at least: fewer would spend more starting than writing
-  const int t = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({threads, nblocks, k / 65536})));
+  // a thread per 16k changes at least: fewer would spend more starting than writing
+  const int t = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({threads, nblocks, k / 16384})));
   if (t == 1) {
     apply_blocks<S>(counts, pos8, vals, 0, nblocks, 0, dst);
     return;
