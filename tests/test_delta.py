@@ -455,6 +455,28 @@ def test_encoding_chosen_by_density_and_bytes(density: float, above: float, want
     assert d._encode(send)[1] == [0, 0]  # the reference took every change
 
 
+@pytest.mark.parametrize("kernels", ["native", "torch ops"], indirect=True)
+def test_the_sample_alone_makes_a_message_dense(kernels: str) -> None:
+    """Changes only where the sample looks (half of its runs' elements: 6.25% of the part,
+    under ``delta_dense_above``) send the message dense, by the sample's verdict alone:
+    the diff would have found it sparse."""
+    from torchrefit.execute import delta as d
+    assert _native_used() == (kernels == "native")
+    n = 1 << 17
+    src = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    dst = src.clone()
+    send = d._Message(1, (d._Part(src, torch.bfloat16, 0, n),), src.nbytes, src.clone().view(torch.uint8))
+    recv = d._Message(0, (d._Part(dst, torch.bfloat16, 0, n),), src.nbytes, None)
+    sampled = d._sample_at(n, src.device)
+    _bits(src)[sampled[::2]] ^= 1
+    enc, counts, payload = d._encode(send)
+    assert enc == d.DENSE, counts
+    d._unpack(recv, payload)
+    assert torch.equal(_bits(src), _bits(dst))
+    _bits(src)[sampled] ^= 1  # against the reference the fill left: every sampled element
+    assert d._sampled_density(send) == 1.0
+
+
 @pytest.mark.parametrize("sender", ["native", "torch ops"])
 def test_native_and_torch_ops_read_each_other(delta_cache: str, sender: str, monkeypatch) -> None:
     """The two forms write one format: a native sender's payload applied with torch ops,

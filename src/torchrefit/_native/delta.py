@@ -316,6 +316,21 @@ int torchrefit_delta_apply(const void* part, int64_t numel, int itemsize, int64_
   return -2;
 }
 
+// Elements that differ in `runs` evenly spaced runs of `run` elements (the sample that
+// judges a message dense before any diff: execute.delta._sampled_density's runs).
+int64_t torchrefit_delta_sample(const void* cur, const void* ref, int64_t numel, int itemsize, int64_t runs,
+                                int64_t run) {
+  auto c = static_cast<const uint8_t*>(cur);
+  auto r = static_cast<const uint8_t*>(ref);
+  int64_t changed = 0;
+  for (int64_t i = 0; i < runs; ++i) {
+    const int64_t s = i * (numel / runs);
+    for (int64_t j = s; j < s + run && j < numel; ++j)
+      changed += std::memcmp(c + j * itemsize, r + j * itemsize, itemsize) != 0;
+  }
+  return changed;
+}
+
 // The physical floor of the diff: one read pass over a and b (a sum, so nothing is skipped).
 uint64_t torchrefit_delta_read_floor(const void* a, const void* b, int64_t nbytes, int threads) {
   auto pa = static_cast<const uint8_t*>(a);
@@ -357,6 +372,9 @@ class Kernels:
         self._apply = lib.torchrefit_delta_apply
         self._apply.argtypes = [vp, i64, ci, i64, vp, ci]
         self._apply.restype = ci
+        self._sample = lib.torchrefit_delta_sample
+        self._sample.argtypes = [vp, vp, i64, ci, i64, i64]
+        self._sample.restype = i64
         self._floor = lib.torchrefit_delta_read_floor
         self._floor.argtypes = [vp, vp, i64, ci]
         self._floor.restype = ctypes.c_uint64
@@ -375,6 +393,11 @@ class Kernels:
         """Write one part's sparse encoding at ``part`` into the contiguous ``dst``, its
         blocks spread over up to ``threads`` threads."""
         self._apply(part, numel, itemsize, changed, dst, threads)
+
+    def sample(self, cur: int, ref: int, numel: int, itemsize: int, runs: int, run: int) -> int:
+        """Elements of ``itemsize`` bytes that differ between ``cur`` and ``ref`` in ``runs``
+        evenly spaced runs of ``run`` elements of the ``numel``."""
+        return self._sample(cur, ref, numel, itemsize, runs, run)
 
     def read_floor(self, a: int, b: int, nbytes: int, threads: int = 1) -> int:
         """One read pass over ``nbytes`` at ``a`` and at ``b`` (the diff's physical floor)."""

@@ -327,11 +327,17 @@ def _sampled_density(msg: _Message) -> float:
     """The share of elements changed in evenly spaced runs of each large part (contiguous
     runs: a small part of the memory a strided sample would touch). -1: too small to say."""
     seen, changed = 0, None
+    kern = delta_native.kernels() if msg.ref.device.type == "cpu" else None
     for part in msg.parts:
         if part.numel < 4 * _RUNS * _RUN:
             continue
         it = _INT[part.wire.itemsize]
         cur, ref = part.view.reshape(-1), _ref_part(msg, part).reshape(-1)
+        if kern is not None and delta_native.appliable(part.view, part.wire):  # one call, no torch ops
+            here = kern.sample(cur.data_ptr(), ref.data_ptr(), part.numel, part.wire.itemsize, _RUNS, _RUN)
+            changed = here if changed is None else changed + here
+            seen += _RUNS * _RUN
+            continue
         idx = _sample_at(part.numel, cur.device)
         a = cur.index_select(0, idx) if cur.dtype != torch.bool else cur[idx]
         a = a.to(part.wire).view(it)  # only the sampled elements cast, not the whole part
