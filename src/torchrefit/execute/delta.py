@@ -1,7 +1,8 @@
 """Delta exchange: only the elements that changed since the last call cross the wire.
 
-Compiled once per program from the plan's remote transfers, cut into the same messages as
-a full refit (``plan.messages.cut_messages``). A sending rank keeps, per message, a
+Compiled once per program from the plan's remote transfers, cut into messages as a full
+refit's are (``plan.messages.cut_messages``) but of at most :data:`PIECE` bytes, so that
+a call has rounds to pipeline. A sending rank keeps, per message, a
 reference of exactly the bytes it last sent (in the wire dtype: after a cast or an FP8
 quantize, so scales and quantized bytes are diffed, never the source's values). Each call:
 
@@ -11,11 +12,12 @@ quantize, so scales and quantized bytes are diffed, never the source's values). 
    values) or dense (the whole message): sparse where it is fewer bytes and at most
    ``settings.delta_dense_above`` of the message changed (past that, time per changed
    element outweighs the bytes saved); the reference is brought up to date;
-2. one header round tells each receiver, per message, the encoding and the changed count
-   of every part (so both ends know every payload's size);
-3. payload rounds carry message m of every pair in round m; a receiver scatters a sparse
-   payload into its destination views in place (under stage/commit: the twins), or
-   copies a dense one.
+2. headers tell each receiver, per message, the encoding and the changed count of every
+   part (so both ends know every payload's size): message m's travel in the round before
+   it (message 0's in a round of their own);
+3. round m carries message m of every pair; a receiver scatters a sparse payload into
+   its destination views in place (under stage/commit: the twins), or copies a dense
+   one, while its sender diffs message m + 2.
 
 Which pairs exchange patches at all is the version chain's decision (``plan.delta_chain``),
 taken before the call from numbers every rank gathered: a pair outside it gets every
@@ -52,6 +54,10 @@ __all__ = ["DeltaRounds", "DeltaStats", "compile_delta", "gather_offers", "BLOCK
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _tokens = itertools.count(1)
+#: source bytes per delta message at most: a 128 MiB pair's call takes 4 rounds, so the
+#: receiver's apply of one message runs beside the sender's diff of a later one, and each
+#: round's fixed cost (a header, a message) stays small next to its diff
+PIECE = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -158,6 +164,7 @@ def compile_delta(views: Views, reference: str, device: torch.device, wire: torc
     """The plan's remote transfers as messages with their views; a reference per sent
     message, on ``device`` (``reference="device"``) or in pinned host memory (``"host"``)."""
     plan: RankPlan = views.plan
+    limit = min(limit, PIECE)
     ref_device = device if reference == "device" else torch.device("cpu")
     pinned = reference == "host" and device.type == "cuda"
     out: dict[str, dict[int, list[_Message]]] = {"send": {}, "recv": {}}
@@ -502,51 +509,92 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 # --------------------------------------------------------------------- running
 def run_delta(d: DeltaRounds, transport: RoundsTransport) -> DeltaStats:
-    """One call: encode, headers, payload rounds, apply. Collective with the plan's peers."""
-    send_delta, recv_delta = d.pairs
-    above = settings.current().delta_dense_above
-    encoded = {p: [(_encode(m, (p, i), d.scratch, above) if p in send_delta else (DENSE, [0] * len(m.parts), _fill(m)))
-                   for i, m in enumerate(ms)]
-               for p, ms in d.sends.items()}
-    sent = received = 0
-    headers_out = [(p, _on(torch.tensor([x for e, ks, _ in encoded[p] for x in (e, *ks)], dtype=torch.int32),
-                           d.wire)) for p in sorted(encoded) if p in send_delta]
-    headers_in = [(p, torch.empty(sum(1 + len(m.parts) for m in d.recvs[p]), dtype=torch.int32, device=d.wire))
-                  for p in sorted(d.recvs) if p in recv_delta]
-    if headers_out or headers_in:
-        transport.finish(transport.start(headers_out, headers_in))
-        sent += sum(h.nbytes for _, h in headers_out)
-        received += sum(h.nbytes for _, h in headers_in)
-    plans = _receive_plans(d, dict(headers_in))
+    """One call, collective with the plan's peers: round ``m`` carries message ``m`` of
+    every pair and the headers of message ``m + 1``, which the sender encodes before the
+    round, so a receiver applies message ``m`` while its sender diffs message ``m + 2``
+    (the headers of message 0 go in a round of their own)."""
     rounds = max([len(ms) for ms in (*d.sends.values(), *d.recvs.values())], default=0)
-    sparse = dense = 0
     staged = pinned_pools(d.wire, d.device)
+    totals = [0, 0, 0, 0]  # bytes sent, received; sparse and dense messages received
+    encoded = _encode_round(d, 0)
+    heads = _header_buffers(d, 0)
+    _exchange(transport, _headers(d, encoded), heads, totals)
     for m in range(rounds):
-        sends = _send_buffers(d, [(p, encoded[p][m][2]) for p in sorted(encoded)
-                                  if m < len(encoded[p]) and encoded[p][m][2].numel()], staged)
+        plans = _round_plans(d, m, dict(heads))
+        ahead = _encode_round(d, m + 1) if m + 1 < rounds else {}
+        heads = _header_buffers(d, m + 1)
+        sends = _send_buffers(d, [(p, enc[2]) for p, enc in sorted(encoded.items()) if enc[2].numel()], staged)
         recvs = _receive_buffers(d, plans, m, staged)
-        if sends or recvs:
-            transport.finish(transport.start(sends, recvs))
-        sent += sum(b.numel() for _, b in sends)
-        received += sum(b.numel() for _, b in recvs)
-        got = dict(recvs)
-        for p in sorted(plans):
-            if m >= len(plans[p]):
-                continue
-            enc, counts, size = plans[p][m]
-            msg = d.recvs[p][m]
-            if enc == DENSE:
-                if _in_place(msg, d.wire) is None:  # else received straight into the destination
-                    _unpack(msg, got[p], non_blocking=staged)
-                dense += 1
-            else:
-                if size:
-                    _apply(msg, counts, got[p].to(d.device, non_blocking=staged), d.scratch)
-                sparse += 1
+        _exchange(transport, sends + _headers(d, ahead), recvs + heads, totals)
+        _land(d, plans, m, dict(recvs), staged, totals)
         if staged and recvs:  # the copies out of the pinned pool landed: the next round reuses it
             torch.cuda.current_stream(d.device).synchronize()
-    d.last = DeltaStats(sent, received, sparse, dense)
+        encoded = ahead
+    d.last = DeltaStats(*totals)
     return d.last
+
+
+def _encode_round(d: DeltaRounds, m: int) -> dict[int, tuple[int, list[int], torch.Tensor]]:
+    """Message ``m`` to each peer, encoded: sparse or dense where the pair exchanges
+    patches, dense (the reference filled on the way) where it does not."""
+    send_delta = d.pairs[0]
+    above = settings.current().delta_dense_above
+    return {p: (_encode(ms[m], (p, m), d.scratch, above) if p in send_delta else
+                (DENSE, [0] * len(ms[m].parts), _fill(ms[m])))
+            for p, ms in d.sends.items() if m < len(ms)}
+
+
+def _headers(d: DeltaRounds, encoded: dict) -> list[tuple[int, torch.Tensor]]:
+    """Per patching pair: the message's encoding and each part's changed count."""
+    return [(p, _on(torch.tensor([e, *ks], dtype=torch.int32), d.wire))
+            for p, (e, ks, _) in sorted(encoded.items()) if p in d.pairs[0]]
+
+
+def _header_buffers(d: DeltaRounds, m: int) -> list[tuple[int, torch.Tensor]]:
+    return [(p, torch.empty(1 + len(ms[m].parts), dtype=torch.int32, device=d.wire))
+            for p, ms in sorted(d.recvs.items()) if p in d.pairs[1] and m < len(ms)]
+
+
+def _exchange(transport: RoundsTransport, sends, recvs, totals: list[int]) -> None:
+    if sends or recvs:
+        transport.finish(transport.start(sends, recvs))
+    totals[0] += sum(b.nbytes for _, b in sends)
+    totals[1] += sum(b.nbytes for _, b in recvs)
+
+
+def _round_plans(d: DeltaRounds, m: int, headers: dict[int, torch.Tensor]) -> dict[int, tuple[int, list[int], int]]:
+    """Per peer sending message ``m`` here: (encoding, changed counts, payload bytes)."""
+    out = {}
+    for p, msgs in d.recvs.items():
+        if m >= len(msgs):
+            continue
+        msg = msgs[m]
+        if p not in headers:
+            out[p] = (DENSE, [], msg.nbytes)
+            continue
+        flat = headers[p].tolist()
+        enc, counts = flat[0], flat[1:]
+        size = msg.nbytes if enc == DENSE else sum(
+            sparse_nbytes(part.numel, k, part.wire.itemsize) for part, k in zip(msg.parts, counts))
+        out[p] = (enc, counts, size)
+    return out
+
+
+def _land(d: DeltaRounds, plans: dict, m: int, got: dict[int, torch.Tensor], staged: bool,
+          totals: list[int]) -> None:
+    """Round ``m``'s payloads into their destinations: dense ones copied (where they did not
+    land in place), sparse ones applied."""
+    for p in sorted(plans):
+        enc, counts, size = plans[p]
+        msg = d.recvs[p][m]
+        if enc == DENSE:
+            if _in_place(msg, d.wire) is None:  # else received straight into the destination
+                _unpack(msg, got[p], non_blocking=staged)
+            totals[3] += 1
+        else:
+            if size:
+                _apply(msg, counts, got[p].to(d.device, non_blocking=staged), d.scratch)
+            totals[2] += 1
 
 
 def _in_place(msg: _Message, wire: torch.device) -> torch.Tensor | None:
@@ -584,43 +632,27 @@ def _send_buffers(d: DeltaRounds, payloads: list[tuple[int, torch.Tensor]],
     return out
 
 
-def _receive_buffers(d: DeltaRounds, plans, m: int, staged: bool = False) -> list[tuple[int, torch.Tensor]]:
+def _receive_buffers(d: DeltaRounds, plans: dict[int, tuple[int, list[int], int]], m: int,
+                     staged: bool = False) -> list[tuple[int, torch.Tensor]]:
     """Round ``m``'s receive buffers: dense messages into the destination where they can
     be, the rest in one pool kept across calls (a fresh allocation per call would fault
     its pages in every time on CPU); pinned where ``staged`` (the wire is the host, the
     tensors on a GPU: the copies out of it run on the stream)."""
     out, offsets, at = [], {}, 0
     for p in sorted(plans):
-        if m < len(plans[p]) and plans[p][m][2]:
-            enc, _, size = plans[p][m]
-            direct = _in_place(d.recvs[p][m], d.wire) if enc == DENSE else None
-            if direct is not None:
-                out.append((p, direct))
-            else:
-                offsets[p] = at
-                out.append((p, None))
-                at += _align(size)
+        enc, _, size = plans[p]
+        if not size:
+            continue
+        direct = _in_place(d.recvs[p][m], d.wire) if enc == DENSE else None
+        if direct is not None:
+            out.append((p, direct))
+        else:
+            offsets[p] = at
+            out.append((p, None))
+            at += _align(size)
     if offsets and (d.pool is None or d.pool.numel() < at):
         d.pool = torch.empty(at, dtype=torch.uint8, device=d.wire, pin_memory=staged)
-    return [(p, b if b is not None else d.pool[offsets[p]: offsets[p] + plans[p][m][2]]) for p, b in out]
-
-
-def _receive_plans(d: DeltaRounds, headers: dict[int, torch.Tensor]) -> dict[int, list[tuple[int, list[int], int]]]:
-    """Per receiving peer and message: (encoding, changed counts, payload bytes)."""
-    out = {}
-    for p, msgs in d.recvs.items():
-        if p not in headers:
-            out[p] = [(DENSE, [], m.nbytes) for m in msgs]
-            continue
-        flat, at, rows = headers[p].tolist(), 0, []
-        for m in msgs:
-            enc, counts = flat[at], flat[at + 1: at + 1 + len(m.parts)]
-            at += 1 + len(m.parts)
-            size = m.nbytes if enc == DENSE else sum(
-                sparse_nbytes(part.numel, k, part.wire.itemsize) for part, k in zip(m.parts, counts))
-            rows.append((enc, counts, size))
-        out[p] = rows
-    return out
+    return [(p, b if b is not None else d.pool[offsets[p]: offsets[p] + plans[p][2]]) for p, b in out]
 
 
 def run_chained(program, chain: Chain, target: str, group: dist.ProcessGroup, timeout: float | None,
