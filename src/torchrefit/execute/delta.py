@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .. import settings
-from ..layout._types import dtype_from_name
+from ..layout._types import Box, dtype_from_name
 from ..plan.delta_chain import UNKNOWN, Chain, delta_pairs
 from ..plan.messages import cut_messages, rows_of
 from ..plan.types import RankPlan
@@ -48,7 +48,7 @@ from .rounds import pinned_pools
 from .views import Views
 
 __all__ = ["DeltaRounds", "DeltaStats", "compile_delta", "gather_offers", "BLOCK", "DENSE", "SPARSE",
-           "sparse_nbytes", "run_chained"]
+           "sparse_nbytes", "run_chained", "encode_sends", "header_words", "header_numel", "room"]
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _tokens = itertools.count(1)
@@ -63,6 +63,8 @@ class _Part:
     wire: torch.dtype
     offset: int
     numel: int
+    key: str = ""  # the local tensor it views and the box of it (one-sided transports register them)
+    box: Box | None = None
 
     @property
     def nbytes(self) -> int:
@@ -115,6 +117,11 @@ class _Scratch:
 
     def payload(self, key: tuple[int, int], n: int, device: torch.device) -> torch.Tensor:
         return self.buffer(("payload", key), n, torch.uint8, device)
+
+    def keep_payload(self, key: tuple[int, int], buf: torch.Tensor) -> None:
+        """Encode message ``key``'s sparse payloads into ``buf`` (a buffer another module
+        registered) wherever they fit in it."""
+        self._kept[("buffer", ("payload", key))] = buf
 
 
 @dataclass(frozen=True)
@@ -169,16 +176,28 @@ def compile_delta(views: Views, reference: str, device: torch.device, wire: torc
         for peer, ts in sorted(by_peer.items()):
             msgs = []
             for m in cut_messages(peer, ts, limit):
-                parts = tuple(_Part(views.view(side, ts[c.index].key, rows_of(ts[c.index].local_box, c.rows)),
-                                    dtype_from_name(ts[c.index].wire_dtype), c.offset,
-                                    c.nbytes // dtype_from_name(ts[c.index].wire_dtype).itemsize)
-                              for c in m.chunks)
+                parts = tuple(_part(views, side, ts[c.index], c) for c in m.chunks)
                 ref = (torch.zeros(m.nbytes, dtype=torch.uint8, device=ref_device, pin_memory=pinned)
                        if kind == "send" else None)
                 msgs.append(_Message(peer, parts, m.nbytes, ref))
             out[kind][peer] = msgs
     ref_bytes = sum(m.nbytes for ms in out["send"].values() for m in ms)
     return DeltaRounds(out["send"], out["recv"], device, wire, ref_bytes)
+
+
+def _part(views: Views, side: str, t, chunk) -> _Part:
+    box = rows_of(t.local_box, chunk.rows)
+    wire = dtype_from_name(t.wire_dtype)
+    return _Part(views.view(side, t.key, box), wire, chunk.offset, chunk.nbytes // wire.itemsize, t.key, box)
+
+
+def room(msg: _Message, dense_above: float) -> int:
+    """Bytes a sparse payload of ``msg`` may take at most where at most ``dense_above`` of
+    its elements changed (each part's block counts written even where none changed,
+    as the native diff writes them): the room the native diff asks for, and the size of
+    the sparse slots one-sided transports register (``execute.delta_one_sided``)."""
+    cap = int(dense_above * sum(p.numel for p in msg.parts))
+    return sum(sparse_nbytes(p.numel, max(1, min(p.numel, cap)), p.wire.itemsize) for p in msg.parts)
 
 
 def gather_offers(offer: tuple[int, int], group: dist.ProcessGroup,
@@ -385,10 +404,7 @@ def _encode_native(kern, msg: _Message, currents: list[torch.Tensor], key: tuple
     """``_encode`` in one native pass per part (``execute.delta_native``): the same
     choice, the same payload bytes."""
     cap = int(dense_above * sum(p.numel for p in msg.parts))
-    # room for each part's block counts even where nothing may change (they are written
-    # first, and dropped where nothing did)
-    room = sum(sparse_nbytes(p.numel, max(1, min(p.numel, cap)), p.wire.itemsize) for p in msg.parts)
-    out = scratch.payload(key, room, msg.ref.device)
+    out = scratch.payload(key, room(msg, dense_above), msg.ref.device)
     got = delta_native.encode_parts(kern, currents, msg.ref, [p.offset for p in msg.parts], out, cap,
                                     settings.current().delta_threads)
     if got is None or got[1] >= msg.nbytes:  # more changed than sparse pays for: dense, as the torch path
@@ -495,20 +511,39 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------- running
+def encode_sends(d: DeltaRounds) -> dict[int, list[tuple[int, list[int], torch.Tensor]]]:
+    """Per receiving peer, each message's (encoding, changed counts, payload): diffed
+    against its reference where the pair exchanges patches this call (``d.pairs``),
+    else dense, the reference filled on the way."""
+    send_delta = d.pairs[0]
+    above = settings.current().delta_dense_above
+    return {p: [(_encode(m, (p, i), d.scratch, above) if p in send_delta else (DENSE, [0] * len(m.parts), _fill(m)))
+                for i, m in enumerate(ms)]
+            for p, ms in d.sends.items()}
+
+
+def header_words(encoded: list[tuple[int, list[int], torch.Tensor]]) -> list[int]:
+    """One pair's header: per message its encoding, then each part's changed count."""
+    return [x for e, ks, _ in encoded for x in (e, *ks)]
+
+
+def header_numel(msgs: list[_Message]) -> int:
+    """Words of the header of a pair exchanging ``msgs``."""
+    return sum(1 + len(m.parts) for m in msgs)
+
+
 def run_delta(d: DeltaRounds, transport: RoundsTransport) -> DeltaStats:
     """One call: encode, headers, payload rounds, apply. Collective with the plan's peers."""
     send_delta, recv_delta = d.pairs
-    above = settings.current().delta_dense_above
-    encoded = {p: [(_encode(m, (p, i), d.scratch, above) if p in send_delta else (DENSE, [0] * len(m.parts), _fill(m)))
-                   for i, m in enumerate(ms)]
-               for p, ms in d.sends.items()}
+    encoded = encode_sends(d)
     sent = received = 0
-    headers_out = [(p, _on(torch.tensor([x for e, ks, _ in encoded[p] for x in (e, *ks)], dtype=torch.int32),
-                           d.wire)) for p in sorted(encoded) if p in send_delta]
-    headers_in = [(p, torch.empty(sum(1 + len(m.parts) for m in d.recvs[p]), dtype=torch.int32, device=d.wire))
+    # as bytes: a transport may carry only byte buffers (nvshmem's inbox slots)
+    headers_out = [(p, _on(torch.tensor(header_words(encoded[p]), dtype=torch.int32), d.wire).view(torch.uint8))
+                   for p in sorted(encoded) if p in send_delta]
+    headers_in = [(p, torch.empty(4 * header_numel(d.recvs[p]), dtype=torch.uint8, device=d.wire))
                   for p in sorted(d.recvs) if p in recv_delta]
     if headers_out or headers_in:
-        transport.finish(transport.start(headers_out, headers_in))
+        _header_rounds(transport, headers_out, headers_in)
         sent += sum(h.nbytes for _, h in headers_out)
         received += sum(h.nbytes for _, h in headers_in)
     plans = _receive_plans(d, dict(headers_in))
@@ -541,6 +576,20 @@ def run_delta(d: DeltaRounds, transport: RoundsTransport) -> DeltaStats:
             torch.cuda.current_stream(d.device).synchronize()
     d.last = DeltaStats(sent, received, sparse, dense)
     return d.last
+
+
+def _header_rounds(transport: RoundsTransport, out: list[tuple[int, torch.Tensor]],
+                   got: list[tuple[int, torch.Tensor]]) -> None:
+    """The headers, in as many rounds as the transport's largest message needs (nvshmem's
+    inbox slots hold the largest payload message, which a header of many small parts may
+    exceed); each pair cuts its header alike on both ends."""
+    limit = transport.largest_message()
+    step = max(b.numel() for _, b in (*out, *got))
+    if limit is not None:
+        step = min(step, max(4, limit // 4 * 4))
+    for lo in range(0, max(b.numel() for _, b in (*out, *got)), step):
+        transport.finish(transport.start([(p, b[lo: lo + step]) for p, b in out if lo < b.numel()],
+                                         [(p, b[lo: lo + step]) for p, b in got if lo < b.numel()]))
 
 
 def _in_place(msg: _Message, wire: torch.device) -> torch.Tensor | None:
@@ -606,7 +655,7 @@ def _receive_plans(d: DeltaRounds, headers: dict[int, torch.Tensor]) -> dict[int
         if p not in headers:
             out[p] = [(DENSE, [], m.nbytes) for m in msgs]
             continue
-        flat, at, rows = headers[p].tolist(), 0, []
+        flat, at, rows = headers[p].view(torch.int32).tolist(), 0, []
         for m in msgs:
             enc, counts = flat[at], flat[at + 1: at + 1 + len(m.parts)]
             at += 1 + len(m.parts)

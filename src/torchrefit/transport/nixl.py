@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -251,6 +252,12 @@ class NixlTransport(OneSidedTransport):
             start = addr + sum(o * s for o, s in zip(box.offset, stride)) * itemsize
             out.append(RemoteRegion(start, dev, memory, itemsize, tuple(box.size), tuple(stride), dtype))
         return tuple(out)
+
+    def narrow(self, region: RemoteRegion, nbytes: int) -> RemoteRegion:
+        return replace(region, shape=(nbytes // region.itemsize,))
+
+    def region_bytes(self, region: RemoteRegion) -> int:
+        return math.prod(region.shape) * region.itemsize
 
     # ------------------------------------------------------------------ writing
     @_nixl_failures("the WRITE")

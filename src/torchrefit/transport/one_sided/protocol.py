@@ -234,6 +234,15 @@ class OneSidedTransport(Transport):
     def finish_writes(self) -> None:
         """Push only: return once every write posted since the last call has landed."""
 
+    def narrow(self, region: object, nbytes: int) -> object:
+        """The first ``nbytes`` of a one-dimensional byte region :meth:`attach` returned
+        (delta refits move a prefix of a registered slot, ``execute.delta_one_sided``)."""
+        return region[:nbytes]
+
+    def region_bytes(self, region: object) -> int:
+        """Bytes of a region :meth:`attach` returned."""
+        return region.numel() * region.element_size()
+
     def stream_writer(self, box: Mailbox) -> Callable[[int, int], None] | None:
         """A function writing ``(index, value)`` into ``box`` from this rank's current
         stream, after everything queued on it; None (the default): words are written
