@@ -209,11 +209,15 @@ def test_every_dtype_bit_exact_at_every_density(delta: str, kernels: str) -> Non
 
 
 # ---------------------------------------------------------------- the version chain
-def _chain_world(rank: int, world: int, transport: str = "auto") -> dict:
+def _chain_world(rank: int, world: int, transport: str = "auto", device: str = "cpu") -> dict:
+    """Also run on a GPU by tests/test_gpu_delta.py (``device="cuda"``)."""
+    if device == "cuda":
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
     g = torch.Generator().manual_seed(7)
-    src = {"x": torch.randn(512, 256, generator=g).to(torch.bfloat16),
-           "y": torch.randn(64, 64, generator=g).to(torch.bfloat16)} if rank == 0 else None
-    dst_d = {k: torch.zeros(s, dtype=torch.bfloat16) for k, s in (("x", (512, 256)), ("y", (64, 64)))} \
+    src = {"x": torch.randn(512, 256, generator=g).to(device, torch.bfloat16),
+           "y": torch.randn(64, 64, generator=g).to(device, torch.bfloat16)} if rank == 0 else None
+    dst_d = {k: torch.zeros(s, dtype=torch.bfloat16, device=device) for k, s in (("x", (512, 256)), ("y", (64, 64)))} \
         if rank == 1 else None
     dst_f = {k: v.clone() for k, v in dst_d.items()} if rank == 1 else None
     r_d, r_f = tr.Refitter(src, dst_d, delta="device", transport=transport), tr.Refitter(src, dst_f, transport=transport)
@@ -249,8 +253,8 @@ def _chain_world(rank: int, world: int, transport: str = "auto") -> dict:
     change([(9, 9)], 5.0)
     both("refit")  # references of refit 3, live holds stage 4: full bytes
     if rank == 1:  # the engine replaces a tensor with other contents (a reload)
-        dst_d["x"] = torch.full((512, 256), 7.0, dtype=torch.bfloat16)
-        dst_f["x"] = torch.full((512, 256), 7.0, dtype=torch.bfloat16)
+        dst_d["x"] = torch.full((512, 256), 7.0, dtype=torch.bfloat16, device=device)
+        dst_f["x"] = torch.full((512, 256), 7.0, dtype=torch.bfloat16, device=device)
     change([(10, 10)], 6.0)
     both("refit")  # the replaced tensor holds nothing the references know: full
     change([(11, 11)], 7.0)

@@ -3,7 +3,8 @@ processes through the shared-memory test transports of ``shm_transport.py``: ``s
 (receivers read the senders' registered slots and sources, as ipc), ``shm-pull-word``
 (the same, ordered by stream-written mailbox words), ``shm-push`` (senders write the
 receivers' registered slots and destinations, as nixl) and ``shm-nvshmem`` (the nvshmem
-transport's inbox, signals and acknowledgements over faked host bindings).
+transport's inbox, signals and acknowledgements over faked host bindings), and the real
+``nixl`` transport (NIXL's UCX backend writing host memory) where it is installed.
 
 The oracle is a full refit of the same source into a second destination over the same
 transport, compared bit for bit after every call. Covers: every dtype (``test_delta``'s
@@ -30,9 +31,13 @@ from test_one_sided_cpu import _check_order, _shared
 
 import torchrefit as tr
 from torchrefit.testing import Mesh, build_toy, run_world
+from torchrefit.transport.base import transport_class
 
 ONE_SIDED = ["shm-pull", "shm-push"]
-ALL = ["shm-pull", "shm-pull-word", "shm-push", "shm-nvshmem"]
+#: the real nixl transport, NIXL's UCX backend writing host memory (test_nixl_dram.py)
+NIXL = pytest.param("nixl", marks=pytest.mark.skipif(not transport_class("nixl").available(),
+                                                    reason=f"nixl: {transport_class('nixl').available().reason}"))
+ALL = ["shm-pull", "shm-pull-word", "shm-push", "shm-nvshmem", NIXL]
 
 
 @pytest.mark.parametrize("transport", ALL)
@@ -45,7 +50,7 @@ def test_host_reference_over_pull() -> None:
     check_dtypes(run_world(_dtypes_world, 2, "host", "cpu", "shm-pull", False, timeout=240))
 
 
-@pytest.mark.parametrize("transport", ["shm-pull", "shm-push", "shm-nvshmem"])
+@pytest.mark.parametrize("transport", ["shm-pull", "shm-push", "shm-nvshmem", NIXL])
 def test_version_chain_never_patches_the_wrong_base(transport: str) -> None:
     check_chain(run_world(_chain_world, 2, transport, timeout=180)[1]["rows"])
 
@@ -153,7 +158,7 @@ def _raised_world(rank: int, world: int, transport: str) -> dict:
     return {"rows": rows, "full": r_f.plan.bytes_received}
 
 
-@pytest.mark.parametrize("transport", ONE_SIDED)
+@pytest.mark.parametrize("transport", [*ONE_SIDED, NIXL])
 def test_payloads_larger_than_their_slots_go_dense(transport: str) -> None:
     """Slots are sized at compile for ``delta_dense_above`` then (0.1): at 0.9 a 30%
     patch no longer fits (dense, exact), a 5% one still does."""

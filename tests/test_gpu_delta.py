@@ -3,7 +3,10 @@
 100%, NaN payloads and -0.0) with CUDA tensors, checked bit for bit against a full refit
 into a second destination. Over gloo with both processes on one GPU (the diff and the
 patch run on the device, the messages through host memory), and over NCCL with one GPU
-per process (needs 2 GPUs). CUDA tensors take the Triton kernels (``settings.triton_delta``)
+per process (needs 2 GPUs), and over CUDA IPC between 2 processes (on one GPU where the
+machine has one; ``execute.delta_one_sided``: the receiver applies patches straight out of
+the sender's registered slots and copies dense messages out of its sources), with the
+version chain's stage / commit sequence (``test_delta._chain_world``) too. CUDA tensors take the Triton kernels (``settings.triton_delta``)
 unless turned off: both forms run, and the Triton kernels also against the torch ops
 message by message (``test_delta_triton_interpreted``'s cases on the GPU, with NaN payloads
 through the fused cast).
@@ -17,7 +20,7 @@ import sys
 
 import pytest
 import torch
-from test_delta import _dtypes_world, check_dtypes
+from test_delta import _chain_world, _dtypes_world, check_chain, check_dtypes
 from test_delta_triton_interpreted import _CODE
 
 from torchrefit.testing import run_world
@@ -44,3 +47,14 @@ def test_nccl_two_gpus() -> None:
         pytest.skip("NCCL cannot pair two ranks on one GPU; needs 2 GPUs")
     check_dtypes(run_world(_dtypes_world, 2, "device", "cuda", "nccl", backend="cpu:gloo,cuda:nccl",
                            timeout=300))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("delta, triton", [("device", True), ("device", False), ("host", True)])
+def test_ipc_two_processes(delta: str, triton: bool) -> None:
+    check_dtypes(run_world(_dtypes_world, 2, delta, "cuda", "ipc", True, triton, timeout=300))
+
+
+@pytest.mark.gpu
+def test_ipc_version_chain_with_stage_and_commit() -> None:
+    check_chain(run_world(_chain_world, 2, "ipc", "cuda", timeout=300)[1]["rows"])
