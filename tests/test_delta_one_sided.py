@@ -300,3 +300,29 @@ def _failed_world(rank: int, world: int, transport: str) -> dict:
 def test_a_failed_delta_refit_leaves_what_a_failed_full_refit_leaves(transport: str) -> None:
     for got in run_world(_failed_world, 2, transport, timeout=120):
         assert got["None"] == got["device"] == (["raised", "unusable"], 1), got
+
+
+# ------------------------------------------------------------------- nixl's requests
+def _requests_world(rank: int, world: int) -> dict:
+    """A WRITE request per call (each writes other lengths of its slots): the transport
+    keeps a bounded number of them."""
+    g = torch.Generator().manual_seed(5)
+    src = {"w": torch.randn(64, 1024, generator=g).to(torch.bfloat16)} if rank == 0 else None
+    dst = {"w": torch.zeros(64, 1024, dtype=torch.bfloat16)} if rank == 1 else None
+    r = tr.Refitter(src, dst, transport="nixl", delta="device")
+    exact = []
+    for step in range(40):
+        if rank == 0:
+            src["w"].view(-1)[step * 13: step * 13 + step] += 1.0  # a patch of another length each call
+        r.refit()
+        shared = [src["w"].clone() if rank == 0 else None]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        exact.append(rank == 0 or torch.equal(dst["w"].view(torch.int16), shared[0].view(torch.int16)))
+    return {"exact": all(exact), "requests": len(r._transport._requests)}
+
+
+@pytest.mark.parametrize("transport", [NIXL])
+def test_nixl_keeps_a_bounded_number_of_requests(transport: str) -> None:
+    from torchrefit.transport.nixl import _REQUESTS
+    sender, receiver = run_world(_requests_world, 2, timeout=120)
+    assert receiver["exact"] and sender["requests"] <= _REQUESTS + 1, (sender, receiver)
