@@ -46,8 +46,9 @@ def test_every_dtype_bit_exact_at_every_density(transport: str) -> None:
     check_dtypes(results)
 
 
-def test_host_reference_over_pull() -> None:
-    check_dtypes(run_world(_dtypes_world, 2, "host", "cpu", "shm-pull", False, timeout=240))
+@pytest.mark.parametrize("transport", ["shm-pull", "shm-push"])
+def test_host_reference_and_torch_ops(transport: str) -> None:
+    check_dtypes(run_world(_dtypes_world, 2, "host", "cpu", transport, False, timeout=240))
 
 
 @pytest.mark.parametrize("transport", ["shm-pull", "shm-push", "shm-nvshmem", NIXL])
