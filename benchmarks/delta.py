@@ -9,6 +9,7 @@ floor. One JSON row per line (``delta_density``, ``wire_bytes``, ``full_bytes``,
     python benchmarks/delta.py --part gpu [--kernels triton,torch] [--cast]   # CUDA: one GPU
     python benchmarks/delta.py --part gloo-cuda            # CUDA: 2 processes, GPU tensors, gloo
     python benchmarks/delta.py --part nccl                 # CUDA: 2 GPUs, 2 processes
+    python benchmarks/delta.py --part ipc                  # CUDA: 2 processes on one GPU, CUDA IPC
     python benchmarks/delta.py --part all --json OUT       # every part this machine runs
 """
 
@@ -24,12 +25,12 @@ from torchrefit.bench import delta
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", default="all", choices=["densities", "wire", "gpu", "gloo-cuda", "nccl", "all"])
+    p.add_argument("--part", default="all", choices=["densities", "wire", "gpu", "gloo-cuda", "nccl", "ipc", "all"])
     p.add_argument("--layers", type=int, default=2, help="densities: Qwen2 layers (Qwen2-0.5B has 24)")
     p.add_argument("--vocab", type=int, default=32768, help="densities: vocabulary (Qwen2-0.5B: 151936)")
     p.add_argument("--full-size", action="store_true", help="densities: the whole Qwen2-0.5B shape")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--tensors", type=int, default=8, help="wire/nccl: bf16 tensors of --rows x --cols")
+    p.add_argument("--tensors", type=int, default=8, help="wire/nccl/ipc: bf16 tensors of --rows x --cols")
     p.add_argument("--rows", type=int, default=4096)
     p.add_argument("--cols", type=int, default=2048)
     p.add_argument("--iters", type=int, default=5)
@@ -45,7 +46,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     rows = []
     parts = [args.part] if args.part != "all" else (
-        ["densities", "wire"] + (["gpu", "gloo-cuda"] if cuda else []) + (["nccl"] if torch.cuda.device_count() >= 2 else []))
+        ["densities", "wire"] + (["gpu", "gloo-cuda", "ipc"] if cuda else []) + (["nccl"] if torch.cuda.device_count() >= 2 else []))
     for part in parts:
         if part == "densities":
             got = delta.densities(args.layers, args.vocab, steps=args.steps, full=args.full_size,
@@ -56,9 +57,9 @@ def main() -> None:
         elif part == "gloo-cuda":
             got = delta.wire(args.tensors, args.rows, args.cols, iters=args.iters, delta=args.reference,
                              cuda=True)
-        elif part == "nccl":
+        elif part in ("nccl", "ipc"):
             got = delta.wire(args.tensors, args.rows, args.cols, iters=args.iters, delta=args.reference,
-                             transport="nccl")
+                             transport=part)
         else:
             got = delta.gpu(iters=args.iters, kernels=tuple((args.kernels or "triton,torch").split(",")),
                             cast=args.cast)

@@ -3,7 +3,14 @@
 100%, NaN payloads and -0.0) with CUDA tensors, checked bit for bit against a full refit
 into a second destination. Over gloo with both processes on one GPU (the diff and the
 patch run on the device, the messages through host memory), and over NCCL with one GPU
-per process (needs 2 GPUs). CUDA tensors take the Triton kernels (``settings.triton_delta``)
+per process (needs 2 GPUs), and over CUDA IPC between 2 processes (on one GPU where the
+machine has one; ``execute.delta_one_sided``: the receiver applies patches straight out of
+the sender's registered slots and copies dense messages out of its sources), with the
+version chain's stage / commit sequence (``test_delta._chain_world``) too, and the done
+order: a receiver whose reads are queued behind a gate still gets the version it was
+sent, although the sender bumps its sources and refits again (its next diff rewriting
+the slots it reads) as soon as its ``refit()`` returns; ``TORCHREFIT_BREAK_DONE_WAIT=1``
+(``test_gpu_stale_read``) removes the sender's wait to show that the test then fails. CUDA tensors take the Triton kernels (``settings.triton_delta``)
 unless turned off: both forms run, and the Triton kernels also against the torch ops
 message by message (``test_delta_triton_interpreted``'s cases on the GPU, with NaN payloads
 through the fused cast).
@@ -17,9 +24,11 @@ import sys
 
 import pytest
 import torch
-from test_delta import _dtypes_world, check_dtypes
+import torch.distributed as dist
+from test_delta import _chain_world, _dtypes_world, check_chain, check_dtypes
 from test_delta_triton_interpreted import _CODE
 
+import torchrefit as tr
 from torchrefit.testing import run_world
 
 
@@ -44,3 +53,68 @@ def test_nccl_two_gpus() -> None:
         pytest.skip("NCCL cannot pair two ranks on one GPU; needs 2 GPUs")
     check_dtypes(run_world(_dtypes_world, 2, "device", "cuda", "nccl", backend="cpu:gloo,cuda:nccl",
                            timeout=300))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("delta, triton", [("device", True), ("device", False), ("host", True)])
+def test_ipc_two_processes(delta: str, triton: bool) -> None:
+    check_dtypes(run_world(_dtypes_world, 2, delta, "cuda", "ipc", True, triton, timeout=300))
+
+
+@pytest.mark.gpu
+def test_ipc_version_chain_with_stage_and_commit() -> None:
+    check_chain(run_world(_chain_world, 2, "ipc", "cuda", timeout=300)[1]["rows"])
+
+
+def _delta_overwrite(rank: int, world: int, transport: str, done_wait: str, density: float) -> list[str]:
+    """Rank 0 sends to rank 1 over ipc with ``delta``; rank 1's stream is gated before
+    the second refit (its header read and reads queue behind it); rank 0 bumps its
+    sources and refits again at once (its diff rewrites the slots and references).
+    Rank 1 must hold the second refit's version: a patch (``density`` 1%, read out of
+    the slots) or dense (50%, read out of the sources)."""
+    from test_gpu_stale_read import GATE_MS, _break_done_wait, _ipc_defaults, _order
+
+    from torchrefit.bench.timing import sleep_cycles_per_ms
+    _ipc_defaults(done_wait=done_wait)
+    if os.environ.get("TORCHREFIT_BREAK_DONE_WAIT") == "1":
+        _break_done_wait()
+    transport = _order(transport)
+    torch.cuda.set_device(0)
+    g = torch.Generator().manual_seed(0)
+    shapes = {"a": (4096, 4096), "b": (4096, 1024), "c": (333,)}
+    src = {k: torch.randn(s, generator=g).to("cuda", torch.bfloat16) for k, s in shapes.items()} if rank == 0 else None
+    dst = {k: torch.zeros(s, dtype=torch.bfloat16, device="cuda") for k, s in shapes.items()} if rank == 1 else None
+    r = tr.Refitter(src, dst, transport=transport, delta="device")
+    r.refit()  # compile, fill the references
+    if rank == 0:
+        for t in src.values():
+            t[(torch.rand(t.shape, generator=g) < density).cuda()] += 1.0
+    sent = [{k: v.cpu() for k, v in src.items()} if rank == 0 else None]
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 1:  # the engine still busy: what the refit queues waits behind it
+        torch.cuda._sleep(int(GATE_MS * sleep_cycles_per_ms(torch.device("cuda"))))
+    r.refit()
+    if rank == 0:  # the next step and the next refit, at once
+        for t in src.values():
+            t.view(-1)[::3] += 7.0
+    else:
+        torch.cuda.synchronize()
+        got = {k: v.cpu() for k, v in dst.items()}
+    r.refit()
+    torch.cuda.synchronize()
+    dist.broadcast_object_list(sent, src=0)
+    if rank == 0:
+        return []
+    return [k for k in shapes if not torch.equal(got[k].view(torch.int16), sent[0][k].view(torch.int16))]
+
+
+OVERWRITE = [("ipc", "host"), ("ipc:event", "stream"), ("ipc:event", "host")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("density", [0.01, 0.5])
+@pytest.mark.parametrize("transport,done_wait", OVERWRITE, ids=[f"{t}-{w}" for t, w in OVERWRITE])
+def test_ipc_sender_never_rewrites_what_a_receiver_reads(transport: str, done_wait: str, density: float) -> None:
+    results = run_world(_delta_overwrite, 2, transport, done_wait, density, timeout=180)
+    assert results[1] == [], f"rank 1 read slots or sources the next step had rewritten: {results[1]}"

@@ -213,8 +213,9 @@ class Refitter:
             only the elements whose bits changed (or the whole message where that is fewer
             bytes); receivers patch in place (a stage: its twins). A patch is sent only where
             every rank agrees the receiver holds the reference's bytes, else full bytes.
-            Gloo and NCCL rounds; ``report.delta_reference_bytes`` and ``wire_bytes_*`` say
-            what it costs and saves. See docs/delta.md.
+            Every transport (message rounds, and one-sided reads or writes of slots
+            registered once: ipc, nixl); ``report.delta_reference_bytes`` and
+            ``wire_bytes_*`` say what it costs and saves. See docs/delta.md.
         plan_cache: a :class:`PlanCache` to take this rank's plan from, where it holds one
             made from the same gathered rosters, rank, local names, name map, cast, skip,
             FP8 block and transport class, and to keep the plan in otherwise: Refitters
@@ -462,15 +463,10 @@ class Refitter:
         return list(zip(buckets, split_plan(self.plan, buckets)))
 
     def _check_delta(self) -> None:
-        """``delta=`` runs over message rounds into live or staged tensors (the same
-        arguments and gathered facts on every rank: all raise or none)."""
-        if self.delta is None:
-            return
-        cls = self._transport_cls
-        if cls.protocol != "rounds" or cls.name == "nvshmem":
-            raise RefitError(f"delta={self.delta!r} sends patches over gloo or nccl message rounds; "
-                             f"transport {cls.name!r} does not carry them (docs/delta.md)", rule="delta")
-        if self._phases is not None:
+        """``delta=`` patches live or staged tensors over any transport (message rounds,
+        or one-sided reads and writes: ``execute.delta_one_sided``), not a load_weights
+        sink (the same arguments and gathered facts on every rank: all raise or none)."""
+        if self.delta is not None and self._phases is not None:
             raise RefitError(f"delta={self.delta!r}: a load_weights sink keeps no tensors to patch "
                              "(docs/delta.md)", rule="delta")
 

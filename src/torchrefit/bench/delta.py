@@ -15,6 +15,9 @@ Three parts, each printing JSON rows (keys ``delta_density``, ``wire_bytes``,
   over the source and a reference of it (``floor_read_ms``, the native kernels' pass with
   nothing to find) and a memcpy of the bytes (``floor_memcpy_ms``); ``best_speedup`` =
   ``full_ms / floor_read_ms`` is the most any exact diff can gain here.
+* ``ipc`` (CUDA only): the ``wire`` part between 2 processes sharing one GPU over CUDA
+  IPC (``transport="ipc"``): the receiver applies patches straight out of the sender's
+  registered slots (``execute.delta_one_sided``), the full refit copies every byte.
 * ``gpu`` (CUDA only): on one GPU, the sender's diff and encode plus the receiver's apply
   against the copy floor of the full bytes (one device-to-device copy of them).
 """
@@ -193,9 +196,10 @@ def wire(tensors: int = 8, rows: int = 4096, cols: int = 2048, dens=(0.001, 0.01
          threads: int = 0, native: bool = True) -> list[dict]:
     """Delta against full refits, 2 processes, non-collocated, in one run: over gloo with
     CPU tensors (or ``cuda``: both processes' tensors on GPUs, messages through host
-    memory), or over nccl with one GPU per process. ``threads``: ``delta_threads`` (0: the default);
+    memory), over nccl with one GPU per process, or over ipc with both processes on one
+    GPU (``rank % device_count``). ``threads``: ``delta_threads`` (0: the default);
     ``native``: the native CPU kernels (built now where missing), else torch ops."""
-    cuda = cuda or transport == "nccl"
+    cuda = cuda or transport in ("nccl", "ipc")
     from ..testing import run_world
     backend = "cpu:gloo,cuda:nccl" if transport == "nccl" else "gloo"
     per_rank = run_world(_wire_world, 2, tensors, rows, cols, list(dens), iters, delta, transport, cuda, threads, native,

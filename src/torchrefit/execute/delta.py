@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .. import settings
-from ..layout._types import dtype_from_name
+from ..layout._types import Box, dtype_from_name
 from ..plan.delta_chain import UNKNOWN, Chain, delta_pairs
 from ..plan.messages import cut_messages, rows_of
 from ..plan.types import RankPlan
@@ -50,7 +50,7 @@ from .rounds import pinned_pools
 from .views import Views
 
 __all__ = ["DeltaRounds", "DeltaStats", "compile_delta", "gather_offers", "BLOCK", "DENSE", "SPARSE",
-           "sparse_nbytes", "run_chained"]
+           "sparse_nbytes", "run_chained", "encode_sends", "header_words", "header_numel", "room"]
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _tokens = itertools.count(1)
@@ -69,6 +69,8 @@ class _Part:
     wire: torch.dtype
     offset: int
     numel: int
+    key: str = ""  # the local tensor it views and the box of it (one-sided transports register them)
+    box: Box | None = None
 
     @property
     def nbytes(self) -> int:
@@ -121,6 +123,11 @@ class _Scratch:
 
     def payload(self, key: tuple[int, int], n: int, device: torch.device) -> torch.Tensor:
         return self.buffer(("payload", key), n, torch.uint8, device)
+
+    def keep_payload(self, key: tuple[int, int], buf: torch.Tensor) -> None:
+        """Encode message ``key``'s sparse payloads into ``buf`` (a buffer another module
+        registered) wherever they fit in it."""
+        self._kept[("buffer", ("payload", key))] = buf
 
 
 @dataclass(frozen=True)
@@ -176,16 +183,28 @@ def compile_delta(views: Views, reference: str, device: torch.device, wire: torc
         for peer, ts in sorted(by_peer.items()):
             msgs = []
             for m in cut_messages(peer, ts, limit):
-                parts = tuple(_Part(views.view(side, ts[c.index].key, rows_of(ts[c.index].local_box, c.rows)),
-                                    dtype_from_name(ts[c.index].wire_dtype), c.offset,
-                                    c.nbytes // dtype_from_name(ts[c.index].wire_dtype).itemsize)
-                              for c in m.chunks)
+                parts = tuple(_part(views, side, ts[c.index], c) for c in m.chunks)
                 ref = (torch.zeros(m.nbytes, dtype=torch.uint8, device=ref_device, pin_memory=pinned)
                        if kind == "send" else None)
                 msgs.append(_Message(peer, parts, m.nbytes, ref))
             out[kind][peer] = msgs
     ref_bytes = sum(m.nbytes for ms in out["send"].values() for m in ms)
     return DeltaRounds(out["send"], out["recv"], device, wire, ref_bytes)
+
+
+def _part(views: Views, side: str, t, chunk) -> _Part:
+    box = rows_of(t.local_box, chunk.rows)
+    wire = dtype_from_name(t.wire_dtype)
+    return _Part(views.view(side, t.key, box), wire, chunk.offset, chunk.nbytes // wire.itemsize, t.key, box)
+
+
+def room(msg: _Message, dense_above: float) -> int:
+    """Bytes a sparse payload of ``msg`` may take at most where at most ``dense_above`` of
+    its elements changed (each part's block counts written even where none changed,
+    as the native diff writes them): the room the native diff asks for, and the size of
+    the sparse slots one-sided transports register (``execute.delta_one_sided``)."""
+    cap = int(dense_above * sum(p.numel for p in msg.parts))
+    return sum(sparse_nbytes(p.numel, max(1, min(p.numel, cap)), p.wire.itemsize) for p in msg.parts)
 
 
 def gather_offers(offer: tuple[int, int], group: dist.ProcessGroup,
@@ -398,10 +417,7 @@ def _encode_native(kern, msg: _Message, currents: list[torch.Tensor], key: tuple
     """``_encode`` in one native pass per part (``execute.delta_native``): the same
     choice, the same payload bytes."""
     cap = int(dense_above * sum(p.numel for p in msg.parts))
-    # room for each part's block counts even where nothing may change (they are written
-    # first, and dropped where nothing did)
-    room = sum(sparse_nbytes(p.numel, max(1, min(p.numel, cap)), p.wire.itemsize) for p in msg.parts)
-    out = scratch.payload(key, room, msg.ref.device)
+    out = scratch.payload(key, room(msg, dense_above), msg.ref.device)
     got = delta_native.encode_parts(kern, currents, msg.ref, [p.offset for p in msg.parts], out, cap,
                                     delta_native.threads())
     if got is None or got[1] >= msg.nbytes:  # more changed than sparse pays for: dense, as the torch path
@@ -508,6 +524,25 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------- running
+def encode_sends(d: DeltaRounds) -> dict[int, list[tuple[int, list[int], torch.Tensor]]]:
+    """Per receiving peer, each message's (encoding, changed counts, payload): diffed
+    against its reference where the pair exchanges patches this call (``d.pairs``),
+    else dense, the reference filled on the way."""
+    rounds = max([len(ms) for ms in d.sends.values()], default=0)
+    by_round = [_encode_round(d, m) for m in range(rounds)]
+    return {p: [r[p] for r in by_round if p in r] for p in d.sends}
+
+
+def header_words(encoded: list[tuple[int, list[int], torch.Tensor]]) -> list[int]:
+    """One pair's header: per message its encoding, then each part's changed count."""
+    return [x for e, ks, _ in encoded for x in (e, *ks)]
+
+
+def header_numel(msgs: list[_Message]) -> int:
+    """Words of the header of a pair exchanging ``msgs``."""
+    return sum(1 + len(m.parts) for m in msgs)
+
+
 def run_delta(d: DeltaRounds, transport: RoundsTransport) -> DeltaStats:
     """One call, collective with the plan's peers: round ``m`` carries message ``m`` of
     every pair and the headers of message ``m + 1``, which the sender encodes before the
@@ -516,16 +551,17 @@ def run_delta(d: DeltaRounds, transport: RoundsTransport) -> DeltaStats:
     rounds = max([len(ms) for ms in (*d.sends.values(), *d.recvs.values())], default=0)
     staged = pinned_pools(d.wire, d.device)
     totals = [0, 0, 0, 0]  # bytes sent, received; sparse and dense messages received
+    step = _header_step(transport)
     encoded = _encode_round(d, 0)
-    heads = _header_buffers(d, 0)
-    _exchange(transport, _headers(d, encoded), heads, totals)
+    heads, pieces = _header_buffers(d, 0, step)
+    _exchange(transport, _headers(d, encoded, step), pieces, totals)
     for m in range(rounds):
-        plans = _round_plans(d, m, dict(heads))
+        plans = _round_plans(d, m, heads)
         ahead = _encode_round(d, m + 1) if m + 1 < rounds else {}
-        heads = _header_buffers(d, m + 1)
+        heads, pieces = _header_buffers(d, m + 1, step)
         sends = _send_buffers(d, [(p, enc[2]) for p, enc in sorted(encoded.items()) if enc[2].numel()], staged)
         recvs = _receive_buffers(d, plans, m, staged)
-        _exchange(transport, sends + _headers(d, ahead), recvs + heads, totals)
+        _exchange(transport, sends + _headers(d, ahead, step), recvs + pieces, totals)
         _land(d, plans, m, dict(recvs), staged, totals)
         if staged and recvs:  # the copies out of the pinned pool landed: the next round reuses it
             torch.cuda.current_stream(d.device).synchronize()
@@ -544,15 +580,30 @@ def _encode_round(d: DeltaRounds, m: int) -> dict[int, tuple[int, list[int], tor
             for p, ms in d.sends.items() if m < len(ms)}
 
 
-def _headers(d: DeltaRounds, encoded: dict) -> list[tuple[int, torch.Tensor]]:
-    """Per patching pair: the message's encoding and each part's changed count."""
-    return [(p, _on(torch.tensor([e, *ks], dtype=torch.int32), d.wire))
-            for p, (e, ks, _) in sorted(encoded.items()) if p in d.pairs[0]]
+def _headers(d: DeltaRounds, encoded: dict, step: int) -> list[tuple[int, torch.Tensor]]:
+    """Per patching pair: the message's encoding and each part's changed count, as bytes
+    in pieces of at most ``step`` (:func:`_header_step`)."""
+    return [(p, piece) for p, (e, ks, _) in sorted(encoded.items()) if p in d.pairs[0]
+            for piece in _pieces(_on(torch.tensor([e, *ks], dtype=torch.int32), d.wire).view(torch.uint8), step)]
 
 
-def _header_buffers(d: DeltaRounds, m: int) -> list[tuple[int, torch.Tensor]]:
-    return [(p, torch.empty(1 + len(ms[m].parts), dtype=torch.int32, device=d.wire))
-            for p, ms in sorted(d.recvs.items()) if p in d.pairs[1] and m < len(ms)]
+def _header_buffers(d: DeltaRounds, m: int, step: int) -> tuple[dict[int, torch.Tensor], list]:
+    """Message ``m``'s headers from each patching peer: whole, and as the pieces received."""
+    whole = {p: torch.empty(4 * (1 + len(ms[m].parts)), dtype=torch.uint8, device=d.wire)
+             for p, ms in sorted(d.recvs.items()) if p in d.pairs[1] and m < len(ms)}
+    return whole, [(p, piece) for p, h in whole.items() for piece in _pieces(h, step)]
+
+
+def _header_step(transport: RoundsTransport) -> int:
+    """Bytes of a header piece: a transport's messages may be bounded (nvshmem's inbox
+    slots hold the largest payload message, which the header of a message of many small
+    parts can exceed); both ends cut a header alike, and a round carries every piece."""
+    limit = transport.largest_message()
+    return 1 << 62 if limit is None else max(4, limit // 4 * 4)
+
+
+def _pieces(t: torch.Tensor, step: int) -> list[torch.Tensor]:
+    return [t[lo: lo + step] for lo in range(0, t.numel(), step)]
 
 
 def _exchange(transport: RoundsTransport, sends, recvs, totals: list[int]) -> None:
@@ -572,7 +623,7 @@ def _round_plans(d: DeltaRounds, m: int, headers: dict[int, torch.Tensor]) -> di
         if p not in headers:
             out[p] = (DENSE, [], msg.nbytes)
             continue
-        flat = headers[p].tolist()
+        flat = headers[p].view(torch.int32).tolist()
         enc, counts = flat[0], flat[1:]
         size = msg.nbytes if enc == DENSE else sum(
             sparse_nbytes(part.numel, k, part.wire.itemsize) for part, k in zip(msg.parts, counts))

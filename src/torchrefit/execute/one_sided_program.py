@@ -36,9 +36,15 @@ from .local import LANES, Copy, LocalCopies, compile_copies, differing
 from .streams import SideStreams
 from .views import Views
 
-__all__ = ["Delegation", "Initiated", "Exposed", "OneSided", "OneSidedProgram", "Work", "compile_one_sided"]
+__all__ = ["Delegation", "Initiated", "Exposed", "OneSided", "OneSidedProgram", "Work", "compile_one_sided",
+           "new_generation"]
 
 _GENERATIONS = itertools.count(1)
+
+
+def new_generation() -> int:
+    """A table generation no compile in this process had (initiators re-attach on a new one)."""
+    return next(_GENERATIONS)
 
 
 @dataclass(frozen=True)
@@ -144,7 +150,7 @@ def compile_one_sided(views: Views, transport: OneSidedTransport, local: Sequenc
     initiated, delegation = _initiated(mine), None
     if members:
         initiated, delegation = _delegating(me, members, mine, own_reads)
-    return OneSided(next(_GENERATIONS), exposed, targets, initiated, len(plan.sends), len(plan.recvs),
+    return OneSided(new_generation(), exposed, targets, initiated, len(plan.sends), len(plan.recvs),
                     delegation, tuple(before), tuple(after))
 
 

@@ -38,6 +38,7 @@ from ..plan.types import LocalCopy, RankPlan
 from ..transport.base import RoundsTransport, Transport
 from ..transport.one_sided.protocol import OneSidedTransport
 from .delta import DeltaRounds, compile_delta, run_delta
+from .delta_one_sided import DeltaOneSided, compile_delta_one_sided, run_delta_one_sided
 from .local import LANES, Copy, LocalCopies, compile_copies, differing
 from .one_sided_program import OneSidedProgram, compile_one_sided
 from .quantize import Quantizes, compile_quantize
@@ -74,6 +75,8 @@ class Compiled:
     metas: tuple[tuple[str, str, Meta], ...]  # side, key, what the tensor was
     native: object | None = None  # ``_native.watch.views_check`` of watched and refs, where built
     delta: DeltaRounds | None = None  # the exchange as patches (``execute.delta``), in place of rounds
+    #: over a one-sided transport, what carries ``delta``'s patches (``execute.delta_one_sided``)
+    delta_one_sided: DeltaOneSided | None = None
 
     @functools.cached_property
     def exchanges(self) -> bool:
@@ -168,21 +171,26 @@ class Program:
         planned = [c for c in self.plan.local if c.dst_key not in skip]
         one = self.transport if isinstance(self.transport, OneSidedTransport) else None
         rank = self.plan.rank
+        patches = self.delta is not None and not self.compare
         # on a GPU shared with other ranks, another process may copy for this one
-        # (transport.delegates): its local copies then go with the exchange
-        handed = one is not None and one.pull and one.copier_of(rank, self.compare) != rank
+        # (transport.delegates): its local copies then go with the exchange; delta
+        # refits apply their own patches (execute.delta_one_sided)
+        handed = one is not None and one.pull and not patches and one.copier_of(rank, self.compare) != rank
         copies = [] if handed else [
             Copy(views.view("dst", c.dst_key, c.dst_box), views.view("src", c.src_key, c.src_box), c.name)
             for c in planned]
         local = compile_copies(copies, self.side, self.cuda_graph)
-        rounds, one_sided, delta = None, None, None
+        rounds, one_sided, delta, delta_one = None, None, None, None
         remote = bool(self.plan.sends or self.plan.recvs)
-        if one is not None:
+        if one is not None and patches:
+            delta = compile_delta(views, self.delta, self.device, self.device, self.message_limit)
+            delta_one = compile_delta_one_sided(delta, views, one)
+        elif one is not None:
             if remote or handed or one.copies_for(rank, self.compare):
                 one_sided = OneSidedProgram(
                     compile_one_sided(views, one, planned if handed else (), self.compare), one,
                     self.device, self.cuda_graph)
-        elif self.delta is not None and not self.compare and isinstance(self.transport, RoundsTransport):
+        elif patches and isinstance(self.transport, RoundsTransport):
             delta = compile_delta(views, self.delta, self.device, self.transport.wire_device(),
                                   self.message_limit)
         elif remote or isinstance(self.transport, RoundsTransport):
@@ -195,7 +203,7 @@ class Program:
         metas = tuple((side, key, meta_of(t)) for side, key, t in used)
         refs = tuple(views.base(side, key) for side, key, _ in used)
         return Compiled(local, rounds, one_sided, tuple(shared), watched, [t.data_ptr() for t in watched],
-                        refs, quantize, metas, views_check(watched, refs), delta)
+                        refs, quantize, metas, views_check(watched, refs), delta, delta_one)
 
     # ------------------------------------------------------------ compiled state
     @property
@@ -259,7 +267,7 @@ class Program:
         if check:
             self.check_storage()
         c = self.compiled
-        if self._one_sided and self.transport.turn is not None:
+        if self._one_sided and self.transport.turn is not None and c.delta is None:
             return self._run_in_turn(c)
         was = _grad_off()
         try:
@@ -322,7 +330,11 @@ class Program:
         if c.one_sided is not None and not c.one_sided.idle:
             return c.one_sided.run(compare)
         if c.delta is not None:
-            if not c.delta.idle:
+            if c.delta.idle:
+                pass
+            elif c.delta_one_sided is not None:
+                run_delta_one_sided(c.delta_one_sided)
+            else:
                 run_delta(c.delta, self.transport)
             return []
         bad: list[str] = []

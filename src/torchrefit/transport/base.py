@@ -179,6 +179,10 @@ class RoundsTransport(Transport):
     def wire_device(self) -> torch.device:
         """Where message buffers live."""
 
+    def largest_message(self) -> int | None:
+        """The most bytes one message may carry (None: any size)."""
+        return None
+
     @abstractmethod
     def start(self, sends: Exchange, recvs: Exchange) -> object: ...
 

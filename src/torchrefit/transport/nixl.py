@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,9 @@ from .base import Availability, host_wait_current, register_transport
 from .one_sided.protocol import OneSidedTransport, Table
 
 __all__ = ["NixlTransport", "RemoteRegion", "contiguous_runs"]
+
+#: WRITE requests kept per peer (a refit's, a stage's and a verify's table, many times over)
+_REQUESTS = 16
 
 
 @dataclass(frozen=True)
@@ -252,6 +256,12 @@ class NixlTransport(OneSidedTransport):
             out.append(RemoteRegion(start, dev, memory, itemsize, tuple(box.size), tuple(stride), dtype))
         return tuple(out)
 
+    def narrow(self, region: RemoteRegion, nbytes: int) -> RemoteRegion:
+        return replace(region, shape=(nbytes // region.itemsize,))
+
+    def region_bytes(self, region: RemoteRegion) -> int:
+        return math.prod(region.shape) * region.itemsize
+
     # ------------------------------------------------------------------ writing
     @_nixl_failures("the WRITE")
     def write(self, peer: int, local: Sequence[torch.Tensor], remote: tuple) -> None:
@@ -267,9 +277,19 @@ class NixlTransport(OneSidedTransport):
                 cached[2].release()
             request = self._request(peer, local, remote)
             self._requests[key] = (remote, local, request)
+            self._forget_requests(peer)
         if self._agent.transfer(request, self._notif) == "ERR":
             raise TransportError(f"nixl: posting the WRITE to rank {peer} failed")
         self._posted.append((peer, request))
+
+    def _forget_requests(self, peer: int) -> None:
+        """Release ``peer``'s oldest requests beyond :data:`_REQUESTS` (none posted since
+        the last ``finish_writes``): delta refits write other lengths of their slots each
+        call (``execute.delta_one_sided``), a request each, never posted again."""
+        posted = {id(r) for _, r in self._posted}
+        mine = [k for k, v in self._requests.items() if k[0] == peer and id(v[2]) not in posted]
+        for key in mine[: max(0, len(mine) - _REQUESTS)]:
+            self._requests.pop(key)[2].release()
 
     def _request(self, peer: int, local: Sequence[torch.Tensor], remote: tuple):
         """One WRITE request for all regions sent to ``peer``, built once per table."""

@@ -181,6 +181,10 @@ class NvshmemTransport(RoundsTransport):
     def wire_device(self) -> torch.device:
         return self.device
 
+    def largest_message(self) -> int | None:
+        """An inbox slot: the largest message the plan sends (``prepare``)."""
+        return self.inbox.slot_bytes if self.inbox is not None else None
+
     # ------------------------------------------------------------- the schedule
     def prepare(self, plan: RankPlan, message_limit: int) -> None:
         """Collective, once per Refitter on every rank: plan the inbox from every rank's

@@ -109,6 +109,7 @@ class OneSidedTransport(Transport):
         self._boxed: set[int] = set()  # target: initiators that were sent its mailbox
         self._peer_boxes: dict[int, Mailbox] = {}  # initiator: the targets' mailboxes
         self._sent_token: dict[tuple[str, int], bytes] = {}  # last token sent over Gloo per pair
+        self._sent_generation: dict[int, int] = {}  # per initiator, the generation of the last header over Gloo
         self._got: dict[tuple[str, int], object] = {}  # last header (generation, token) / done token
         self._writers: dict[Mailbox, Callable[[int, int], None] | None] = {}  # per mailbox, stream_writer's
         self.gloo_messages = 0  # control messages posted or received over Gloo (tests count them)
@@ -234,6 +235,15 @@ class OneSidedTransport(Transport):
     def finish_writes(self) -> None:
         """Push only: return once every write posted since the last call has landed."""
 
+    def narrow(self, region: object, nbytes: int) -> object:
+        """The first ``nbytes`` of a one-dimensional byte region :meth:`attach` returned
+        (delta refits move a prefix of a registered slot, ``execute.delta_one_sided``)."""
+        return region[:nbytes]
+
+    def region_bytes(self, region: object) -> int:
+        """Bytes of a region :meth:`attach` returned."""
+        return region.numel() * region.element_size()
+
     def stream_writer(self, box: Mailbox) -> Callable[[int, int], None] | None:
         """A function writing ``(index, value)`` into ``box`` from this rank's current
         stream, after everything queued on it; None (the default): words are written
@@ -277,7 +287,10 @@ class OneSidedTransport(Transport):
         boxed = peer in self._boxed
         if token == WORD and not (boxed or new):  # the peer cannot be sent this rank's mailbox
             token = self.event_token("ready")
-        follows = not boxed or new or self._sent_token.get(("header", peer)) != token
+        # another program's table (a refit's, a stage's) than the last header named: the
+        # peer would otherwise take the word as the last header's generation again
+        follows = (not boxed or new or self._sent_token.get(("header", peer)) != token
+                   or self._sent_generation.get(peer) != generation)
         if follows:
             handle = self._mailbox_handle() if new and not boxed else None
             blob = pickle.dumps((table, handle)) if new else b""
@@ -288,6 +301,7 @@ class OneSidedTransport(Transport):
                 while len(announced) > self.keep:  # the peer forgets the same one (recv_header)
                     announced.popitem(last=False)
             self._sent_token["header", peer] = token
+            self._sent_generation[peer] = generation
             if handle is not None:  # the peer maps it while reading this header
                 self._boxed.add(peer)
         if boxed or (token == WORD and peer in self._boxed):  # a stream word orders even the first
