@@ -222,8 +222,10 @@ def test_many_rounds_each_carrying_the_next_headers() -> None:
 
 
 # ---------------------------------------------------------------- the version chain
-def _chain_world(rank: int, world: int, transport: str = "auto", device: str = "cpu") -> dict:
-    """Also run on a GPU by tests/test_gpu_delta.py (``device="cuda"``)."""
+def _chain_world(rank: int, world: int, transport: str = "auto", device: str = "cpu",
+                 staging: str = "device") -> dict:
+    """Also run on a GPU by tests/test_gpu_delta.py (``device="cuda"``; ``staging="host"``:
+    the staged twins of CUDA tensors in host memory)."""
     if device == "cuda":
         device = f"cuda:{rank % torch.cuda.device_count()}"
         torch.cuda.set_device(device)
@@ -233,7 +235,8 @@ def _chain_world(rank: int, world: int, transport: str = "auto", device: str = "
     dst_d = {k: torch.zeros(s, dtype=torch.bfloat16, device=device) for k, s in (("x", (512, 256)), ("y", (64, 64)))} \
         if rank == 1 else None
     dst_f = {k: v.clone() for k, v in dst_d.items()} if rank == 1 else None
-    r_d, r_f = tr.Refitter(src, dst_d, delta="device", transport=transport), tr.Refitter(src, dst_f, transport=transport)
+    r_d = tr.Refitter(src, dst_d, delta="device", transport=transport, staging=staging)
+    r_f = tr.Refitter(src, dst_f, transport=transport, staging=staging)
     base: dict = {}
     rows = []
 

@@ -66,6 +66,13 @@ def test_ipc_version_chain_with_stage_and_commit() -> None:
     check_chain(run_world(_chain_world, 2, "ipc", "cuda", timeout=300)[1]["rows"])
 
 
+@pytest.mark.parametrize("transport", ["gloo", "ipc"])
+def test_version_chain_into_host_staged_twins(transport: str) -> None:
+    """CUDA tensors staged in host memory (``staging="host"``): patches are applied into the
+    twins where they live, on the host."""
+    check_chain(run_world(_chain_world, 2, transport, "cuda", "host", timeout=300)[1]["rows"])
+
+
 def _delta_overwrite(rank: int, world: int, transport: str, done_wait: str, density: float) -> list[str]:
     """Rank 0 sends to rank 1 over ipc with ``delta``; rank 1's stream is gated before
     the second refit (its header read and reads queue behind it); rank 0 bumps its

@@ -643,8 +643,8 @@ def _land(d: DeltaRounds, plans: dict, m: int, got: dict[int, torch.Tensor], sta
                 _unpack(msg, got[p], non_blocking=staged)
             totals[3] += 1
         else:
-            if size:
-                _apply(msg, counts, got[p].to(d.device, non_blocking=staged), d.scratch)
+            if size:  # applied where the views live: the device, or host-staged twins
+                _apply(msg, counts, got[p].to(msg.parts[0].view.device, non_blocking=staged), d.scratch)
             totals[2] += 1
 
 
