@@ -60,14 +60,16 @@ class Board:
     def put(self, key: str, value: Any) -> None:
         self.store.set(f"fleet/{key}", json.dumps(value))
 
-    def put_many(self, items: dict[str, Any]) -> None:
-        """Set every key of ``items`` (in one store call where the store has ``multi_set``)."""
+    def put_many(self, items: dict[str, Any]) -> dict[str, Any]:
+        """Set every key of ``items`` (in one store call where the store has ``multi_set``).
+        Returns the values as :meth:`get` reads them back (JSON's types: lists, string keys)."""
         keys, values = [f"fleet/{k}" for k in items], [json.dumps(v) for v in items.values()]
         if hasattr(self.store, "multi_set"):
             self.store.multi_set(keys, values)
         else:
             for k, v in zip(keys, values):
                 self.store.set(k, v)
+        return {k: json.loads(v) for k, v in zip(items, values)}
 
     def put_once(self, key: str, value: Any) -> Any:
         """Set ``key`` unless it is set; returns the value it holds after (the first wins)."""

@@ -126,10 +126,11 @@ class Coordinator:
                 "peer_world": self._world(peer), "stage": self._staged(dst), "parts": self.members[dst].parts}
 
     def _post_edges(self, board: Board, edges: list[Edge], kind: str, version: int,
-                    expect: int | None = None) -> tuple[dict[str, int], dict[str, str]]:
+                    expect: int | None = None) -> tuple[dict[str, int], dict[str, str], dict[str, Any]]:
         """One task per job named by ``edges`` (posted in one store call); the edge dicts of
-        both ends share one word key. Returns each job's task number and each target's word,
-        each word recorded as open (a drop of its sender skips it)."""
+        both ends share one word key. Returns each job's task number, each target's word
+        (each recorded as open: a drop of its sender skips it), and each task as its job
+        reads it, by key (the trainer's own runs from it, without reading it back)."""
         ins: dict[str, dict] = {}
         outs: dict[str, list[dict]] = {}
         for e in edges:
@@ -145,8 +146,7 @@ class Coordinator:
         words = {dst: d["word"] for dst, d in ins.items()}
         for e in edges:
             self._open[words[e.dst]] = (e.src, ins[e.dst]["parts"])
-        board.put_many(tasks)
-        return posted, words
+        return posted, words, board.put_many(tasks)
 
     # --------------------------------------------------------------- watching
     def _watch(self) -> None:
@@ -273,7 +273,7 @@ class Coordinator:
             if src is None:
                 m.state = "waiting"
                 continue
-            posted, words = self._post_edges(b, [Edge(src, m.name)], "seed", self.version, expect=self.version)
+            posted, words, _ = self._post_edges(b, [Edge(src, m.name)], "seed", self.version, expect=self.version)
             word = words[m.name]
             m.state = "seeding"
             m.seed = {"src": src, "n": posted[m.name], "word": word, "version": self.version,
@@ -346,13 +346,13 @@ class Coordinator:
                 pending = [t for t in pending if self.members[t].state != "dropped"]
                 edges = (relay_edges(sources, pending, self.fanout) if self.relay else
                          [Edge(sources[0], t) for t in pending])
-                posted, words = self._post_edges(self.board, edges, "update", version)
+                posted, words, tasks = self._post_edges(self.board, edges, "update", version)
                 self._collecting = dict(posted)
                 for e in edges:
                     if e.src != TRAINER and self.members[e.src].state == "dropped":
                         self._skip(self.board, words[e.dst], self.members[e.dst].parts, f"{e.src} was dropped")
             if TRAINER in posted:
-                run_own(self.board.get(f"task/{TRAINER}/{posted[TRAINER]}"))
+                run_own(tasks[f"task/{TRAINER}/{posted[TRAINER]}"])
             # every edge of the tree may take the timeout, one after another along a chain
             results = self._collect(posted, time.monotonic() + self.timeout * (len(edges) + 2)
                                     + self.drop_after)
