@@ -66,6 +66,7 @@ def test_ipc_version_chain_with_stage_and_commit() -> None:
     check_chain(run_world(_chain_world, 2, "ipc", "cuda", timeout=300)[1]["rows"])
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("transport", ["gloo", "ipc"])
 def test_version_chain_into_host_staged_twins(transport: str) -> None:
     """CUDA tensors staged in host memory (``staging="host"``): patches are applied into the
