@@ -18,8 +18,9 @@ flight: the update returns, its report names the drop, the other engine is exact
 version 4; the killed engine restarted (a new join) is seeded by the survivor to version
 4 and exact there. At version 5 the other engine is SIGKILLed while it receives (its
 workers blocked between two parts of the update, nothing installed: it still serves
-version 4): the update returns and names it, the restarted engine is exact at version
-5, and the killed one restarted is seeded by it. Version 6 on both. Each update's bytes
+version 4; being the earlier join it is the one the trainer feeds): the update returns
+and names it, the restarted engine, cut off behind it, is fed in a second round and is
+exact at version 5, and the killed one restarted is seeded by it. Version 6 on both. Each update's bytes
 leave the trainer once: one replica's layout (a TP2 engine's ranks each receive their
 shards and the tensors TP leaves whole).
 """
@@ -126,6 +127,9 @@ def test_an_engine_killed_while_receiving_is_dropped_not_fatal(run):
     assert set(report["dropped"]) == {victim}, report["text"]
     outcome = {x["name"]: x for x in report["replicas"]}
     assert outcome[peer]["version"] == KILL_RECEIVING_AT and not outcome[peer]["mixed"], report["text"]
+    # the victim, the earlier join, was the one the trainer fed: its peer, cut off behind
+    # it, was fed by the trainer in the update's next round
+    assert report["rounds"] == 2 and outcome[peer]["source"] == "trainer", report["text"]
     # killed between two parts of the update: every worker held the previous version, in
     # the fleet and in vLLM, and the engine still served (no lock held while receiving)
     killed = run["killed2"]

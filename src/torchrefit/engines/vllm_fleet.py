@@ -75,7 +75,7 @@ def tp_mirror(hf_config, dtype: torch.dtype, model: nn.Module, tp_rank: int, tp_
     ``TensorSpec`` of each tensor cut (the others whole), as vLLM's tensor parallelism
     cuts the live ``model`` on rank ``tp_rank`` of ``tp_size``."""
     whole = dict(named_refit_tensors(hf_mirror(hf_config, dtype, "meta", trust_remote_code)))
-    text = getattr(hf_config, "text_config", None) or hf_config
+    text = hf_config.get_text_config()  # a multimodal config: its language model's
     heads = text.num_attention_heads
     specs = vllm_tp_shards({n: tuple(t.shape) for n, t in whole.items()}, tp_rank, tp_size,
                            num_heads=heads, num_kv_heads=getattr(text, "num_key_value_heads", heads))
