@@ -4,8 +4,8 @@
 Qwen2, one gloo rank) and the launcher of two ``vllm.LLM`` engines started with
 ``worker_extension_cls=torchrefit.engines.vllm_fleet.FleetWorkerExtension``: engine ``a``
 at tensor parallel 2 (its two workers one replica of two ranks, each holding its
-shards), ``b`` at TP1; each engine's workers join the fleet through
-``collective_rpc("join_fleet")``. The oracle is a transformers model holding each
+shards; a vocabulary of 250 that vLLM pads to 256 before cutting it), ``b`` at TP1; each
+engine's workers join the fleet through ``collective_rpc("join_fleet")``. The oracle is a transformers model holding each
 version's weights, computed in the engine's process from the same deterministic steps
 (never from what the fleet moved): vLLM's greedy tokens and top-5 logprobs must equal
 its own, and vLLM's dummy weights must fail it.
@@ -100,8 +100,9 @@ def test_a_tp2_engine_is_one_replica_of_two_ranks_each_holding_its_shards(run):
             assert len({w["name"] for w in workers}) == 1, workers
             if TP[key] == 1:
                 assert workers[0]["mirror_bytes"] == model
-            else:  # each rank a shard: more than half (norms whole on both), far from whole
-                assert all(model / 2 < w["mirror_bytes"] < 0.6 * model for w in workers), workers
+            else:  # each rank a shard (the norms whole on both), about half the model
+                held = [w["mirror_bytes"] for w in workers]
+                assert model < sum(held) < 1.01 * model and max(held) < 0.6 * model, workers
 
 
 def test_an_engine_killed_mid_install_is_dropped_not_fatal(run):
