@@ -223,3 +223,72 @@ def test_the_step_guard_holds_the_lock_from_execute_model_to_sample_tokens():
     worker.sample_tokens()
     assert not lock.locked()
     assert all(held for _, held in seen), seen  # the engine's code always ran under the lock
+
+
+def test_an_install_holds_every_ranks_lock_at_once_without_deadlocking_a_step():
+    """Without an engine: two ranks in lockstep. Rank 1 runs a step under its lock and
+    waits inside it for rank 0's half (a collective); rank 0's install has taken rank 0's
+    lock first, so rank 0's half waits for it. ``hold_every_rank`` lets go until both
+    ranks hold their locks at one moment: the step finishes on both ranks with the old
+    version, then both install, and a rank's install never runs while a peer's step does."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from torchrefit.engines.vllm_fleet import hold_every_rank
+    from torchrefit.fleet.board import Board
+
+    store = dist.HashStore()
+    locks = [threading.Lock(), threading.Lock()]
+    collective = threading.Event()
+    seen: list[tuple[str, ...]] = []
+
+    def step(rank: int) -> None:
+        with locks[rank]:
+            seen.append(("step", str(rank)))
+            if rank == 0:
+                collective.set()
+            elif not collective.wait(20):
+                seen.append(("step hung", str(rank)))
+
+    both = threading.Barrier(2, timeout=10)
+
+    def install(rank: int) -> None:
+        hold_every_rank(locks[rank], Board(store), "install/v1", 2, timeout=30.0, patience=0.1)
+        try:
+            both.wait()  # the two installs at one moment, each rank holding its lock
+            seen.append(("install", str(rank), str(all(lk.locked() for lk in locks))))
+            both.wait()
+        finally:
+            locks[rank].release()
+
+    locks[0].acquire()  # rank 0's install holds its lock; rank 1's step begins
+    peer_step = threading.Thread(target=step, args=(1,))
+    peer_step.start()
+    time.sleep(0.1)
+    locks[0].release()
+    threads = [threading.Thread(target=install, args=(0,)), threading.Thread(target=step, args=(0,)),
+               threading.Thread(target=install, args=(1,))]
+    for t in threads:
+        t.start()
+    for t in [peer_step, *threads]:
+        t.join(30)
+    assert not any(t.is_alive() for t in [peer_step, *threads]), seen
+    assert ("step hung", "1") not in seen, seen
+    assert sorted(e for e in seen if e[0] == "install") == [("install", "0", "True"),
+                                                              ("install", "1", "True")], seen
+
+
+def test_an_install_of_a_rank_whose_peer_is_gone_gives_up():
+    import threading
+
+    import torch.distributed as dist
+
+    from torchrefit.engines.vllm_fleet import hold_every_rank
+    from torchrefit.fleet.board import Board
+
+    lock = threading.Lock()
+    with pytest.raises(TimeoutError, match="2 ranks could pause its steps within 0.5 s"):
+        hold_every_rank(lock, Board(dist.HashStore()), "install/v1", 2, timeout=0.5, patience=0.05)
+    assert not lock.locked()

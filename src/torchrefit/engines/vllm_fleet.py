@@ -33,8 +33,12 @@ leaves the fleet; its launcher restarts it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import random
+import threading
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -48,7 +52,8 @@ from ..layout.explicit import Explicit, TensorSpec
 from ..layout.vllm_tp import local_shape, vllm_tp_shards
 from .vllm import close_reload, load_whole, open_reload
 
-__all__ = ["FleetWorkerExtension", "EngineMember", "hf_mirror", "tp_mirror", "load_into_vllm"]
+__all__ = ["FleetWorkerExtension", "EngineMember", "hf_mirror", "tp_mirror", "hold_every_rank",
+           "load_into_vllm"]
 
 Mirror = nn.Module | dict[str, torch.Tensor]
 
@@ -141,15 +146,24 @@ class EngineMember:
     # -- the version install (the fleet's thread)
     def install(self, version: int) -> None:
         """Put the mirror's version into vLLM's model as a fresh load would, while no step
-        runs (the lock). A failure leaves the fleet (raised on the fleet's thread)."""
-        with self.replica.lock:
-            try:
-                load_into_vllm(self.model, self.model_config, self.mirror, self.specs)
-            except Exception as e:
-                self.error = f"installing version {version}: {type(e).__name__}: {e}"
-                _log.exception("torchrefit: %s", self.error)
-                raise
-            self.served = version
+        runs on any rank of the engine (every rank's lock at once: ``hold_every_rank``). A
+        failure leaves the fleet (raised on the fleet's thread)."""
+        r = self.replica
+        try:
+            hold_every_rank(r.lock, r.board, f"vllm-install/{r.name}/{version}", r.world, r.timeout)
+        except TimeoutError as e:
+            self.error = f"installing version {version}: {e}"
+            _log.error("torchrefit: %s", self.error)
+            raise
+        try:
+            load_into_vllm(self.model, self.model_config, self.mirror, self.specs)
+        except Exception as e:
+            self.error = f"installing version {version}: {type(e).__name__}: {e}"
+            _log.exception("torchrefit: %s", self.error)
+            raise
+        finally:
+            r.lock.release()
+        self.served = version
 
     # -- the engine's steps (the worker's own thread)
     def _guard(self) -> None:
@@ -194,6 +208,47 @@ class EngineMember:
     def close(self) -> None:
         self.replica.close()
         self.worker.execute_model, self.worker.sample_tokens = self._unguarded
+
+
+def hold_every_rank(lock: threading.Lock, board, key: str, world: int, timeout: float,
+                    patience: float = 0.2) -> None:
+    """Return holding ``lock`` at a moment when every one of the engine's ``world`` ranks
+    holds its own (each rank calls it with the same ``key``; ``board``: the fleet's store).
+
+    vLLM runs each step on all of its ranks at once, each under its rank's lock, and the
+    ranks wait on one another inside it (tensor parallel collectives): a rank that
+    installed alone could run a step with the new version against a peer still running it
+    with the old one; a rank that held its lock waiting for the others could block the
+    step a peer is finishing while holding its own. So each attempt takes the lock, counts
+    itself, and the rank whose count makes ``world`` says yes; a rank not told within
+    ``patience`` seconds says no (the first word holds), and on no every rank lets go and
+    tries again. Raises ``TimeoutError`` after ``timeout`` seconds (a rank gone)."""
+    if world == 1:
+        lock.acquire()
+        return
+    until = time.monotonic() + timeout
+    for attempt in itertools.count():
+        lock.acquire()
+        word = f"{key}/{attempt}"
+        if board.add(f"{word}/held", 1) == world:
+            board.put_once(f"{word}/all", True)
+        told = None
+        wait_until = time.monotonic() + patience
+        while told is None and time.monotonic() < wait_until:  # (store waits that time out warn)
+            told = board.get(f"{word}/all")
+            if told is None:
+                time.sleep(0.002)
+        waited = told is None
+        if waited:
+            told = board.put_once(f"{word}/all", False)
+        if told:
+            return
+        lock.release()
+        if time.monotonic() > until:
+            raise TimeoutError(f"not every one of the engine's {world} ranks could pause its steps "
+                               f"within {timeout:g} s")
+        if waited:  # (an attempt the others had already given up: on to the next at once)
+            time.sleep(random.uniform(0, patience))
 
 
 def load_into_vllm(model: nn.Module, model_config, mirror: Mirror,
