@@ -20,7 +20,8 @@ parallelism cuts them: a TP1 worker holds a Hugging Face model of the engine's c
 with an explicit layout, so the fleet sends each rank its shard only. Every edge of the
 fleet (trainer to engine, engine to engine, a seed) is then a plan between two such
 layouts, whatever vLLM packs. Each version that the fleet installs into the mirror is
-then put into vLLM the way a fresh load would be, under ``replica.lock``: vLLM's
+then put into vLLM the way a fresh load would be, under ``replica.lock`` (taken on every
+rank of the engine at one moment: ``hold_every_rank``): vLLM's
 layerwise reload, the model's ``load_weights`` over the mirror's tensors (a shard given
 as a whole-shaped tensor holding it, of which vLLM's loaders read the rank's own part),
 vLLM's post-load steps (``engines/vllm.py``'s ``close_reload``). The worker's
