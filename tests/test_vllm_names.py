@@ -6,7 +6,9 @@
 * vLLM 0.32's stacked experts under ``experts.routed_experts.`` come from
   transformers 5's fused ``mlp.experts.gate_up_proj`` / ``down_proj``;
 * a tensor vLLM emptied (its CPU build's packed linears: a ``[0]`` parameter) is named
-  as emptied by ``vllm_tp_specs``, not reported as a name-map problem.
+  as emptied by ``vllm_tp_specs``, not reported as a name-map problem;
+* ``vllm_tp_shards`` cuts whole tensors into the shards ``vllm_tp_specs`` reads back,
+  each element on exactly one rank (a kv head on several where TP exceeds the kv heads).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch.distributed as dist
 
 import torchrefit as tr
 from torchrefit.errors import LayoutError
-from torchrefit.layout.vllm_tp import vllm_tp_specs
+from torchrefit.layout.vllm_tp import local_shape, vllm_tp_shards, vllm_tp_specs
 from torchrefit.maps.hf_vllm import is_engine_state
 
 SCALES = ["model.layers.0.self_attn.attn._k_scale", "model.layers.0.self_attn.attn._v_scale",
@@ -80,3 +82,34 @@ def test_an_emptied_tensor_is_named_as_emptied():
                "model.norm.weight": torch.ones(8)}
     with pytest.raises(LayoutError, match=r"qkv_proj\.weight: vLLM has emptied this tensor"):
         vllm_tp_specs(tensors, 0, 2, num_heads=4, num_kv_heads=2)
+
+
+WHOLE = {"model.embed_tokens.weight": (256, 64), "model.layers.0.self_attn.q_proj.weight": (128, 64),
+         "model.layers.0.self_attn.q_proj.bias": (128,), "model.layers.0.self_attn.k_proj.weight": (64, 64),
+         "model.layers.0.self_attn.v_proj.bias": (64,), "model.layers.0.self_attn.o_proj.weight": (64, 128),
+         "model.layers.0.mlp.up_proj.weight": (96, 64), "model.layers.0.mlp.down_proj.weight": (64, 96),
+         "model.layers.0.input_layernorm.weight": (64,), "lm_head.weight": (256, 64)}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_whole_tensors_cut_into_the_shards_vllm_tp_specs_reads(tp):
+    """4 heads, 2 kv heads of 32 rows: at TP4 each kv head is held by two ranks."""
+    covered = {n: torch.zeros(shape, dtype=torch.int64) for n, shape in WHOLE.items()}
+    for rank in range(tp):
+        specs = vllm_tp_shards(WHOLE, rank, tp, num_heads=4, num_kv_heads=2)
+        assert "model.layers.0.input_layernorm.weight" not in specs  # whole on every rank
+        local = {n: torch.empty(local_shape(spec)) for n, spec in specs.items()}
+        assert vllm_tp_specs(local, rank, tp, num_heads=4, num_kv_heads=2) == specs
+        for n, spec in specs.items():
+            for p in spec.pieces:
+                covered[n][p.box.slices()] += 1
+    del covered["model.layers.0.input_layernorm.weight"]
+    for n, c in covered.items():
+        want = 2 if tp == 4 and (".k_proj." in n or ".v_proj." in n) else 1
+        assert bool((c == want).all()), (n, c.unique())
+
+
+def test_a_whole_tensor_that_does_not_cut_is_named():
+    with pytest.raises(LayoutError, match=r"q_proj\.weight: a whole tensor of shape \[130, 64\]"):
+        vllm_tp_shards({"model.layers.0.self_attn.q_proj.weight": (130, 64)}, 0, 4,
+                       num_heads=4, num_kv_heads=2)

@@ -4,17 +4,23 @@
 transformers Qwen2 model, one gloo rank) and the launcher. It starts two engine
 processes, each a ``vllm.LLM`` with ``worker_extension_cls=FleetWorkerExtension``
 (``torchrefit.engines.vllm_fleet``) whose workers join the fleet through vLLM's
-``collective_rpc("join_fleet", ...)``, and runs:
+``collective_rpc("join_fleet", ...)``: engine ``a`` at tensor parallel 2 (its two
+workers are the two ranks of one replica, each holding its shards), engine ``b`` at
+TP1. It runs:
 
 1. the oracle shown fair: each engine's dummy weights do not match version 1;
 2. versions 1-3: after each ``Fleet.update``, each engine's greedy tokens and top-5
    logprobs against the oracle, a transformers model holding that version's weights
    (built in the engine's process from the same deterministic steps, not from the fleet);
-3. version 4: engine B is SIGKILLed while it installs the version (a gate the launcher
-   put in B's install blocks it there, the trainer's update in flight); the update must
-   return, name B as dropped, and leave A exact at version 4;
-4. B restarted (a new join): seeded by A to version 4 and judged at it;
-5. versions 5-6: both engines judged again.
+3. version 4: the engine the trainer feeds is SIGKILLed while it installs the version (a
+   gate the launcher put in its install blocks it there, the trainer's update in flight);
+   the update must return, name it as dropped, and leave the other exact at version 4;
+4. the killed engine restarted (a new join): seeded by the other to version 4, judged;
+5. version 5: the other engine is SIGKILLed while it receives the version (a gate blocks
+   its workers between two parts: bytes of version 5 in its staging, none installed, the
+   engine still serving version 4); the update must return, name it, and leave the
+   restarted engine exact at version 5; the killed one restarted, seeded by its peer;
+6. version 6: both engines judged again.
 
 Everything seen goes to OUT.json for ``tests/test_vllm_fleet.py`` to judge.
 """
@@ -35,7 +41,8 @@ import vllm_driver as vd  # noqa: E402
 
 EXTENSION = "torchrefit.engines.vllm_fleet.FleetWorkerExtension"
 SECRET = "vllm-fleet-test-secret"
-KILL_AT, LAST = 4, 6
+KILL_AT, KILL_RECEIVING_AT, LAST = 4, 5, 6
+TP = {"a": 2, "b": 1}  # each engine's tensor parallel size (a restart keeps it)
 PROBE = 3.0  # seconds a generation asked for during the blocked install is given
 
 
@@ -69,26 +76,60 @@ def judge(llm, cfg: dict, version: int) -> dict:
 
 
 # ------------------------------------------------------------------ engine processes
+def _at_gate(path: str, rank: int, said: dict) -> None:
+    """A worker at a gate: say so in ``path.RANK`` (its pid and what it holds), then block
+    until the launcher kills it."""
+    with open(f"{path}.{rank}.tmp", "w") as f:
+        json.dump({"pid": os.getpid(), **said}, f)
+    os.replace(f"{path}.{rank}.tmp", f"{path}.{rank}")
+    time.sleep(3600)
+
+
 def _gate(worker, version: int, path: str) -> None:
-    """On B's worker: its install of ``version`` blocks (inside the replica's lock) after
-    saying so in ``path`` with the worker's pid, until the launcher kills it."""
+    """On every worker of the victim: its install of ``version`` blocks (inside the
+    replica's lock) at the gate."""
     import torchrefit.engines.vllm_fleet as vf
 
     load = vf.load_into_vllm
+    replica = worker._torchrefit_fleet.replica
 
-    def gated(model, model_config, mirror):
-        if worker._torchrefit_fleet.replica.version == version:
-            with open(path + ".tmp", "w") as f:
-                f.write(str(os.getpid()))
-            os.replace(path + ".tmp", path)
-            time.sleep(3600)
-        load(model, model_config, mirror)
+    def gated(*args):
+        if replica.version == version:
+            _at_gate(path, replica.rank, {"version": replica.version})
+        load(*args)
 
     vf.load_into_vllm = gated
 
 
-def engine(name: str, port: int, secret_file: str, cfg_json: str, conn) -> None:
+def _gate_receiving(worker, version: int, path: str) -> None:
+    """On every worker of the victim: while it receives ``version``, it blocks at the gate
+    before the update's second part (its first part received into staging, nothing
+    installed: the worker's version and vLLM's are the previous one)."""
+    member = worker._torchrefit_fleet
+    fleet = member.replica._worker
+    receive, word = fleet._receive, fleet._word
+    now: dict = {}
+
+    def receiving(task, e, outs):
+        now["version"] = task["version"]
+        try:
+            return receive(task, e, outs)
+        finally:
+            now.clear()
+
+    def gated_word(b, key, part, until=None):
+        if now.get("version") == version and part == 1 and b is fleet.board:
+            _at_gate(path, member.replica.rank, {"version": member.replica.version,
+                                                 "served": member.served})
+        return word(b, key, part, until)
+
+    fleet._receive, fleet._word = receiving, gated_word
+
+
+def engine(name: str, port: int, secret_file: str, cfg_json: str, tp: int, conn) -> None:
     """An engine process: start vLLM, join the fleet, then answer the launcher's commands."""
+    if tp > 1:  # one NUMA node here: vLLM CPU cannot bind each worker to its own
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM
 
     os.setsid()  # its own process group: the launcher kills the engine and its engine core at once
@@ -97,11 +138,12 @@ def engine(name: str, port: int, secret_file: str, cfg_json: str, conn) -> None:
     t0 = time.monotonic()
     llm = LLM(model=vd.model_dir(cfg), load_format="dummy", skip_tokenizer_init=True, dtype="float32",
               enforce_eager=True, max_model_len=128, worker_extension_cls=EXTENSION,
+              tensor_parallel_size=tp,
               gpu_memory_utilization=0.3)  # on CPU: the share of memory it wants free (two engines)
     started = time.monotonic() - t0
-    state = llm.collective_rpc("join_fleet", kwargs=dict(address="127.0.0.1", port=str(port), name=name,
-                                                         secret_file=secret_file, timeout="60"))[0]
-    conn.send({"joined": state, "start_seconds": started})
+    states = llm.collective_rpc("join_fleet", kwargs=dict(address="127.0.0.1", port=str(port), name=name,
+                                                          secret_file=secret_file, timeout="60"))
+    conn.send({"joined": states[0], "workers": states, "start_seconds": started})
     while True:
         cmd = conn.recv()
         try:
@@ -112,14 +154,14 @@ def engine(name: str, port: int, secret_file: str, cfg_json: str, conn) -> None:
             if cmd[0] == "probe":
                 conn.send({"finished": _probe(llm, cmd[1])})
                 continue
-            if cmd[0] == "gate":  # by reference: the engine's worker imports this module
+            if cmd[0] == "gate":  # ("gate", which, ...) by reference: the worker imports this module
                 import vllm_fleet_driver
 
-                llm.collective_rpc(vllm_fleet_driver._gate, args=cmd[1:])
+                llm.collective_rpc(getattr(vllm_fleet_driver, cmd[1]), args=cmd[2:])
                 conn.send({"gated": True})
             elif cmd[0] == "check":  # ("check", fleet version to wait for, oracle version)
-                state = _wait_version(llm, cmd[1])
-                conn.send({"state": state, "verdict": judge(llm, cfg, cmd[2])})
+                states = _wait_version(llm, cmd[1])
+                conn.send({"state": states[0], "workers": states, "verdict": judge(llm, cfg, cmd[2])})
         except Exception:
             conn.send({"error": traceback.format_exc()})
 
@@ -143,12 +185,14 @@ def _probe(llm, seconds: float) -> bool:
     return done.wait(seconds)
 
 
-def _wait_version(llm, version: int, limit: float = 60.0) -> dict:
+def _wait_version(llm, version: int, limit: float = 60.0) -> list[dict]:
+    """Every worker's fleet state, once all hold ``version`` (or ``limit`` passed)."""
     deadline = time.monotonic() + limit
     while True:
-        state = llm.collective_rpc("fleet_state")[0]
-        if (state["version"] >= version and (version == 0 or state["ready"])) or time.monotonic() > deadline:
-            return state
+        states = llm.collective_rpc("fleet_state")
+        if all(s["version"] >= version and (version == 0 or s["ready"]) for s in states) or (
+                time.monotonic() > deadline):
+            return states
         time.sleep(0.05)
 
 
@@ -156,8 +200,9 @@ class Engine:
     """The launcher's handle on one engine process."""
 
     def __init__(self, ctx, name: str, port: int, secret_file: str, cfg_json: str) -> None:
+        self.tp = TP[name]
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=engine, args=(name, port, secret_file, cfg_json, child))
+        self.proc = ctx.Process(target=engine, args=(name, port, secret_file, cfg_json, self.tp, child))
         self.proc.start()
         self.joined: dict | None = None
 
@@ -202,7 +247,9 @@ def run(out: dict, workdir: str) -> None:
     import torchrefit as tr
     from torchrefit.testing.jobs import free_ports
 
-    cfg = vd.config("dense")
+    # a vocabulary vLLM pads (to 256) before cutting it: the TP2 engine's ranks hold 128
+    # and 122 of its rows, not an even share
+    cfg = dict(vd.config("dense"), vocab_size=250)
     cfg_json = json.dumps(cfg)
     secret_file = os.path.join(workdir, "secret")
     with open(secret_file, "w") as f:
@@ -240,45 +287,61 @@ def run(out: dict, workdir: str) -> None:
             out["reports"].append(_report(fleet.update(v)))
             say(out["reports"][-1]["text"])
 
+        def kill_during(version, key, gate_kind):
+            """Update to ``version`` while engine ``key`` blocks at the gate and is killed
+            there; returns what the killer saw."""
+            gate = os.path.join(workdir, f"gate-{version}")
+            engines[key].ask("gate", gate_kind, version, gate)
+            killed: dict = {}
+            killer = threading.Thread(target=_kill_at_gate, args=(gate, engines[key], killed),
+                                      daemon=True)
+            killer.start()
+            t0 = time.monotonic()
+            try:
+                update(version)
+            except Exception:
+                out.setdefault("update_raised", []).append(traceback.format_exc())
+                say(out["update_raised"][-1])
+            killed["update_seconds"] = time.monotonic() - t0
+            killer.join(PROBE + 30)
+            say(f"killed at version {version}: {killed}")
+            if "worker_pids" not in killed:
+                raise RuntimeError(f"engine {key} was not killed at its gate: {killed}")
+            return killed
+
+        def restart(key, label):
+            """Engine ``key`` again (a new join, seeded by its live peer); its new name."""
+            t0 = time.monotonic()
+            engines[key] = Engine(ctx, key, port, secret_file, cfg_json)
+            out["engines"][label] = engines[key].wait_joined(300)
+            names[key] = engines[key].joined["joined"]["name"]
+            say(f"engine {key} restarted: {engines[key].joined}")
+            _wait_table(fleet, {names[key]}, {"ready"}, 60)
+            out[f"{label}_seconds"] = time.monotonic() - t0
+            return names[key]
+
         for v in range(1, KILL_AT):
             update(v)
             check(("a", "b"), v)
-        # the victim: the engine the trainer fed (the relay the other one hangs from)
+        # the first victim: the engine the trainer fed (the relay the other one hangs from)
         fed = {x["name"]: x["source"] for x in out["reports"][-1]["replicas"]}
         victim = next(k for k in names if fed[names[k]] == "trainer")
         survivor = next(k for k in names if k != victim)
         out["victim"], out["survivor"] = names[victim], names[survivor]
         # version KILL_AT: the victim is killed inside its install, the update in flight
-        gate = os.path.join(workdir, "gate")
-        engines[victim].ask("gate", KILL_AT, gate)
-        killed: dict = {}
-        killer = threading.Thread(target=_kill_at_gate, args=(gate, engines[victim], killed), daemon=True)
-        killer.start()
-        t0 = time.monotonic()
-        try:
-            update(KILL_AT)
-        except Exception:
-            out["update_raised"] = traceback.format_exc()
-            say(out["update_raised"])
-        out["kill_update_seconds"] = time.monotonic() - t0
-        killer.join(PROBE + 30)
-        out["killed"] = killed
-        say(f"killed: {killed}")
-        if "worker_pid" not in killed:
-            raise RuntimeError(f"the victim was not killed inside its install: {killed}")
+        out["killed"] = kill_during(KILL_AT, victim, "_gate")
         check((survivor,), KILL_AT)
-        # the victim restarts: a new join, seeded by the survivor
-        t0 = time.monotonic()
-        engines[victim] = Engine(ctx, victim, port, secret_file, cfg_json)
-        out["engines"]["restart"] = engines[victim].wait_joined(300)
-        names[victim] = out["restart"] = engines[victim].joined["joined"]["name"]
-        say(f"engine {victim} restarted: {engines[victim].joined}")
-        _wait_table(fleet, {names[victim]}, {"ready"}, 60)
-        out["restart_seconds"] = time.monotonic() - t0
+        out["restart"] = restart(victim, "restart")
+        check((victim,), KILL_AT)
+        # version KILL_RECEIVING_AT: the other engine is killed while it receives
+        out["victim2"] = names[survivor]
+        out["killed2"] = kill_during(KILL_RECEIVING_AT, survivor, "_gate_receiving")
+        check((victim,), KILL_RECEIVING_AT)
+        out["restart2"] = restart(survivor, "restart2")
+        check((survivor,), KILL_RECEIVING_AT)
         out["seeds"] = [list(s) for s in fleet.coordinator.seeds]
         say(f"seeds: {out['seeds']}")
-        check((victim,), KILL_AT)
-        for v in range(KILL_AT + 1, LAST + 1):
+        for v in range(KILL_RECEIVING_AT + 1, LAST + 1):
             update(v)
             check(("a", "b"), v)
     finally:
@@ -289,24 +352,29 @@ def run(out: dict, workdir: str) -> None:
 
 
 def _kill_at_gate(gate: str, eng: Engine, killed: dict, limit: float = 60.0) -> None:
-    """Once the victim's install is blocked at the gate: ask it for a generation (which
-    must not finish: the install holds the lock its steps take), then SIGKILL its worker
-    (the fleet member) and the rest of the engine."""
+    """Once every worker of the victim is blocked at the gate: ask it for a generation
+    (``probe``: whether one finishes while the workers wait there), then SIGKILL its
+    workers (the fleet's ranks) and the rest of the engine."""
+    paths = [f"{gate}.{r}" for r in range(eng.tp)]
     deadline = time.monotonic() + limit
-    while not os.path.exists(gate) and time.monotonic() < deadline:
+    while not all(map(os.path.exists, paths)) and time.monotonic() < deadline:
         time.sleep(0.01)
-    if not os.path.exists(gate):
-        killed["error"] = "the gate was never reached"
+    if not all(map(os.path.exists, paths)):
+        killed["error"] = f"the gate was not reached by every worker: {[os.path.exists(p) for p in paths]}"
+        eng.kill()
         return
-    with open(gate) as f:
-        worker = int(f.read())
-    try:  # a step asked for now must wait: the install holds the replica's lock
+    workers = []
+    for path in paths:
+        with open(path) as f:
+            workers.append(json.load(f))
+    try:
         killed["probe"] = eng.ask("probe", PROBE)
     except Exception as e:
         killed["probe"] = {"error": repr(e)}
-    os.kill(worker, signal.SIGKILL)
+    for w in workers:
+        os.kill(w["pid"], signal.SIGKILL)
     eng.kill()
-    killed.update(worker_pid=worker, at=time.monotonic())
+    killed.update(worker_pids=[w["pid"] for w in workers], at_gate=workers, at=time.monotonic())
 
 
 def _wait_table(fleet, names: set[str], states: set[str], limit: float) -> None:

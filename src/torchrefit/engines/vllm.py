@@ -85,6 +85,7 @@ __all__ = [
     "BACKEND", "DIRECT", "LOAD_WEIGHTS", "Route", "decide_routes", "register",
     "TorchrefitInitInfo", "TorchrefitUpdateInfo", "TorchrefitWeightTransferEngine",
     "TorchrefitTrainerInitInfo", "TorchrefitTrainerWeightTransferEngine",
+    "open_reload", "load_whole", "close_reload", "repack_after_reload",
 ]
 
 _log = logging.getLogger(__name__)
@@ -358,9 +359,7 @@ class TorchrefitWeightTransferEngine(
     # -- update: start, receive, apply
     def start_weight_update(self) -> None:
         if (self._sink is not None or self._mirror) and not self._staged:  # tensors routed through load_weights
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-            initialize_layerwise_reload(self.model)
+            open_reload(self.model)
             self._reloading = True
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -420,9 +419,7 @@ class TorchrefitWeightTransferEngine(
             self._direct.commit()
         held, self._held = self._held, None
         if held:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-            initialize_layerwise_reload(self.model)
+            open_reload(self.model)
             self._reloading = True
             self._load_error = None
             self._load_bucket(held)
@@ -457,14 +454,9 @@ class TorchrefitWeightTransferEngine(
         which would leave the trainer's ranks waiting for this one."""
         if self._load_error is not None:
             return
-        from vllm.model_executor.model_loader.mtp_validation import (
-            disable_mtp_completeness_check,
-        )
         try:
-            # copies: vLLM's layerwise reload keeps what it is given until the layer is
-            # complete, and the sink's next bucket overwrites this one's buffer
-            with disable_mtp_completeness_check():
-                self.model.load_weights([(n, t.clone()) for n, t in pairs])
+            # copies: the sink's next bucket overwrites this one's buffer
+            load_whole(self.model, [(n, t.clone()) for n, t in pairs])
         except Exception as e:
             self._load_error = failure(e, f"engine rank {self._conn.rank}: vLLM's load_weights "
                                           f"({', '.join(n for n, _ in pairs[:3])}...)")
@@ -489,10 +481,7 @@ class TorchrefitWeightTransferEngine(
             self._apply()
 
     def _apply(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
-        repack_after_reload(self.model)
+        close_reload(self.model, self.model_config)
 
     def _release(self) -> None:
         """Drop the link to a trainer and what was planned over it: an update left open
@@ -511,6 +500,36 @@ class TorchrefitWeightTransferEngine(
 
     def shutdown(self) -> None:
         self._release()
+
+
+# ------------------------------------------------- vLLM's reload, as a fresh load runs it
+def open_reload(model: nn.Module) -> None:
+    """Open vLLM's layerwise reload of a live ``model``: each layer then takes what
+    ``load_whole`` gives it and is rebuilt once complete; layers given nothing keep
+    their tensors when it is closed."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    initialize_layerwise_reload(model)
+
+
+def load_whole(model: nn.Module, pairs) -> None:
+    """``(name, tensor)`` pairs, whole tensors named as vLLM's ``load_weights`` takes them,
+    into ``model``'s loaders inside an open reload (a model with MTP layers takes them
+    without its completeness check). The reload keeps each tensor until its layer is
+    complete: give it tensors nothing else writes meanwhile (copies)."""
+    from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+    with disable_mtp_completeness_check():
+        model.load_weights(pairs)
+
+
+def close_reload(model: nn.Module, model_config) -> None:
+    """Close vLLM's layerwise reload (vLLM's post-load steps for each layer it rebuilt),
+    then the steps it leaves out (``repack_after_reload``)."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    finalize_layerwise_reload(model, model_config)
+    repack_after_reload(model)
 
 
 def repack_after_reload(model: nn.Module) -> None:

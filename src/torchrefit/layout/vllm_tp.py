@@ -45,7 +45,7 @@ from ._types import Box, Piece
 from .explicit import Explicit, TensorSpec
 from .sharding import shard_pieces
 
-__all__ = ["vllm_tp_specs", "vllm_tp_layout"]
+__all__ = ["vllm_tp_specs", "vllm_tp_shards", "vllm_tp_layout"]
 
 _COLUMN = frozenset({"q_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head"})
 _ROW = frozenset({"o_proj", "down_proj"})
@@ -71,6 +71,43 @@ def vllm_tp_specs(
         if spec is not None:
             specs[name] = spec
     return specs
+
+
+def vllm_tp_shards(
+    shapes: Mapping[str, tuple[int, ...]],
+    tp_rank: int,
+    tp_size: int,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+) -> dict[str, TensorSpec]:
+    """The other way round from :func:`vllm_tp_specs`: for whole tensors ``{name: global
+    shape}``, the ``TensorSpec`` of the shard rank ``tp_rank`` holds of each one tensor
+    parallel cuts (its local shape: :func:`local_shape`); tensors left out are whole on
+    every rank. Raises :class:`LayoutError` naming a tensor that does not cut evenly."""
+    vllm_tp_specs({}, tp_rank, tp_size, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    specs = {}
+    for name, shape in shapes.items():
+        shape = tuple(int(s) for s in shape)
+        # every rule cuts one dim by a whole factor (the TP size, or the kv heads held):
+        # the whole shape read as a shard's tells which dim and how much
+        probe = _spec(name, shape, 0, tp_size, num_heads, num_kv_heads)
+        if probe is None:
+            continue
+        dim = next(d for d, (g, s) in enumerate(zip(probe.global_shape, shape)) if g != s)
+        local = shape[:dim] + (shape[dim] * shape[dim] // probe.global_shape[dim],) + shape[dim + 1:]
+        spec = _spec(name, local, tp_rank, tp_size, num_heads, num_kv_heads)
+        if spec is None or spec.global_shape != shape:
+            raise LayoutError(f"{name}: a whole tensor of shape {list(shape)} does not cut into "
+                              f"{tp_size} vLLM tensor-parallel shards")
+        specs[name] = spec
+    return specs
+
+
+def local_shape(spec: TensorSpec) -> tuple[int, ...]:
+    """The shape of the local tensor that holds ``spec``'s pieces."""
+    return tuple(max(o + s for o, s in zip(dims_o, dims_s)) for dims_o, dims_s in zip(
+        zip(*(p.local_offset for p in spec.pieces)), zip(*(p.box.size for p in spec.pieces))))
 
 
 def _spec(name: str, shape: tuple[int, ...], rank: int, size: int, heads: int,
