@@ -545,9 +545,9 @@ def header_numel(msgs: list[_Message]) -> int:
 
 def run_delta(d: DeltaRounds, transport: RoundsTransport) -> DeltaStats:
     """One call, collective with the plan's peers: round ``m`` carries message ``m`` of
-    every pair and the headers of message ``m + 1``, which the sender encodes before the
-    round, so a receiver applies message ``m`` while its sender diffs message ``m + 2``
-    (the headers of message 0 go in a round of their own)."""
+    every pair and the headers of message ``m + 1`` (the headers of message 0 go in a round
+    of their own). A sender encodes message ``m + 2`` while round ``m`` is on the wire,
+    and its receiver applies message ``m`` while the sender encodes a later one."""
     rounds = max([len(ms) for ms in (*d.sends.values(), *d.recvs.values())], default=0)
     staged = pinned_pools(d.wire, d.device)
     totals = [0, 0, 0, 0]  # bytes sent, received; sparse and dense messages received
@@ -555,17 +555,25 @@ def run_delta(d: DeltaRounds, transport: RoundsTransport) -> DeltaStats:
     encoded = _encode_round(d, 0)
     heads, pieces = _header_buffers(d, 0, step)
     _exchange(transport, _headers(d, encoded, step), pieces, totals)
+    ahead = _encode_round(d, 1) if rounds > 1 else {}
     for m in range(rounds):
         plans = _round_plans(d, m, heads)
-        ahead = _encode_round(d, m + 1) if m + 1 < rounds else {}
         heads, pieces = _header_buffers(d, m + 1, step)
         sends = _send_buffers(d, [(p, enc[2]) for p, enc in sorted(encoded.items()) if enc[2].numel()], staged)
+        sends += _headers(d, ahead, step)
         recvs = _receive_buffers(d, plans, m, staged)
-        _exchange(transport, sends + _headers(d, ahead, step), recvs + pieces, totals)
+        handle = transport.start(sends, recvs + pieces) if sends or recvs or pieces else None
+        # message m + 2 is diffed (or filled) while round m is on the wire: its payload and
+        # reference are buffers of their own, and the round's sent buffers are not touched
+        later = _encode_round(d, m + 2) if m + 2 < rounds else {}
+        if handle is not None:
+            transport.finish(handle)
+        totals[0] += sum(b.nbytes for _, b in sends)
+        totals[1] += sum(b.nbytes for _, b in (*recvs, *pieces))
         _land(d, plans, m, dict(recvs), staged, totals)
         if staged and recvs:  # the copies out of the pinned pool landed: the next round reuses it
             torch.cuda.current_stream(d.device).synchronize()
-        encoded = ahead
+        encoded, ahead = ahead, later
     d.last = DeltaStats(*totals)
     return d.last
 
