@@ -5,22 +5,12 @@ globals)."""
 import triton
 import triton.language as tl
 
-__all__ = ["tile_offsets", "diff_tiles", "gather_tiles", "apply_blocks", "diff_small", "gather_small", "apply_small"]
-
-
-@triton.jit
-def tile_offsets(base, TILE: tl.constexpr, ROW: tl.constexpr):
-    # a tile's element offsets: flat, or ROW > 0: rows of ROW (the prefix of the changes is
-    # then a short scan within each row plus one over the rows' counts)
-    if ROW > 0:
-        return base + tl.arange(0, TILE // ROW)[:, None] * ROW + tl.arange(0, ROW)[None, :]
-    else:
-        return base + tl.arange(0, TILE)
+__all__ = ["diff_tiles", "gather_tiles", "apply_blocks", "diff_small", "gather_small", "apply_small"]
 
 
 @triton.jit
 def diff_tile(cur, ref, offs, inside, t, counts, starts, pos_out, val_out, total, slot, limit,
-              CAST: tl.constexpr, WIRE: tl.constexpr, BF16_RNE: tl.constexpr, ROW: tl.constexpr):
+              CAST: tl.constexpr, WIRE: tl.constexpr, BF16_RNE: tl.constexpr):
     b = tl.load(ref + offs, mask=inside, other=0)
     a = tl.load(cur + offs, mask=inside, other=0)
     if BF16_RNE:  # the interpreter: bfloat16 rounded to nearest even in integers, as torch on CPU
@@ -31,12 +21,7 @@ def diff_tile(cur, ref, offs, inside, t, counts, starts, pos_out, val_out, total
     elif CAST:  # the wire dtype's bits of the cast: the device's cast instruction, as torch's
         a = a.to(WIRE).to(b.dtype, bitcast=True)
     changed = (a != b) & inside
-    c = changed.to(tl.int32)
-    if ROW > 0:
-        rows = tl.sum(c, axis=1)
-        n = tl.sum(rows, axis=0)
-    else:
-        n = tl.sum(c, axis=0)
+    n = tl.sum(changed.to(tl.int32), axis=0)
     tl.store(ref + offs, a, mask=changed)
     tl.store(counts + t, n)
     if n > 0:
@@ -44,10 +29,7 @@ def diff_tile(cur, ref, offs, inside, t, counts, starts, pos_out, val_out, total
         start = tl.atomic_add(total + slot, n.to(tl.int64))  # room in this element size's scratch
         tl.store(starts + t, start)
         if start + n <= cap:
-            if ROW > 0:
-                at = start + (tl.cumsum(rows, axis=0) - rows)[:, None] + tl.cumsum(c, axis=1) - 1
-            else:
-                at = start + tl.cumsum(c, axis=0) - 1
+            at = start + tl.cumsum(changed.to(tl.int32), axis=0) - 1
             tl.store(pos_out + at, (offs & 0xFFFF).to(tl.int16), mask=changed)
             tl.store(val_out + at, a, mask=changed)
 
@@ -65,26 +47,25 @@ def copy_run(pos_in, val_in, pos_out, val_out, n, CHUNK: tl.constexpr):
 
 @triton.jit
 def diff_tiles(cur, ref, numel, counts, starts, pos_out, val_out, total, slot, limit,
-               TILE: tl.constexpr, CAST: tl.constexpr, WIRE: tl.constexpr, BF16_RNE: tl.constexpr,
-               ROW: tl.constexpr):
+               TILE: tl.constexpr, CAST: tl.constexpr, WIRE: tl.constexpr, BF16_RNE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    offs = tile_offsets(t * TILE, TILE, ROW)
+    offs = t * TILE + tl.arange(0, TILE)
     diff_tile(cur, ref, offs, offs < numel, t, counts, starts, pos_out, val_out, total, slot, limit,
-              CAST, WIRE, BF16_RNE, ROW)
+              CAST, WIRE, BF16_RNE)
 
 @triton.jit
 def diff_small(table, counts, starts, pos_out, val_out, total, slot, limit, SRC: tl.constexpr,
                ELEM: tl.constexpr, TILE: tl.constexpr, PER: tl.constexpr, CAST: tl.constexpr, WIRE: tl.constexpr,
-               BF16_RNE: tl.constexpr, ROW: tl.constexpr):
+               BF16_RNE: tl.constexpr):
     # parts of one block at most, PER (a block's) tiles each (the last ones empty): table rows of
     # (source address, reference address, elements)
     t = tl.program_id(0).to(tl.int64)
     p = t // PER
-    offs = tile_offsets((t - p * PER) * TILE, TILE, ROW)
+    offs = (t - p * PER) * TILE + tl.arange(0, TILE)
     cur = tl.load(table + p * 3).to(tl.pointer_type(SRC))
     mine = tl.load(table + p * 3 + 1).to(tl.pointer_type(ELEM))
     diff_tile(cur, mine, offs, offs < tl.load(table + p * 3 + 2), t, counts, starts, pos_out, val_out, total,
-              slot, limit, CAST, WIRE, BF16_RNE, ROW)
+              slot, limit, CAST, WIRE, BF16_RNE)
 
 @triton.jit
 def gather_small(counts, starts, table, pos_in, val_in, ELEM: tl.constexpr, PER: tl.constexpr,

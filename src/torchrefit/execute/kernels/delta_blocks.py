@@ -45,11 +45,6 @@ __all__ = ["available", "TILE", "PER", "SMALL", "CLASSES", "Diffed", "diff_parts
 
 #: elements one diff program compares; the wire format's block is a whole number of tiles
 TILE = 4096
-#: a diff program's changes are placed by a prefix within rows of ROW elements and one over
-#: the rows' counts (0: one prefix over the whole tile)
-ROW = 32
-#: warps per diff program
-DIFF_WARPS = 8
 #: changes one gather or apply program moves per step
 CHUNK = 1024
 #: element sizes, one scratch (positions, values) and one reservation counter each
@@ -168,8 +163,7 @@ def diff_parts(currents: list[torch.Tensor], refs: list[torch.Tensor], wires: li
         with _on_device(b):
             diff[(tiles,)](cur.reshape(-1) if cast else _bits(cur.reshape(-1)), b, ref.numel(), c, s, pos, val,
                            totals, CLASSES.index(wire.itemsize), limit, TILE=TILE, CAST=cast,
-                           WIRE=_tl_dtype(wire) if cast else None, BF16_RNE=_rne(cast, wire), ROW=ROW,
-                           num_warps=DIFF_WARPS)
+                           WIRE=_tl_dtype(wire) if cast else None, BF16_RNE=_rne(cast, wire), num_warps=8)
         # each part's changed count: a sum of its tiles' (no atomic per tile on one slot)
         torch.sum(c, 0, dtype=torch.int64, out=totals[len(CLASSES) + i])
     groups = []
@@ -185,7 +179,7 @@ def diff_parts(currents: list[torch.Tensor], refs: list[torch.Tensor], wires: li
             small_diff[(PER * len(idx),)](table, c, s, pos, val, totals, CLASSES.index(size), limit,
                                           SRC=_tl_dtype(src_dtype) if cast else _tl_int(size), ELEM=_tl_int(size),
                                           TILE=TILE, PER=PER, CAST=cast, WIRE=_tl_dtype(wire) if cast else None,
-                                          BF16_RNE=_rne(cast, wire), ROW=ROW, num_warps=DIFF_WARPS)
+                                          BF16_RNE=_rne(cast, wire), num_warps=8)
         where = _table([[len(CLASSES) + i] for i in idx], ref0.device).view(-1)
         totals.index_copy_(0, where, c.view(len(idx), PER).sum(1, dtype=torch.int64))
         groups.append(_Group(tuple(idx), size, c, s))
