@@ -413,14 +413,16 @@ def test_separate_jobs_through_connect() -> None:
 
 
 # ------------------------------------------------------------------ a failed refit
-def _failed_world(rank: int, world: int) -> dict:
+def _failed_world(rank: int, world: int, transport: str = "auto") -> dict:
     """A transfer that fails mid-refit on every rank, delta and full alike: the same
-    outcome (version kept, every later refit refused: docs/reliability.md)."""
-    src = {"x": torch.ones(64, 64, dtype=torch.bfloat16)} if rank == 0 else None
+    outcome (version kept, every later refit refused: docs/reliability.md). Tensors in
+    shared memory, so one-sided transports over it take them too
+    (tests/test_delta_one_sided.py)."""
+    src = {"x": torch.ones(64, 64, dtype=torch.bfloat16).share_memory_()} if rank == 0 else None
     out = {}
     for delta in (None, "device"):
-        dst = {"x": torch.zeros(64, 64, dtype=torch.bfloat16)} if rank == 1 else None
-        r = tr.Refitter(src, dst, delta=delta)
+        dst = {"x": torch.zeros(64, 64, dtype=torch.bfloat16).share_memory_()} if rank == 1 else None
+        r = tr.Refitter(src, dst, delta=delta, transport=transport)
         r.refit()
 
         def broken(*_args, **_kwargs):

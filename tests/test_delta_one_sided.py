@@ -26,7 +26,15 @@ from __future__ import annotations
 import pytest
 import shm_transport
 import torch
-from test_delta import SPEC, _chain_world, _dtypes_world, _same, check_chain, check_dtypes
+from test_delta import (
+    SPEC,
+    _chain_world,
+    _dtypes_world,
+    _failed_world,
+    _same,
+    check_chain,
+    check_dtypes,
+)
 from test_one_sided_cpu import _check_order, _shared
 
 import torchrefit as tr
@@ -275,28 +283,6 @@ def test_nvshmem_headers_longer_than_a_slot() -> None:
 
 
 # ------------------------------------------------------------------ a failed refit
-def _failed_world(rank: int, world: int, transport: str) -> dict:
-    src = {"x": torch.ones(64, 64, dtype=torch.bfloat16).share_memory_()} if rank == 0 else None
-    out = {}
-    for delta in (None, "device"):
-        dst = {"x": torch.zeros(64, 64, dtype=torch.bfloat16).share_memory_()} if rank == 1 else None
-        r = tr.Refitter(src, dst, delta=delta, transport=transport)
-        r.refit()
-
-        def broken(*_args, **_kwargs):
-            raise tr.TransportError("injected failure")
-        r._program.run = broken
-        seen = []
-        for _ in range(2):
-            try:
-                r.refit()
-                seen.append("ok")
-            except tr.TransportError as e:
-                seen.append("unusable" if "unusable" in str(e) else "raised")
-        out[str(delta)] = (seen, r.version)
-    return out
-
-
 @pytest.mark.parametrize("transport", ONE_SIDED)
 def test_a_failed_delta_refit_leaves_what_a_failed_full_refit_leaves(transport: str) -> None:
     for got in run_world(_failed_world, 2, transport, timeout=120):
