@@ -93,6 +93,7 @@ class _Scratch:
 
     def __init__(self) -> None:
         self._kept: dict[tuple, torch.Tensor] = {}
+        self.density: dict[tuple[int, int], float] = {}  # per message: the share its last diff found changed
 
     def buffer(self, name, n: int, dtype: torch.dtype, device: torch.device,
                pinned: bool = False) -> torch.Tensor:
@@ -154,8 +155,15 @@ class DeltaRounds:
     token: int = field(default_factory=lambda: next(_tokens))
     pairs: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
     last: DeltaStats = DeltaStats()
-    pool: torch.Tensor | None = None  # receive buffers, grown as needed and kept
+    pools: list[torch.Tensor | None] = field(default_factory=lambda: [None, None])  # receive buffers, by round parity
     scratch: _Scratch = field(default_factory=_Scratch)
+
+    def pool(self, parity: int, n: int, pinned: bool) -> torch.Tensor:
+        """Receive buffer ``parity`` (0 or 1) of at least ``n`` bytes, grown as needed and kept."""
+        buf = self.pools[parity]
+        if buf is None or buf.numel() < n:
+            buf = self.pools[parity] = torch.empty(n, dtype=torch.uint8, device=self.wire, pin_memory=pinned)
+        return buf
 
     @property
     def idle(self) -> bool:
@@ -384,7 +392,19 @@ def _encode(msg: _Message, key: tuple[int, int] = (0, 0), scratch: _Scratch | No
     scratch = scratch or _Scratch()
     if dense_above is None:
         dense_above = settings.current().delta_dense_above
-    if _sampled_density(msg) > dense_above:  # a fill: one copy, cheaper than any diff pass
+    out = _encoded(msg, key, scratch, dense_above)
+    numel = sum(p.numel for p in msg.parts)
+    scratch.density[key] = 1.0 if out[0] == DENSE else sum(out[1]) / max(1, numel)
+    return out
+
+
+def _encoded(msg: _Message, key: tuple[int, int], scratch: _Scratch,
+             dense_above: float) -> tuple[int, list[int], torch.Tensor]:
+    # the sample decides only where the last call's diff of this message found it dense
+    # or near the line: a diff that passes the line stops there and fills, so a message
+    # that stayed sparse saves the sample's reads and (on a GPU) its wait for the count
+    last = scratch.density.get(key, 1.0)
+    if last > dense_above / 2 and _sampled_density(msg) > dense_above:  # a fill: one copy, cheaper than any diff pass
         return DENSE, [0] * len(msg.parts), _fill(msg)
     currents = _triton_currents(msg)
     if currents is not None:
@@ -513,8 +533,12 @@ def _apply(msg: _Message, counts: list[int], payload: torch.Tensor, scratch: _Sc
         delta_blocks.apply(payload, kernel_parts, scratch.kept(dev))
 
 
-def _unpack(msg: _Message, payload: torch.Tensor, non_blocking: bool = False) -> None:
-    for part in msg.parts:
+def _unpack(msg: _Message, payload: torch.Tensor, non_blocking: bool = False,
+            skip: frozenset[int] = frozenset()) -> None:
+    """A dense payload's parts into their views (but the parts ``skip`` names)."""
+    for i, part in enumerate(msg.parts):
+        if i in skip:
+            continue
         part.view.copy_(payload[part.offset: part.offset + part.nbytes].view(part.wire).view(part.view.shape),
                         non_blocking=non_blocking)
 
@@ -546,8 +570,9 @@ def header_numel(msgs: list[_Message]) -> int:
 def run_delta(d: DeltaRounds, transport: RoundsTransport) -> DeltaStats:
     """One call, collective with the plan's peers: round ``m`` carries message ``m`` of
     every pair and the headers of message ``m + 1`` (the headers of message 0 go in a round
-    of their own). A sender encodes message ``m + 2`` while round ``m`` is on the wire,
-    and its receiver applies message ``m`` while the sender encodes a later one."""
+    of their own). A sender encodes message ``m + 2`` while round ``m`` is on the wire;
+    a receiver posts round ``m + 1`` (whose sizes round ``m``'s headers gave) before it
+    applies message ``m``, so the wire never waits for an apply."""
     rounds = max([len(ms) for ms in (*d.sends.values(), *d.recvs.values())], default=0)
     staged = pinned_pools(d.wire, d.device)
     totals = [0, 0, 0, 0]  # bytes sent, received; sparse and dense messages received
@@ -556,26 +581,41 @@ def run_delta(d: DeltaRounds, transport: RoundsTransport) -> DeltaStats:
     heads, pieces = _header_buffers(d, 0, step)
     _exchange(transport, _headers(d, encoded, step), pieces, totals)
     ahead = _encode_round(d, 1) if rounds > 1 else {}
+    plans = _round_plans(d, 0, heads)
+    posted = _post(d, transport, 0, encoded, ahead, plans, staged, step, totals) if rounds else None
     for m in range(rounds):
-        plans = _round_plans(d, m, heads)
-        heads, pieces = _header_buffers(d, m + 1, step)
-        sends = _send_buffers(d, [(p, enc[2]) for p, enc in sorted(encoded.items()) if enc[2].numel()], staged)
-        sends += _headers(d, ahead, step)
-        recvs = _receive_buffers(d, plans, m, staged)
-        handle = transport.start(sends, recvs + pieces) if sends or recvs or pieces else None
+        handle, landing, heads = posted
         # message m + 2 is diffed (or filled) while round m is on the wire: its payload and
         # reference are buffers of their own, and the round's sent buffers are not touched
         later = _encode_round(d, m + 2) if m + 2 < rounds else {}
         if handle is not None:
             transport.finish(handle)
-        totals[0] += sum(b.nbytes for _, b in sends)
-        totals[1] += sum(b.nbytes for _, b in (*recvs, *pieces))
-        _land(d, plans, m, dict(recvs), staged, totals)
-        if staged and recvs:  # the copies out of the pinned pool landed: the next round reuses it
+        if m + 1 < rounds:
+            following = _round_plans(d, m + 1, heads)
+            posted = _post(d, transport, m + 1, ahead, later, following, staged, step, totals)
+        _land(d, plans, m, landing, staged, totals)
+        if staged and landing:  # the copies out of this round's pinned pool landed before round m + 2 reuses it
             torch.cuda.current_stream(d.device).synchronize()
         encoded, ahead = ahead, later
+        plans = following if m + 1 < rounds else {}
     d.last = DeltaStats(*totals)
     return d.last
+
+
+def _post(d: DeltaRounds, transport: RoundsTransport, m: int, encoded: dict, ahead: dict, plans: dict,
+          staged: bool, step: int, totals: list[int]) -> tuple[object, dict, dict[int, torch.Tensor]]:
+    """Start round ``m``: message ``m``'s payloads out, the headers of message ``m + 1``
+    (``ahead``) with them; message ``m``'s receive buffers and ``m + 1``'s header pieces
+    posted. Returns (the transport's handle, what :func:`_land` takes, the headers)."""
+    heads, pieces = _header_buffers(d, m + 1, step)
+    sends = _send_buffers(d, [(p, piece) for p, enc in sorted(encoded.items()) if enc[2].numel()
+                              for piece in _wire_pieces(d.sends[p][m], enc[0], enc[2])], staged)
+    sends += _headers(d, ahead, step)
+    recvs, landing = _receive_buffers(d, plans, m, staged)
+    totals[0] += sum(b.nbytes for _, b in sends)
+    totals[1] += sum(b.nbytes for _, b in (*recvs, *pieces))
+    handle = transport.start(sends, recvs + pieces) if sends or recvs or pieces else None
+    return handle, landing, heads
 
 
 def _encode_round(d: DeltaRounds, m: int) -> dict[int, tuple[int, list[int], torch.Tensor]]:
@@ -639,21 +679,58 @@ def _round_plans(d: DeltaRounds, m: int, headers: dict[int, torch.Tensor]) -> di
     return out
 
 
-def _land(d: DeltaRounds, plans: dict, m: int, got: dict[int, torch.Tensor], staged: bool,
-          totals: list[int]) -> None:
-    """Round ``m``'s payloads into their destinations: dense ones copied (where they did not
-    land in place), sparse ones applied."""
+def _land(d: DeltaRounds, plans: dict, m: int, landing: dict[int, tuple[torch.Tensor, frozenset[int]]],
+          staged: bool, totals: list[int]) -> None:
+    """Round ``m``'s payloads into their destinations: dense parts copied out of the pool
+    (where they did not land in place), sparse payloads applied."""
     for p in sorted(plans):
         enc, counts, size = plans[p]
         msg = d.recvs[p][m]
         if enc == DENSE:
-            if _in_place(msg, d.wire) is None:  # else received straight into the destination
-                _unpack(msg, got[p], non_blocking=staged)
+            got, direct = landing.get(p, (None, frozenset()))
+            if got is not None:  # else every part landed in its view
+                _unpack(msg, got, non_blocking=staged, skip=direct)
             totals[3] += 1
         else:
             if size:  # applied where the views live: the device, or host-staged twins
-                _apply(msg, counts, got[p].to(msg.parts[0].view.device, non_blocking=staged), d.scratch)
+                _apply(msg, counts, landing[p][0].to(msg.parts[0].view.device, non_blocking=staged), d.scratch)
             totals[2] += 1
+
+
+#: a dense message's parts of at least this many bytes travel as messages of their own
+#: (runs of smaller ones as one), so each lands straight in its destination view
+LAND_APART = 1 << 20
+
+
+def _dense_pieces(msg: _Message) -> list[tuple[int, int, tuple[int, ...]]]:
+    """A dense message's byte ranges on the wire, each (start, end, its parts): both ends
+    cut alike, from the message alone."""
+    out: list[tuple[int, int, tuple[int, ...]]] = []
+    run: list[int] = []
+    for i, part in enumerate(msg.parts):
+        if part.nbytes >= LAND_APART:
+            if run:
+                out.append(_span(msg, run))
+                run = []
+            out.append(_span(msg, [i]))
+        else:
+            run.append(i)
+    if run:
+        out.append(_span(msg, run))
+    return out
+
+
+def _span(msg: _Message, idx: list[int]) -> tuple[int, int, tuple[int, ...]]:
+    first, last = msg.parts[idx[0]], msg.parts[idx[-1]]
+    return first.offset, last.offset + last.nbytes, tuple(idx)
+
+
+def _wire_pieces(msg: _Message, enc: int, payload: torch.Tensor) -> list[torch.Tensor]:
+    """What a sender puts on the wire for one message: a sparse payload whole, a dense
+    one as :func:`_dense_pieces`."""
+    if enc != DENSE:
+        return [payload]
+    return [payload[lo: hi] for lo, hi, _ in _dense_pieces(msg)]
 
 
 def _in_place(msg: _Message, wire: torch.device) -> torch.Tensor | None:
@@ -661,8 +738,12 @@ def _in_place(msg: _Message, wire: torch.device) -> torch.Tensor | None:
     contiguous region, no conversion, on the wire's device), as a full refit receives."""
     if len(msg.parts) != 1:
         return None
-    v = msg.parts[0].view
-    if v.dtype != msg.parts[0].wire or v.device != wire or not v.is_contiguous():
+    return _part_in_place(msg.parts[0], wire)
+
+
+def _part_in_place(part: _Part, wire: torch.device) -> torch.Tensor | None:
+    v = part.view
+    if v.dtype != part.wire or v.device != wire or not v.is_contiguous():
         return None
     return v.reshape(-1).view(torch.uint8)
 
@@ -691,27 +772,41 @@ def _send_buffers(d: DeltaRounds, payloads: list[tuple[int, torch.Tensor]],
     return out
 
 
-def _receive_buffers(d: DeltaRounds, plans: dict[int, tuple[int, list[int], int]], m: int,
-                     staged: bool = False) -> list[tuple[int, torch.Tensor]]:
-    """Round ``m``'s receive buffers: dense messages into the destination where they can
-    be, the rest in one pool kept across calls (a fresh allocation per call would fault
-    its pages in every time on CPU); pinned where ``staged`` (the wire is the host, the
-    tensors on a GPU: the copies out of it run on the stream)."""
-    out, offsets, at = [], {}, 0
+def _receive_buffers(d: DeltaRounds, plans: dict[int, tuple[int, list[int], int]], m: int, staged: bool = False
+                     ) -> tuple[list[tuple[int, torch.Tensor]], dict[int, tuple[torch.Tensor | None, frozenset[int]]]]:
+    """Round ``m``'s receive buffers, and per peer what :func:`_land` takes (the message's
+    bytes in the pool, the parts that landed in place). A dense part lands straight in its
+    destination view where it can; the rest go in a pool kept across calls (a fresh
+    allocation per call would fault its pages in every time on CPU), one per parity of
+    ``m``, since round ``m + 1`` is posted before round ``m`` lands; pinned where
+    ``staged`` (the wire is the host, the tensors on a GPU: the copies out of it run on
+    the stream)."""
+    wanted = []  # (peer, size, pieces: (start, end, its view's bytes or None))
     for p in sorted(plans):
         enc, _, size = plans[p]
         if not size:
             continue
-        direct = _in_place(d.recvs[p][m], d.wire) if enc == DENSE else None
-        if direct is not None:
-            out.append((p, direct))
-        else:
+        if enc != DENSE:
+            wanted.append((p, size, [(0, size, None)]))
+            continue
+        msg = d.recvs[p][m]
+        wanted.append((p, size, [(lo, hi, _part_in_place(msg.parts[idx[0]], d.wire) if len(idx) == 1 else None)
+                                 for lo, hi, idx in _dense_pieces(msg)]))
+    offsets, at = {}, 0
+    for p, size, pieces in wanted:
+        if any(here is None for _, _, here in pieces):
             offsets[p] = at
-            out.append((p, None))
             at += _align(size)
-    if offsets and (d.pool is None or d.pool.numel() < at):
-        d.pool = torch.empty(at, dtype=torch.uint8, device=d.wire, pin_memory=staged)
-    return [(p, b if b is not None else d.pool[offsets[p]: offsets[p] + plans[p][2]]) for p, b in out]
+    pool = d.pool(m % 2, at, staged) if at else None
+    out, landing = [], {}
+    for p, size, pieces in wanted:
+        got = pool[offsets[p]: offsets[p] + size] if p in offsets else None
+        out += [(p, here if here is not None else got[lo: hi]) for lo, hi, here in pieces]
+        msg = d.recvs[p][m]
+        direct = {i for i, part in enumerate(msg.parts) if p not in offsets or
+                  any(here is not None and lo == part.offset for lo, _, here in pieces)}
+        landing[p] = (got, frozenset(direct))
+    return out, landing
 
 
 def run_chained(program, chain: Chain, target: str, group: dist.ProcessGroup, timeout: float | None,
