@@ -153,15 +153,19 @@ def _native_used() -> bool:
 
 
 def _dtypes_world(rank: int, world: int, delta: str, device: str = "cpu", transport: str = "auto",
-                  native: bool = True, triton: bool = True, piece: int | None = None) -> dict:
+                  native: bool = True, triton: bool = True, piece: int | None = None,
+                  apart: int | None = None) -> dict:
     """Also run on GPUs by tests/test_gpu_delta.py (``device="cuda"``). ``native``: the
     native CPU kernels where built (the test's cache), else the torch ops; ``triton``: the
     Triton kernels for CUDA tensors (``settings.triton_delta``); ``piece``: the most bytes
-    of a delta message (many rounds, each carrying the next message's headers)."""
+    of a delta message (many rounds, each carrying the next message's headers);
+    ``apart``: the dense parts that travel (and land) on their own, from this many bytes."""
     from torchrefit.execute import delta as d
     settings.configure(native_delta=native, triton_delta=triton)
     if piece is not None:
         d.PIECE = piece
+    if apart is not None:
+        d.LAND_APART = apart
     if device == "cuda":
         device = f"cuda:{rank % torch.cuda.device_count()}"
         torch.cuda.set_device(device)
@@ -217,8 +221,10 @@ def test_every_dtype_bit_exact_at_every_density(delta: str, kernels: str) -> Non
 
 def test_many_rounds_each_carrying_the_next_headers() -> None:
     """Messages of at most 64 KiB: a call of 10 rounds, each carrying message m and the
-    headers of message m + 1, every dtype bit exact at every density."""
-    check_dtypes(run_world(_dtypes_world, 2, "device", "cpu", "auto", True, True, 64 << 10, timeout=240), 10)
+    headers of message m + 1 and posted before round m - 1 lands (receive pools by round
+    parity); dense parts of 4 KiB or more travel apart, landing in their views where those
+    take the wire's bytes as they are. Every dtype bit exact at every density."""
+    check_dtypes(run_world(_dtypes_world, 2, "device", "cpu", "auto", True, True, 64 << 10, 4 << 10, timeout=240), 10)
 
 
 # ---------------------------------------------------------------- the version chain

@@ -715,9 +715,7 @@ def _dense_pieces(msg: _Message) -> list[tuple[int, int, tuple[int, ...]]]:
             out.append(_span(msg, [i]))
         else:
             run.append(i)
-    if run:
-        out.append(_span(msg, run))
-    return out
+    return out + [_span(msg, run)] if run else out
 
 
 def _span(msg: _Message, idx: list[int]) -> tuple[int, int, tuple[int, ...]]:
