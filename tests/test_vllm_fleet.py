@@ -280,6 +280,49 @@ def test_an_install_holds_every_ranks_lock_at_once_without_deadlocking_a_step():
                                                               ("install", "1", "True")], seen
 
 
+def test_installs_leave_two_store_keys_per_engine():
+    """Three ranks hold every rank's lock for 6 versions in a row, each attempt's first
+    rank slow enough at times that attempts fail: each version's deciding rank deletes the
+    previous version's keys and its own failed attempts', so the store ends with the last
+    version's two keys, however many attempts there were."""
+    import random
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from torchrefit.engines.vllm_fleet import hold_every_rank
+    from torchrefit.fleet.board import Board
+
+    store = dist.HashStore()
+    locks = [threading.Lock() for _ in range(3)]
+    words: list[list[str]] = [[], [], []]
+    rng = random.Random(5)
+    delays = [[rng.choice([0.0, 0.0, 0.08]) for _ in range(6)] for _ in range(3)]
+
+    def rank(r: int) -> None:
+        held = ""
+        for v in range(6):
+            time.sleep(delays[r][v])  # a rank late to some versions: its peers' attempts fail
+            held = hold_every_rank(locks[r], Board(store), f"install/{v}", 3, timeout=30.0, patience=0.03,
+                                   previous=held)
+            words[r].append(held)
+            locks[r].release()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert words[0] == words[1] == words[2]  # every rank held at the same attempt of each version
+    attempts = sum(int(w.rsplit("/", 1)[1]) + 1 for w in words[0])
+    assert attempts > 6, words[0]  # some attempts failed
+    assert store.num_keys() == 2, (store.num_keys(), attempts, words[0])
+    last = Board(store)
+    assert last.get(f"{words[0][-1]}/all") is True and last.get(f"{words[0][-1]}/held") == 3
+
+
 def test_an_install_of_a_rank_whose_peer_is_gone_gives_up():
     import threading
 

@@ -69,6 +69,11 @@ name                    default     environment override                      wh
                                                                               Triton kernels (one pass over the source and
                                                                               its reference); off, or without Triton: the
                                                                               torch ops (same bytes on the wire)
+``pause_patience``      0.2         --                                        seconds a rank of a vLLM fleet replica of
+                                                                              several ranks waits for its peers to pause
+                                                                              their steps before an install; past it every
+                                                                              rank lets go (a step may need a peer's lock)
+                                                                              and tries again
 ======================  ==========  ========================================  ============================================
 """
 
@@ -123,6 +128,8 @@ class Settings:
     delta_threads: int = 0
     #: delta refits diff and apply CUDA tensors with the Triton kernels
     triton_delta: bool = True
+    #: seconds a rank of a multi-rank vLLM fleet replica waits for its peers to pause
+    pause_patience: float = 0.2
 
     def __post_init__(self) -> None:
         if not 1 <= self.branches <= MAX_BRANCHES:
@@ -139,6 +146,9 @@ class Settings:
         if self.batched_copy not in BATCHED_COPY_MODES:
             raise ValueError(f"torchrefit settings: batched_copy must be one of {', '.join(BATCHED_COPY_MODES)}, "
                              f"not {self.batched_copy!r}")
+        if not self.pause_patience > 0:
+            raise ValueError(f"torchrefit settings: pause_patience must be seconds > 0, "
+                             f"not {self.pause_patience!r}")
         if self.nixl_timeout is not None and not self.nixl_timeout > 0:
             raise ValueError(f"torchrefit settings: nixl_timeout must be seconds > 0 or None, "
                              f"not {self.nixl_timeout}")

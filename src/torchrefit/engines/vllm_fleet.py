@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import settings
 from ..fleet import Replica, join
 from ..layout._described import named_refit_tensors
 from ..layout._types import Box, Piece
@@ -137,6 +138,7 @@ class EngineMember:
                                                 self.model, *self.tp, device,
                                                 self.model_config.trust_remote_code)
         self.served, self.error = 0, ""
+        self._held = ""  # the store word of the last install's pause (its keys go at the next one)
         self._stepping = False  # execute_model left this step's logits for sample_tokens
         args = {"dst_layout": Explicit(self.specs)} if self.specs else None
         self.replica: Replica = join(self.mirror, world.rank_in_group, world.world_size, address, port,
@@ -151,7 +153,8 @@ class EngineMember:
         failure leaves the fleet (raised on the fleet's thread)."""
         r = self.replica
         try:
-            hold_every_rank(r.lock, r.board, f"vllm-install/{r.name}/{version}", r.world, r.timeout)
+            self._held = hold_every_rank(r.lock, r.board, f"vllm-install/{r.name}/{version}", r.world, r.timeout,
+                                         previous=self._held)
         except TimeoutError as e:
             self.error = f"installing version {version}: {e}"
             _log.error("torchrefit: %s", self.error)
@@ -212,7 +215,7 @@ class EngineMember:
 
 
 def hold_every_rank(lock: threading.Lock, board, key: str, world: int, timeout: float,
-                    patience: float = 0.2) -> None:
+                    patience: float | None = None, previous: str = "") -> str:
     """Return holding ``lock`` at a moment when every one of the engine's ``world`` ranks
     holds its own (each rank calls it with the same ``key``; ``board``: the fleet's store).
 
@@ -222,16 +225,26 @@ def hold_every_rank(lock: threading.Lock, board, key: str, world: int, timeout: 
     with the old one; a rank that held its lock waiting for the others could block the
     step a peer is finishing while holding its own. So each attempt takes the lock, counts
     itself, and the rank whose count makes ``world`` says yes; a rank not told within
-    ``patience`` seconds says no (the first word holds), and on no every rank lets go and
-    tries again. Raises ``TimeoutError`` after ``timeout`` seconds (a rank gone)."""
+    ``patience`` seconds (default: ``settings.pause_patience``) says no (the first
+    word holds), and on no every rank lets go and tries again. Raises ``TimeoutError``
+    after ``timeout`` seconds (a rank gone).
+
+    Returns the word of the attempt that held; pass it as ``previous`` to the engine's
+    next hold, whose deciding rank deletes that attempt's keys and those of its own failed
+    attempts: every rank has read them by then (each rank goes through the attempts in
+    order, and the decider's count includes them all), so the store keeps two keys per
+    engine, not two per attempt."""
+    if patience is None:
+        patience = settings.current().pause_patience
     if world == 1:
         lock.acquire()
-        return
+        return ""
     until = time.monotonic() + timeout
     for attempt in itertools.count():
         lock.acquire()
         word = f"{key}/{attempt}"
-        if board.add(f"{word}/held", 1) == world:
+        decides = board.add(f"{word}/held", 1) == world
+        if decides:
             board.put_once(f"{word}/all", True)
         told = None
         wait_until = time.monotonic() + patience
@@ -243,7 +256,11 @@ def hold_every_rank(lock: threading.Lock, board, key: str, world: int, timeout: 
         if waited:
             told = board.put_once(f"{word}/all", False)
         if told:
-            return
+            if decides:
+                for done in ([previous] if previous else []) + [f"{key}/{a}" for a in range(attempt)]:
+                    board.delete(f"{done}/held")
+                    board.delete(f"{done}/all")
+            return word
         lock.release()
         if time.monotonic() > until:
             raise TimeoutError(f"not every one of the engine's {world} ranks could pause its steps "
