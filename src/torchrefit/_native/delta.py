@@ -3,10 +3,9 @@
 The torch-op form of the diff (``execute.delta``) is a chain: a compare into a mask, a
 search of the mask, gathers, a compare of the gathered words, an encode; each step a pass
 over memory, about 50 ns per changed element all told. Here the sender's diff is one pass
-over the source and its reference, 64 elements at a time (a mask of changed bits per
-word, then the changes of the words that have any, without a branch on the data), that
-writes the positions and values of changed elements straight into the sparse payload
-and brings the reference up to date in the same pass; the receiver's
+over the source and its reference, 8 bytes at a time (a cache line at a time where none
+differ), that writes the positions and values of changed elements straight into the
+sparse payload and brings the reference up to date in the same pass; the receiver's
 apply is one pass over the payload. The wire format is the torch path's, bit for bit,
 so a native sender and a torch-op receiver (or the reverse) understand each other.
 
@@ -130,90 +129,65 @@ template <> struct Int<2> { using T = uint16_t; };
 template <> struct Int<4> { using T = uint32_t; };
 template <> struct Int<8> { using T = uint64_t; };
 
-// Set bits of x, branch-free: the instruction where the build targets it, else the
-// classic adds (a library call per word would cost more than the word's compare).
-inline int popcount64(uint64_t x) {
-#if defined(__POPCNT__)
-  return __builtin_popcountll(x);
-#else
-  x = x - ((x >> 1) & 0x5555555555555555ull);
-  x = (x & 0x3333333333333333ull) + ((x >> 2) & 0x3333333333333333ull);
-  x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0Full;
-  return static_cast<int>((x * 0x0101010101010101ull) >> 56);
-#endif
-}
-
-// The changed bits of 64 elements (S lines of 64 bytes): bit i where element i differs.
 template <int S>
-inline uint64_t word_mask(const uint8_t* c, const uint8_t* r) {
-  constexpr int per = 64 / S;  // elements per line
-  uint64_t m = 0;
-  for (int l = 0; l < S; ++l) m |= changed64<S>(c + 64 * l, r + 64 * l) << (per * l);
-  return m;
-}
-
-// One changed element: its position and value out, the reference brought up to date.
-template <int S>
-inline void take(const uint8_t* c, uint8_t* r, int i, int64_t at, uint16_t* pos, uint8_t* vals, int64_t k) {
-  pos[k] = static_cast<uint16_t>(at + i);
-  std::memcpy(vals + k * S, c + i * S, S);
-  std::memcpy(r + i * S, c + i * S, S);
+inline void lanes(uint64_t a, uint64_t b, int64_t at, uint16_t* pos, uint8_t* vals, int64_t& k) {
+  // branchless: every lane is written at k, and k moves past it only where it changed
+  // (changed lanes come at random: a branch per lane would mispredict)
+  using T = typename Int<S>::T;
+  constexpr int per = 8 / S;
+  int64_t kk = k;
+  for (int l = 0; l < per; ++l) {
+    const T x = static_cast<T>(a >> (8 * S * l)), y = static_cast<T>(b >> (8 * S * l));
+    pos[kk] = static_cast<uint16_t>(at + l);
+    std::memcpy(vals + kk * S, &x, S);
+    kk += (x != y);
+  }
+  k = kk;
 }
 
 // Blocks [b0, b1) of a part: changed elements' positions within their block and values
 // into f, changed counts per block into counts, the reference updated where it differs.
-// Two passes per block, neither with a branch that depends on the data: the first
-// compares 64 elements at a time and keeps the words with a change (their masks, and
-// their indices compacted as it goes); the second takes two changes of each such word
-// unconditionally (a word without a second one takes its first twice: the same bytes
-// to the same places, and k moves by the count) and loops only for words with more.
-// A branch on "does this line change" is taken at random at RL densities (1%: a
-// quarter of bfloat16 lines), and its mispredictions cost more than the reads.
 template <int S>
 void scan(const uint8_t* cur, uint8_t* ref, int64_t numel, int64_t b0, int64_t b1, int32_t* counts,
           Found& f, int64_t cap) {
   using T = typename Int<S>::T;
-  constexpr int64_t kWords = kBlock / 64;
-  uint64_t masks[kWords];
-  uint16_t live[kWords];
+  constexpr int per = 8 / S;
   f.k = 0;
   f.over = false;
   for (int64_t blk = b0; blk < b1; ++blk) {
     const int64_t s = blk * kBlock, e = std::min(s + kBlock, numel), n = e - s;
-    // two slots past the block's last change: the second pass writes a second one always
-    if (!f.pos.ensure(2 * (f.k + n + 2)) || !f.vals.ensure(S * (f.k + n + 2))) { f.over = true; return; }
+    if (!f.pos.ensure(2 * (f.k + n)) || !f.vals.ensure(S * (f.k + n))) { f.over = true; return; }
     uint16_t* pos = reinterpret_cast<uint16_t*>(f.pos.p);
     uint8_t* vals = f.vals.p;
     const int64_t before = f.k;
     int64_t k = f.k;
     const uint8_t* c = cur + s * S;
     uint8_t* r = ref + s * S;
-    const int64_t nw = n / 64;
-    int64_t z = 0;
-    for (int64_t w = 0; w < nw; ++w) {
-      const uint64_t m = word_mask<S>(c + 64 * S * w, r + 64 * S * w);
-      masks[w] = m;
-      live[z] = static_cast<uint16_t>(w);
-      z += (m != 0);
-    }
-    for (int64_t q = 0; q < z; ++q) {
-      const int64_t w = live[q];
-      uint64_t m = masks[w];
-      const int cnt = popcount64(m);
-      const int first = __builtin_ctzll(m);
-      const uint8_t* cw = c + 64 * S * w;
-      uint8_t* rw = r + 64 * S * w;
-      for (int j = 0; j < 2; ++j) {
-        const uint64_t on = 0 - static_cast<uint64_t>(m != 0);  // all ones while a change is left
-        const int i = static_cast<int>((static_cast<uint64_t>(__builtin_ctzll(m | (uint64_t(1) << 63))) & on) |
-                                       (static_cast<uint64_t>(first) & ~on));
-        take<S>(cw, rw, i, 64 * w, pos, vals, k + j);
+    const int64_t nw = n / per;
+    int64_t w = 0;
+    for (; w + 8 <= nw; w += 8) {  // a cache line at a time: most lines hold no change
+      uint64_t m = changed64<S>(c + 8 * w, r + 8 * w);
+      if (!m) continue;
+      std::memcpy(r + 8 * w, c + 8 * w, 64);  // the whole line: its unchanged elements are equal
+      const int64_t at = w * per;
+      do {  // one step per changed element
+        const int i = __builtin_ctzll(m);
+        pos[k] = static_cast<uint16_t>(at + i);
+        std::memcpy(vals + k * S, c + 8 * w + i * S, S);
+        ++k;
         m &= m - 1;
-      }
-      for (int64_t j = k + 2; m; ++j, m &= m - 1) take<S>(cw, rw, __builtin_ctzll(m), 64 * w, pos, vals, j);
-      k += cnt;
+      } while (m);
     }
-    for (int64_t i = nw * 64; i < n; ++i) {  // the tail: fewer elements than a word
+    for (; w < nw; ++w) {
+      uint64_t a, b;
+      std::memcpy(&a, c + 8 * w, 8);
+      std::memcpy(&b, r + 8 * w, 8);
+      if (a != b) {
+        std::memcpy(r + 8 * w, &a, 8);
+        lanes<S>(a, b, w * per, pos, vals, k);
+      }
+    }
+    for (int64_t i = nw * per; i < n; ++i) {  // the tail: fewer elements than a word
       T x, y;
       std::memcpy(&x, c + i * S, S);
       std::memcpy(&y, r + i * S, S);
