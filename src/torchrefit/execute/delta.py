@@ -779,31 +779,28 @@ def _receive_buffers(d: DeltaRounds, plans: dict[int, tuple[int, list[int], int]
     ``m``, since round ``m + 1`` is posted before round ``m`` lands; pinned where
     ``staged`` (the wire is the host, the tensors on a GPU: the copies out of it run on
     the stream)."""
-    wanted = []  # (peer, size, pieces: (start, end, its view's bytes or None))
+    wanted = []  # (peer, size, pieces: (start, end, its parts, the one part's view bytes where it lands there))
     for p in sorted(plans):
         enc, _, size = plans[p]
         if not size:
             continue
         if enc != DENSE:
-            wanted.append((p, size, [(0, size, None)]))
+            wanted.append((p, size, [(0, size, (), None)]))
             continue
         msg = d.recvs[p][m]
-        wanted.append((p, size, [(lo, hi, _part_in_place(msg.parts[idx[0]], d.wire) if len(idx) == 1 else None)
+        wanted.append((p, size, [(lo, hi, idx, _part_in_place(msg.parts[idx[0]], d.wire) if len(idx) == 1 else None)
                                  for lo, hi, idx in _dense_pieces(msg)]))
     offsets, at = {}, 0
     for p, size, pieces in wanted:
-        if any(here is None for _, _, here in pieces):
+        if any(here is None for *_, here in pieces):
             offsets[p] = at
             at += _align(size)
     pool = d.pool(m % 2, at, staged) if at else None
     out, landing = [], {}
     for p, size, pieces in wanted:
         got = pool[offsets[p]: offsets[p] + size] if p in offsets else None
-        out += [(p, here if here is not None else got[lo: hi]) for lo, hi, here in pieces]
-        msg = d.recvs[p][m]
-        direct = {i for i, part in enumerate(msg.parts) if p not in offsets or
-                  any(here is not None and lo == part.offset for lo, _, here in pieces)}
-        landing[p] = (got, frozenset(direct))
+        out += [(p, here if here is not None else got[lo: hi]) for lo, hi, _, here in pieces]
+        landing[p] = (got, frozenset(idx[0] for _, _, idx, here in pieces if here is not None))
     return out, landing
 
 
