@@ -75,14 +75,18 @@ def test_version_chain_into_host_staged_twins(transport: str) -> None:
 
 
 def _delta_overwrite(rank: int, world: int, transport: str, done_wait: str, density: float) -> list[str]:
-    """Rank 0 sends to rank 1 over ipc with ``delta``; rank 1's stream is gated before
-    the second refit (its header read and reads queue behind it); rank 0 bumps its
-    sources and refits again at once (its diff rewrites the slots and references).
-    Rank 1 must hold the second refit's version: a patch (``density`` 1%, read out of
-    the slots) or dense (50%, read out of the sources)."""
+    """Rank 0 sends to rank 1 over ipc with ``delta``; in the second refit rank 1's
+    stream is gated right after it read the header (a host read, so a gate queued before
+    the refit would be waited out there), so its reads of the payloads queue behind the
+    gate; rank 0 bumps its sources and refits again at once (its diff rewrites the slots
+    and references), and so does rank 1, its host not waiting for those reads (every
+    delta call starts with the ranks' version offers: a rank 1 that waited would hold
+    rank 0's next diff back itself). Rank 1 must hold the second refit's version: a
+    patch (``density`` 1%, read out of the slots) or dense (50%, read out of the sources)."""
     from test_gpu_stale_read import GATE_MS, _break_done_wait, _ipc_defaults, _order
 
     from torchrefit.bench.timing import sleep_cycles_per_ms
+    from torchrefit.execute import delta_one_sided
     _ipc_defaults(done_wait=done_wait)
     if os.environ.get("TORCHREFIT_BREAK_DONE_WAIT") == "1":
         _break_done_wait()
@@ -100,21 +104,28 @@ def _delta_overwrite(rank: int, world: int, transport: str, done_wait: str, dens
     sent = [{k: v.cpu() for k, v in src.items()} if rank == 0 else None]
     torch.cuda.synchronize()
     dist.barrier()
-    if rank == 1:  # the engine still busy: what the refit queues waits behind it
-        torch.cuda._sleep(int(GATE_MS * sleep_cycles_per_ms(torch.device("cuda"))))
+    if rank == 1:  # the engine busy again once the header is in: the payload reads wait behind it
+        rows, cycles = delta_one_sided._rows, int(GATE_MS * sleep_cycles_per_ms(torch.device("cuda")))
+
+        def gated(*args):
+            out = rows(*args)
+            torch.cuda._sleep(cycles)
+            return out
+        delta_one_sided._rows = gated
     r.refit()
+    if rank == 1:
+        delta_one_sided._rows = rows
     if rank == 0:  # the next step and the next refit, at once
         for t in src.values():
             t.view(-1)[::3] += 7.0
-    else:
-        torch.cuda.synchronize()
-        got = {k: v.cpu() for k, v in dst.items()}
+    else:  # a copy queued behind the gated reads, no host wait: rank 1 joins the next refit
+        got = {k: v.clone() for k, v in dst.items()}  # at once, so rank 0's next diff is not held back by it
     r.refit()
     torch.cuda.synchronize()
     dist.broadcast_object_list(sent, src=0)
     if rank == 0:
         return []
-    return [k for k in shapes if not torch.equal(got[k].view(torch.int16), sent[0][k].view(torch.int16))]
+    return [k for k in shapes if not torch.equal(got[k].cpu().view(torch.int16), sent[0][k].view(torch.int16))]
 
 
 OVERWRITE = [("ipc", "host"), ("ipc:event", "stream"), ("ipc:event", "host")]

@@ -43,10 +43,16 @@ from . import triton_runs
 
 __all__ = ["available", "TILE", "PER", "SMALL", "CLASSES", "Diffed", "diff_parts", "gather", "apply", "fusable_cast"]
 
-#: elements one diff program compares; the wire format's block is a whole number of tiles
-TILE = 4096
-#: changes one gather or apply program moves per step
-CHUNK = 1024
+#: elements one diff program compares; the wire format's block is a whole number of tiles.
+#: With DIFF_WARPS and CHUNK, the fastest of seven shapes timed end to end on an H100
+#: (BENCHMARKS.md, "Delta refits: diff, encode and apply"): 21% less time than 4096
+#: elements with CHUNK 1024 at 1% changed
+TILE = 2048
+#: warps of one diff program
+DIFF_WARPS = 8
+#: changes one gather or apply program moves per step (at 1% changed a tile holds about
+#: 20 and a block about 650: wider steps are mostly masked-off lanes)
+CHUNK = 256
 #: element sizes, one scratch (positions, values) and one reservation counter each
 CLASSES = (1, 2, 4, 8)
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -163,7 +169,7 @@ def diff_parts(currents: list[torch.Tensor], refs: list[torch.Tensor], wires: li
         with _on_device(b):
             diff[(tiles,)](cur.reshape(-1) if cast else _bits(cur.reshape(-1)), b, ref.numel(), c, s, pos, val,
                            totals, CLASSES.index(wire.itemsize), limit, TILE=TILE, CAST=cast,
-                           WIRE=_tl_dtype(wire) if cast else None, BF16_RNE=_rne(cast, wire), num_warps=8)
+                           WIRE=_tl_dtype(wire) if cast else None, BF16_RNE=_rne(cast, wire), num_warps=DIFF_WARPS)
         # each part's changed count: a sum of its tiles' (no atomic per tile on one slot)
         torch.sum(c, 0, dtype=torch.int64, out=totals[len(CLASSES) + i])
     groups = []
@@ -179,7 +185,7 @@ def diff_parts(currents: list[torch.Tensor], refs: list[torch.Tensor], wires: li
             small_diff[(PER * len(idx),)](table, c, s, pos, val, totals, CLASSES.index(size), limit,
                                           SRC=_tl_dtype(src_dtype) if cast else _tl_int(size), ELEM=_tl_int(size),
                                           TILE=TILE, PER=PER, CAST=cast, WIRE=_tl_dtype(wire) if cast else None,
-                                          BF16_RNE=_rne(cast, wire), num_warps=8)
+                                          BF16_RNE=_rne(cast, wire), num_warps=DIFF_WARPS)
         where = _table([[len(CLASSES) + i] for i in idx], ref0.device).view(-1)
         totals.index_copy_(0, where, c.view(len(idx), PER).sum(1, dtype=torch.int64))
         groups.append(_Group(tuple(idx), size, c, s))
