@@ -7,6 +7,7 @@ floor. One JSON row per line (``delta_density``, ``wire_bytes``, ``full_bytes``,
     python benchmarks/delta.py --part wire [--tensors 8 --rows 4096 --cols 2048 --iters 5]
                                [--kernels native|torch] [--threads 0]
     python benchmarks/delta.py --part gpu [--kernels triton,torch] [--cast]   # CUDA: one GPU
+    python benchmarks/delta.py --part gpu --shape 4096,8,1024 --shape 2048,8,256   # Triton kernel shapes
     python benchmarks/delta.py --part gloo-cuda            # CUDA: 2 processes, GPU tensors, gloo
     python benchmarks/delta.py --part nccl                 # CUDA: 2 GPUs, 2 processes
     python benchmarks/delta.py --part ipc                  # CUDA: 2 processes on one GPU, CUDA IPC
@@ -41,6 +42,9 @@ def main() -> None:
     p.add_argument("--cast", action="store_true", help="gpu: float32 master weights into a bfloat16 wire")
     p.add_argument("--threads", type=int, default=0,
                    help="delta_threads: threads one native diff or apply uses (0, the default: torch's intra-op threads)")
+    p.add_argument("--shape", action="append", default=[],
+                   help="gpu: the Triton kernels with this TILE,DIFF_WARPS,CHUNK (execute.kernels.delta_blocks), "
+                        "one run each; repeatable")
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
@@ -60,6 +64,8 @@ def main() -> None:
         elif part in ("nccl", "ipc"):
             got = delta.wire(args.tensors, args.rows, args.cols, iters=args.iters, delta=args.reference,
                              transport=part)
+        elif args.shape:
+            got = [dict(row, shape=shape) for shape in args.shape for row in _shaped(shape, args)]
         else:
             got = delta.gpu(iters=args.iters, kernels=tuple((args.kernels or "triton,torch").split(",")),
                             cast=args.cast)
@@ -69,6 +75,20 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def _shaped(shape: str, args) -> list[dict]:
+    """``delta.gpu`` with the Triton kernels in another shape: the module's constants,
+    read at each launch (Triton compiles the shape at its first launch)."""
+    from torchrefit.execute.kernels import delta_blocks
+    tile, warps, chunk = (int(x) for x in shape.split(","))
+    kept = delta_blocks.TILE, delta_blocks.PER, delta_blocks.DIFF_WARPS, delta_blocks.CHUNK
+    delta_blocks.TILE, delta_blocks.PER, delta_blocks.DIFF_WARPS, delta_blocks.CHUNK = \
+        tile, 65536 // tile, warps, chunk
+    try:
+        return delta.gpu(iters=args.iters, kernels=("triton",), cast=args.cast)
+    finally:
+        delta_blocks.TILE, delta_blocks.PER, delta_blocks.DIFF_WARPS, delta_blocks.CHUNK = kept
 
 
 if __name__ == "__main__":
