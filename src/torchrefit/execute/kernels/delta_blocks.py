@@ -44,9 +44,9 @@ from . import triton_runs
 __all__ = ["available", "TILE", "PER", "SMALL", "CLASSES", "Diffed", "diff_parts", "gather", "apply", "fusable_cast"]
 
 #: elements one diff program compares; the wire format's block is a whole number of tiles.
-#: With DIFF_WARPS and CHUNK, the fastest of seven shapes timed end to end on an H100
-#: (BENCHMARKS.md, "Delta refits: diff, encode and apply"): 21% less time than 4096
-#: elements with CHUNK 1024 at 1% changed
+#: With DIFF_WARPS and CHUNK, the fastest at 1% and 5% changed of seven shapes timed end
+#: to end on an H100 (BENCHMARKS.md, "Delta refits: diff, encode and apply"): 21% less
+#: time than 4096 elements with CHUNK 1024 at 1% changed
 TILE = 2048
 #: warps of one diff program
 DIFF_WARPS = 8
