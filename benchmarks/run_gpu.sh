@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every one-GPU benchmark behind BENCHMARKS.md, and the GPU tests, on this machine's card.
 # Usage (repo root, one GPU, e.g. an H100 80GB or an H200):
-#   bash benchmarks/run_gpu.sh [all|tests|matrix|transports|fp8|reliability|watch|stage]
+#   bash benchmarks/run_gpu.sh [all|tests|matrix|transports|fp8|reliability|watch|stage|delta|fleet]
 # Results go to benchmarks/results/<card>/<benchmark>/ ($OUT replaces benchmarks/results/<card>),
 # each with its run.log. megatron-core importable puts its swap_model_weights beside
 # torchrefit in the matrix (pip install --no-deps megatron-core); without it, toy models only.
@@ -30,6 +30,8 @@ tests() {
     tests/test_gpu_stale_read.py -k "stale_weights" 2>&1 | tail -3
   TORCHREFIT_BREAK_DONE_WAIT=1 python3 -m pytest -q -p no:cacheprovider \
     tests/test_gpu_stale_read.py -k "overwrites" 2>&1 | tail -3
+  TORCHREFIT_BREAK_DONE_WAIT=1 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_gpu_delta.py -k "rewrites" 2>&1 | tail -3
 }
 
 matrix() {
@@ -92,8 +94,31 @@ stage() {
   "${b[@]}" --model llama-8b --transport gloo --label stage_llama-8b_gloo --json "$R/stage_llama-8b_gloo.json"
 }
 
+# `delta`: delta refits on one GPU: the diff, encode and apply against the copy floor (both
+# kernel sets, then the Triton kernels in other shapes), and delta against full refits
+# between 2 processes over gloo (GPU tensors) and over ipc
+delta() {
+  folder delta
+  python3 benchmarks/delta.py --part gpu --iters 10 --json "$R/delta-gpu.json"
+  python3 benchmarks/delta.py --part gpu --iters 10 --shape 4096,8,1024 --shape 2048,8,1024 \
+    --shape 2048,8,256 --shape 1024,4,256 --json "$R/kernel-shapes.json"
+  python3 benchmarks/delta.py --part gloo-cuda --json "$R/delta_gloo_cuda.json"
+  python3 benchmarks/delta.py --part ipc --json "$R/delta-ipc.json"
+}
+
+# `fleet`: 1, 2 and 3 replicas over ipc on the one GPU (a chain, then a tree of fan-out 2),
+# and the same fleets on the host's CPUs over gloo
+fleet() {
+  folder fleet
+  local f=(python3 benchmarks/fleet.py --chunks 4)
+  "${f[@]}" --device cuda --transport ipc --size large --json "$R/fleet-ipc-chunks4.json"
+  "${f[@]}" --device cuda --transport ipc --size large --fanout 2 --json "$R/fleet-ipc-chunks4-fanout2.json"
+  CUDA_VISIBLE_DEVICES= "${f[@]}" --json "$R/fleet-host-cpu-chunks4.json"
+  CUDA_VISIBLE_DEVICES= "${f[@]}" --fanout 2 --json "$R/fleet-host-cpu-chunks4-fanout2.json"
+}
+
 case ${1:-all} in
-  all) (tests); (matrix); (transports); (fp8); (reliability); (watch); (stage) ;;
-  tests|matrix|transports|fp8|reliability|watch|stage) "$1" ;;
+  all) (tests); (matrix); (transports); (fp8); (reliability); (watch); (stage); (delta); (fleet) ;;
+  tests|matrix|transports|fp8|reliability|watch|stage|delta|fleet) "$1" ;;
   *) echo "unknown benchmark: $1"; exit 2 ;;
 esac
