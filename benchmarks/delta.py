@@ -78,17 +78,10 @@ def main() -> None:
 
 
 def _shaped(shape: str, args) -> list[dict]:
-    """``delta.gpu`` with the Triton kernels in another shape: the module's constants,
-    read at each launch (Triton compiles the shape at its first launch)."""
+    """``delta.gpu`` with the Triton kernels in another shape (``TILE,DIFF_WARPS,CHUNK``)."""
     from torchrefit.execute.kernels import delta_blocks
-    tile, warps, chunk = (int(x) for x in shape.split(","))
-    kept = delta_blocks.TILE, delta_blocks.PER, delta_blocks.DIFF_WARPS, delta_blocks.CHUNK
-    delta_blocks.TILE, delta_blocks.PER, delta_blocks.DIFF_WARPS, delta_blocks.CHUNK = \
-        tile, 65536 // tile, warps, chunk
-    try:
+    with delta_blocks.shaped(*(int(x) for x in shape.split(","))):
         return delta.gpu(iters=args.iters, kernels=("triton",), cast=args.cast)
-    finally:
-        delta_blocks.TILE, delta_blocks.PER, delta_blocks.DIFF_WARPS, delta_blocks.CHUNK = kept
 
 
 if __name__ == "__main__":

@@ -104,7 +104,25 @@ def _tl_int(size: int):
 
 
 #: tiles per block: a part of one block at most has PER tiles in the grouped launches
-PER = 65536 // TILE
+PER = BLOCK // TILE
+
+
+@contextlib.contextmanager
+def shaped(tile: int, warps: int, chunk: int):
+    """The kernels in another shape inside the block (``TILE``, its ``PER``,
+    ``DIFF_WARPS``, ``CHUNK``; benchmarks: Triton compiles each shape at its first launch)."""
+    global TILE, PER, DIFF_WARPS, CHUNK
+    if not (0 < tile <= BLOCK and BLOCK % tile == 0 and tile & (tile - 1) == 0):
+        raise ValueError(f"delta kernels: TILE must be a power of two dividing the block's {BLOCK} elements, "
+                         f"not {tile}")
+    if warps < 1 or chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"delta kernels: warps must be >= 1 and CHUNK a power of two, not {warps} and {chunk}")
+    kept = TILE, PER, DIFF_WARPS, CHUNK
+    TILE, PER, DIFF_WARPS, CHUNK = tile, BLOCK // tile, warps, chunk
+    try:
+        yield
+    finally:
+        TILE, PER, DIFF_WARPS, CHUNK = kept
 
 
 @dataclass(frozen=True)
