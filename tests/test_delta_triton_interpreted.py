@@ -204,3 +204,20 @@ def test_refits_through_the_triton_kernels_match_a_full_refit() -> None:
     import os
     out = run_interpreted(_WORLD.format(tests=os.path.dirname(os.path.abspath(__file__))), timeout=300)
     assert out.strip().endswith("EXACT"), out
+
+
+def test_another_kernel_shape_is_checked_and_undone() -> None:
+    """``delta_blocks.shaped`` (``benchmarks/delta.py --shape``) refuses a tile that does not
+    cut the block into tiles of a power of two, and puts the shipped shape back after."""
+    import pytest
+
+    from torchrefit.execute.kernels import delta_blocks as kb
+    shipped = kb.TILE, kb.PER, kb.DIFF_WARPS, kb.CHUNK
+    with kb.shaped(1024, 4, 128):
+        assert (kb.TILE, kb.PER, kb.DIFF_WARPS, kb.CHUNK) == (1024, 64, 4, 128)
+    assert (kb.TILE, kb.PER, kb.DIFF_WARPS, kb.CHUNK) == shipped
+    for bad in [(3000, 8, 256), (2 * kb.BLOCK, 8, 256), (2048, 8, 100), (2048, 0, 256)]:
+        with pytest.raises(ValueError, match="delta kernels"):
+            with kb.shaped(*bad):
+                pass
+    assert (kb.TILE, kb.PER, kb.DIFF_WARPS, kb.CHUNK) == shipped
