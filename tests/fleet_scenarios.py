@@ -49,10 +49,14 @@ def rss_kib() -> int:
 
 
 def replica(rank: int, world: int, port: int, name: str, staged: bool, logdir: str,
-            timeout: float, secret: str = SECRET, device: str = "cpu", transport: str = "auto") -> dict:
+            timeout: float, secret: str = SECRET, device: str = "cpu", transport: str = "auto",
+            gate: str | None = None) -> dict:
     """One replica rank: join, log every installed version's oracle verdict, serve until
     the fleet stops it. ``device="cuda"`` holds the model on the one GPU, every edge over
-    ``transport`` (e.g. ``ipc``)."""
+    ``transport`` (e.g. ``ipc``). With ``gate``, the rank's first edge group is never
+    built: it writes ``<gate>.<rank>`` there and blocks (for the launcher to kill it)."""
+    if gate is not None:
+        _gate_group_build(f"{gate}.{rank}")
     mesh = Mesh(tp=world, ranks=world)
     model = build_toy(SPEC, mesh, rank, seed=0, device=_device(device))
     log = open(os.path.join(logdir, f"{name}-{rank}-{os.getpid()}.jsonl"), "a", buffering=1)
@@ -68,6 +72,19 @@ def replica(rank: int, world: int, port: int, name: str, staged: bool, logdir: s
             pass
     return {"name": rep.name, "version": rep.version, "mixed": rep.mixed, "dropped": rep.dropped,
             "fds": open_fds()}
+
+
+def _gate_group_build(path: str) -> None:
+    """Block this process inside its first edge's group build, before it publishes its
+    address to the rendezvous, after saying so in ``path``."""
+    from torchrefit.fleet import links
+
+    def gated(*args, **kwargs):
+        with open(path, "w"):
+            pass
+        time.sleep(3600)
+
+    links.build_joint_group = gated
 
 
 def _capture_warnings() -> list[str]:

@@ -12,6 +12,10 @@ Checked: each refusal is logged by the trainer; a refused joiner is never given 
 never a byte of weights) and the silent one only its stop; updates go on meanwhile at their
 pace (no joiner stalls the fleet); the honest replica is exact against the toy's oracle at
 every version and ends at the last one. ``join`` without any secret raises at once.
+
+A replica killed before it met its peer in an edge's group (it blocks in its build, never
+publishing its address) is dropped within ``drop_after``: no peer waits out the fleet's
+``timeout`` in the rendezvous, and the live replica is exact at every version.
 """
 
 from __future__ import annotations
@@ -91,3 +95,36 @@ def test_admission_refuses_without_the_secret(tmp_path) -> None:
     logs = fs.read_logs(str(tmp_path))
     assert logs and all(line["ok"] for line in logs)
     assert os.path.exists(hold)
+
+
+def test_a_replica_killed_before_its_edge_is_built_holds_no_one_for_the_timeout(tmp_path) -> None:
+    timeout, drop_after, updates = 60.0, 2.0, 3
+    port = free_ports(1)[0]
+    gate = str(tmp_path / "gate")
+    trainer = Job(fs.trainer, 2, port, updates, 2, timeout, drop_after, 0.05)
+    honest = Job(fs.replica, 1, port, "honest", True, str(tmp_path), timeout)
+    victim = Job(fs.replica, 2, port, "victim", True, str(tmp_path), timeout, fs.SECRET, "cpu",
+                 "auto", gate)
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(f"{gate}.0") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert os.path.exists(f"{gate}.0"), "the victim never began building an edge"
+        victim.kill()
+        got = trainer.results(180)
+    finally:
+        trainer.kill()
+        honest.kill()
+        victim.kill()
+    for g in got:
+        assert g is not None and g[0], f"a trainer rank failed:\n{g}"
+    t0 = got[0][1]
+    first = t0["reports"][0]
+    dropped = [x for x in first.replicas if x.dropped]
+    assert [x.name.split("-")[0] for x in dropped] == ["victim"], str(first)
+    assert "stopped beating" in dropped[0].dropped, str(first)
+    # the update ended soon after the drop, not after a rendezvous's timeout
+    assert t0["worst"] < timeout / 3, f"an update took {t0['worst']:.1f} s (timeout {timeout:g} s)"
+    assert [r.replicas[0].version for r in t0["reports"][1:]] == list(range(2, updates + 1))
+    logs = [line for line in fs.read_logs(str(tmp_path)) if line["name"].startswith("honest")]
+    assert [line["v"] for line in logs] == list(range(1, updates + 1)) and all(line["ok"] for line in logs)

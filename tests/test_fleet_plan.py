@@ -116,7 +116,7 @@ class _Links:
     def __init__(self, parts: dict[str, list[_Refitter]]) -> None:
         self.parts, self.forgotten, self.sides = parts, [], _Sides()
 
-    def get(self, tag, peer_world, parts, store=None):
+    def get(self, tag, peer_world, parts, store=None, gone=None):
         return type("L", (), {"parts": self.parts[tag]})()
 
     def forget(self, tag):

@@ -139,7 +139,7 @@ def test_an_engine_killed_while_receiving_is_dropped_not_fatal(run):
     assert all(w["version"] == w["served"] == KILL_AT for w in killed["at_gate"]), killed
     assert killed["probe"] == {"finished": True}, killed
     # no rank hung: the update ended within the drop's bounds
-    assert killed["update_seconds"] < 30, killed
+    assert killed["update_seconds"] < 30, (killed, report["text"])
 
 
 def test_each_restart_is_seeded_by_its_live_peer(run):

@@ -13,11 +13,18 @@ store, the prefix derived from the secret). A failed transfer leaves the group u
 the edge is forgotten on both sides, and the coordinator names the next attempt on that
 pair with a new generation (a new tag, so a new group). Edges whose peer left the fleet
 are closed when a task says who is still in it.
+
+A group is built on a thread of its own, over a store client of its own, while the
+calling thread watches whether the peer job was dropped: the rendezvous waits in the store
+for every peer's address, and a peer killed before it published one would otherwise hold
+this rank (and the update with it) for the whole ``timeout``.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,9 +37,15 @@ from ..refitter import Refitter
 from .parts import cut, global_sizes, part_layout
 from .secret import group_prefix
 
-__all__ = ["Link", "Links", "Sides", "edge_tag", "parse_tag"]
+__all__ = ["Link", "Links", "PeerDropped", "Sides", "edge_tag", "parse_tag"]
 
 _log = logging.getLogger(__name__)
+
+_WATCH = 0.05  # seconds between two looks at whether the peer was dropped, while a group builds
+
+
+class PeerDropped(RuntimeError):
+    """The peer job of an edge was dropped while the edge's group was being built."""
 
 
 def edge_tag(src: str, dst: str, generation: int) -> str:
@@ -117,14 +130,52 @@ class Links:
         self.plans = PlanCache()  # one per rank: edges between layouts seen before reuse theirs
         self._links: dict[str, Link] = {}
 
-    def get(self, tag: str, peer_world: int, parts: int, store: dist.Store | None = None) -> Link:
+    def get(self, tag: str, peer_world: int, parts: int, store: dist.Store | None = None,
+            gone: Callable[[], bool] = lambda: False) -> Link:
         """The edge's link, built now if new (collective with every rank of the peer job),
-        meeting over ``store`` (the calling thread's client; default: this rank's)."""
+        meeting over a client of ``store`` (the calling thread's; default: this rank's).
+        Raises ``PeerDropped`` as soon as ``gone()`` says the peer job was dropped while
+        the link was being built."""
         link = self._links.get(tag)
         if link is None:
-            link = self._build(tag, peer_world, parts, store or self.store)
+            link = self._build_watched(tag, peer_world, parts, store or self.store, gone)
             self._links[tag] = link
         return link
+
+    def _build_watched(self, tag: str, peer_world: int, parts: int, store: dist.Store,
+                       gone: Callable[[], bool]) -> Link:
+        """``_build`` on a thread of its own (over its own client of the store: an abandoned
+        build keeps it), looking at ``gone()`` every ``_WATCH`` seconds meanwhile. A build
+        abandoned for a dropped peer closes what it built once it ends (its waits end by
+        their timeout)."""
+        own = store.clone() if hasattr(store, "clone") else store
+        state: dict = {}
+        done, lock = threading.Event(), threading.Lock()
+
+        def build() -> None:
+            try:
+                link = self._build(tag, peer_world, parts, own)
+            except BaseException as e:  # handed to the caller, unless it left
+                link, state["error"] = None, e
+            with lock:
+                state["link"] = link
+                abandoned = state.get("abandoned", False)
+                done.set()
+            if abandoned and link is not None:
+                link.close()
+
+        threading.Thread(target=build, name=f"fleet-link-{tag}", daemon=True).start()
+        while not done.wait(_WATCH):
+            if gone():
+                with lock:
+                    if not done.is_set():
+                        state["abandoned"] = True
+                        src, dst = parse_tag(tag)
+                        peer = dst if src == self.job else src
+                        raise PeerDropped(f"edge {tag}: {peer} was dropped while the edge's group was being built")
+        if "error" in state:
+            raise state["error"]
+        return state["link"]
 
     def _build(self, tag: str, peer_world: int, parts: int, store: dist.Store) -> Link:
         src, dst = parse_tag(tag)

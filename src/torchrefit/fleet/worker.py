@@ -19,7 +19,9 @@ failure, never the sender's: its later parts are skipped.
 The rank's result goes to ``fleet/done/<job>/<n>/<r>``.
 
 Every wait blocks in the store and is woken by the word it waits for (no polling): words
-a relay's sending thread waits for end by its timeout, where it says skip itself.
+a relay's sending thread waits for end by its timeout, where it says skip itself. The one
+exception is an edge's first use: its group is built while the rank looks every 50 ms
+whether the peer job was dropped (``links``), since a rendezvous cannot be woken.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from time import perf_counter
 from typing import Any
 
 from .board import Board
-from .links import Links
+from .links import Link, Links
 
 __all__ = ["Worker", "Whole"]
 
@@ -102,7 +104,7 @@ class Worker:
                 break
             version, wrote = word["version"], True
             try:
-                r = self.links.get(e["tag"], e["peer_world"], e["parts"], self.board.store).parts[p]
+                r = self._link(self.board, e).parts[p]
                 res["bytes"] += r.refit(version=version).bytes_received
             except Exception as ex:  # the sender died or timed out: this edge only
                 res["error"] = f"receiving from {e['peer']}: {type(ex).__name__}: {_line(ex)}"
@@ -127,6 +129,12 @@ class Worker:
                 res["error"] = "another rank of this replica did not receive its part"
         res["seconds"] = perf_counter() - t0
         return res
+
+    def _link(self, b: Board, e: dict) -> Link:
+        """Edge ``e``'s link, met over ``b`` (this thread's client); a build stops as soon as
+        the peer job is dropped (``fleet/dropped/<peer>``)."""
+        return self.links.get(e["tag"], e["peer_world"], e["parts"], b.store,
+                              gone=lambda: b.has(f"dropped/{e['peer']}"))
 
     def _held(self, task: dict, outs: list[dict], p: int, version: int) -> None:
         """A relay rank received part ``p``: the rank that makes every rank of the job hold
@@ -206,7 +214,7 @@ class Worker:
             res.update(ok=False, skipped=True, error=word["why"] if word else "stopped")
             return
         try:
-            r = self.links.get(e["tag"], e["peer_world"], e["parts"], b.store).parts[p]
+            r = self._link(b, e).parts[p]
             res["bytes"] += r.refit(version=word["version"]).bytes_sent
         except Exception as ex:  # the receiver died or timed out: this edge only
             self.links.forget(e["tag"])
