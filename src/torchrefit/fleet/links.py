@@ -14,10 +14,11 @@ the edge is forgotten on both sides, and the coordinator names the next attempt 
 pair with a new generation (a new tag, so a new group). Edges whose peer left the fleet
 are closed when a task says who is still in it.
 
-A group is built on a thread of its own, over a store client of its own, while the
-calling thread watches whether the peer job was dropped: the rendezvous waits in the store
-for every peer's address, and a peer killed before it published one would otherwise hold
-this rank (and the update with it) for the whole ``timeout``.
+A group is built on a thread of its own, over a store client of its own (the group keeps
+it: one connection to the fleet's store per live edge), while the calling thread watches
+whether the peer job was dropped: the rendezvous waits in the store for every peer's
+address, and a peer killed before it published one would otherwise hold this rank (and
+the update with it) for the whole ``timeout``.
 """
 
 from __future__ import annotations
