@@ -303,6 +303,7 @@ def run(out: dict, workdir: str) -> None:
                 out.setdefault("update_raised", []).append(traceback.format_exc())
                 say(out["update_raised"][-1])
             killed["update_seconds"] = time.monotonic() - t0
+            killed["began"] = t0  # on the clock of "at" (the kill): what came after the kill
             killer.join(PROBE + 30)
             say(f"killed at version {version}: {killed}")
             if "worker_pids" not in killed:
