@@ -9,7 +9,7 @@ once, and for each entry writes the mutated file there, runs the selection with
 never edited. A mutation is *caught* when its selection fails (or times out: a hang
 is noticed too); the first failing test is reported.
 
-Run from the repository root (the whole catalogue: about 10 minutes on 2 CPU cores)::
+Run from the repository root (the whole catalogue: about 13 minutes on 2 CPU cores)::
 
     python tools/mutations.py                   # every entry; exit 1 unless all caught
     python tools/mutations.py --write           # ... and write tools/mutations_result.md
