@@ -11,6 +11,8 @@ parts: balanced runs of whole tensors, the same on every rank."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from torchrefit import settings
@@ -256,3 +258,42 @@ def test_a_relay_of_two_ranks_forwards_a_part_only_once_both_hold_it() -> None:
         assert (workers[r].whole.version, workers[r].whole.mixed) == (3, False)
         assert links[r].sides.installed == 0
     assert board.get("agreed/r/0") is False
+
+
+def test_a_link_build_stops_when_its_peer_is_dropped_and_what_it_made_is_closed() -> None:
+    """``Links.get`` builds on a thread of its own and leaves as soon as ``gone()`` says the
+    peer job was dropped; the build, once it ends, closes what it made (no group is kept for
+    an edge nobody holds). A build that ends first is handed over; a failed one raises."""
+    import threading
+
+    from torchrefit.fleet.links import Links, PeerDropped
+
+    class _Store:
+        def clone(self):
+            return self
+
+    class _Made:
+        closed = 0
+
+        def close(self) -> None:
+            self.closed += 1
+
+    release, made = threading.Event(), _Made()
+    links = Links(_Store(), b"k", "salt", "r", 0, 1, None, 5.0)
+    links._build = lambda *args: (release.wait(10), made)[1]
+    dropped = threading.Event()
+    threading.Timer(0.2, dropped.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(PeerDropped, match="trainer was dropped"):
+        links.get("trainer>r#0", 2, 1, gone=dropped.is_set)
+    assert time.monotonic() - t0 < 2 and made.closed == 0 and "trainer>r#0" not in links._links
+    release.set()
+    deadline = time.monotonic() + 5
+    while made.closed == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert made.closed == 1
+    # a build that ends while the peer is alive: the link, kept
+    assert links.get("trainer>r#1", 2, 1) is made and links._links["trainer>r#1"] is made
+    links._build = lambda *args: (_ for _ in ()).throw(RuntimeError("rendezvous timed out"))
+    with pytest.raises(RuntimeError, match="rendezvous timed out"):
+        links.get("trainer>r#2", 2, 1)

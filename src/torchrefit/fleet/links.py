@@ -146,9 +146,10 @@ class Links:
     def _build_watched(self, tag: str, peer_world: int, parts: int, store: dist.Store,
                        gone: Callable[[], bool]) -> Link:
         """``_build`` on a thread of its own (over its own client of the store: an abandoned
-        build keeps it), looking at ``gone()`` every ``_WATCH`` seconds meanwhile. A build
-        abandoned for a dropped peer closes what it built once it ends (its waits end by
-        their timeout)."""
+        build keeps it), looking at ``gone()`` every ``_WATCH`` seconds meanwhile. Where the
+        caller leaves early (the peer dropped, or ``gone()`` raised), what the build made is
+        closed: at once where it had ended, else when it ends (its waits end by their
+        timeout)."""
         own = store.clone() if hasattr(store, "clone") else store
         state: dict = {}
         done, lock = threading.Event(), threading.Lock()
@@ -166,14 +167,19 @@ class Links:
                 link.close()
 
         threading.Thread(target=build, name=f"fleet-link-{tag}", daemon=True).start()
-        while not done.wait(_WATCH):
-            if gone():
-                with lock:
-                    if not done.is_set():
-                        state["abandoned"] = True
-                        src, dst = parse_tag(tag)
-                        peer = dst if src == self.job else src
-                        raise PeerDropped(f"edge {tag}: {peer} was dropped while the edge's group was being built")
+        try:
+            while not done.wait(_WATCH):
+                if gone():
+                    src, dst = parse_tag(tag)
+                    peer = dst if src == self.job else src
+                    raise PeerDropped(f"edge {tag}: {peer} was dropped while the edge's group was being built")
+        except BaseException:
+            with lock:  # the caller leaves: what the build made is closed, now or once it ends
+                state["abandoned"] = True
+                built = state.get("link")
+            if built is not None:
+                built.close()
+            raise
         if "error" in state:
             raise state["error"]
         return state["link"]
