@@ -412,14 +412,12 @@ _building: dict[Path, threading.Thread] = {}
 
 def built_path() -> Path | None:
     """This source's build folder, or None where the kernel cache is off."""
-    # looked up on every delta message: the path is made once per cache setting and home
-    return _built_path(settings.current().kernel_cache, os.environ.get("XDG_CACHE_HOME"),
-                       os.environ.get("HOME"))
+    return _folder(cache_dir())
 
 
 @functools.lru_cache(maxsize=8)
-def _built_path(kernel_cache: str, xdg: str | None, home: str | None) -> Path | None:
-    root = cache_dir()
+def _folder(root: Path | None) -> Path | None:
+    # looked up on every delta message (``kernels``): made once per cache directory
     return None if root is None else root.parent / "native" / f"delta-{_key()}"
 
 

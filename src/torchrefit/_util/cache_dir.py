@@ -9,6 +9,7 @@ turns the cache off), else
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -19,10 +20,17 @@ __all__ = ["cache_dir"]
 
 def cache_dir() -> Path | None:
     """The cache's directory, or None where ``settings.kernel_cache`` is ``"0"``."""
-    raw = settings.current().kernel_cache.strip()
+    # looked up on every delta message (``_native.delta.kernels``): the path is made once
+    # per setting and home
+    return _cache_dir(settings.current().kernel_cache.strip(), os.environ.get("XDG_CACHE_HOME"),
+                      os.environ.get("HOME"))
+
+
+@functools.lru_cache(maxsize=8)
+def _cache_dir(raw: str, xdg: str | None, home: str | None) -> Path | None:
     if raw == "0":
         return None
     if raw:
         return Path(raw)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = xdg or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "torchrefit" / "kernels"
