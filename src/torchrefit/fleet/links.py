@@ -35,6 +35,7 @@ from ..connect import _build_joint_group as build_joint_group
 from ..layout import Described, describe
 from ..plan.cache import PlanCache
 from ..refitter import Refitter
+from .board import Board
 from .parts import cut, global_sizes, part_layout
 from .secret import group_prefix
 
@@ -150,7 +151,7 @@ class Links:
         caller leaves early (the peer dropped, or ``gone()`` raised), what the build made is
         closed: at once where it had ended, else when it ends (its waits end by their
         timeout)."""
-        own = store.clone() if hasattr(store, "clone") else store
+        own = Board(store).for_thread().store
         state: dict = {}
         done, lock = threading.Event(), threading.Lock()
 
