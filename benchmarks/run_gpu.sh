@@ -101,7 +101,8 @@ delta() {
   folder delta
   python3 benchmarks/delta.py --part gpu --iters 10 --json "$R/delta-gpu.json"
   python3 benchmarks/delta.py --part gpu --iters 10 --shape 4096,8,1024 --shape 2048,8,1024 \
-    --shape 2048,8,256 --shape 1024,4,256 --json "$R/kernel-shapes.json"
+    --shape 2048,8,256 --shape 1024,4,256 --shape 1024,4,128 --shape 2048,4,256 \
+    --shape 1024,2,128 --json "$R/kernel-shapes.json"
   python3 benchmarks/delta.py --part gloo-cuda --json "$R/delta_gloo_cuda.json"
   python3 benchmarks/delta.py --part ipc --json "$R/delta-ipc.json"
 }
